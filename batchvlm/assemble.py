@@ -1,0 +1,108 @@
+"""Assemble: one output row per record, in the schema of the output contract (DESIGN.md)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import torch
+
+from batchvlm.checks import require
+from batchvlm.records import EncodedRecord, QuarantinedRecord, SourceRecord
+
+EMBED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+_SIZE = pa.list_(pa.int32(), 2)
+
+DATA_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("row", pa.int64()),
+    ("text", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("image_spans", pa.list_(pa.struct([("start", pa.int32()), ("length", pa.int32())]))),
+    ("token_tags", pa.list_(pa.int8())),
+    ("grid_thw", pa.list_(pa.list_(pa.int32(), 3))),
+    ("original_size", pa.list_(_SIZE)),
+    ("resized_size", pa.list_(_SIZE)),
+    ("image_sha256", pa.list_(pa.string())),
+    ("image_num_tokens", pa.list_(pa.int32())),
+    ("num_image_tokens", pa.int32()),
+    ("image_embeds", pa.large_binary()),
+])
+
+QUARANTINE_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("row", pa.int64()),
+    ("unit", pa.string()),
+    ("stage", pa.string()),
+    ("check", pa.string()),
+    ("message", pa.string()),
+    ("expected", pa.string()),
+    ("observed", pa.string()),
+    ("exception_type", pa.string()),
+    ("image_index", pa.int32()),
+    ("image_bytes", pa.list_(pa.large_binary())),
+    ("image_paths", pa.list_(pa.string())),
+    ("text", pa.string()),
+    ("fingerprint", pa.string()),
+])
+
+
+def embed_bytes(embeds: list[torch.Tensor], dtype: torch.dtype, hidden_size: int) -> bytes:
+    """The tokens of all images in span order, as raw little-endian bytes of `dtype`."""
+    if not embeds:
+        return b""
+    joined = torch.cat(embeds).to(device="cpu", dtype=dtype).contiguous()
+    data = joined.view(torch.uint8).numpy().tobytes()
+    expected = joined.shape[0] * hidden_size * joined.element_size()
+    require(len(data) == expected, "assemble.embed_bytes", "embedding bytes do not match n_tokens x hidden x dtype",
+            expected=expected, observed=len(data))
+    return data
+
+
+def data_row(encoded: EncodedRecord, dtype: torch.dtype, hidden_size: int) -> dict:
+    record = encoded.prepared
+    layout = record.layout
+    require(len(layout.token_tags) == len(layout.input_ids), "assemble.token_tags",
+            "token_tags must cover the full sequence", expected=len(layout.input_ids),
+            observed=len(layout.token_tags))
+    plans = record.plans
+    return {
+        "id": record.source.id,
+        "source": record.source.source,
+        "row": record.source.row,
+        "text": record.source.text,
+        "input_ids": layout.input_ids,
+        "image_spans": [{"start": start, "length": length} for start, length in layout.image_spans],
+        "token_tags": layout.token_tags,
+        "grid_thw": [list(plan.grid_thw) for plan in plans],
+        "original_size": [list(plan.original) for plan in plans],
+        "resized_size": [list(plan.resized) for plan in plans],
+        "image_sha256": [image.sha256 for image in record.images],
+        "image_num_tokens": [plan.num_tokens for plan in plans],
+        "num_image_tokens": sum(plan.num_tokens for plan in plans),
+        "image_embeds": embed_bytes(encoded.image_embeds, dtype, hidden_size),
+    }
+
+
+def quarantine_row(item: QuarantinedRecord, unit_id: str, bytes_cap: int, fingerprint: str) -> dict:
+    source: SourceRecord = item.source
+    failure = item.failure
+    return {
+        "id": source.id,
+        "source": source.source,
+        "row": source.row,
+        "unit": unit_id,
+        "stage": failure.stage,
+        "check": failure.check,
+        "message": failure.message,
+        "expected": failure.expected,
+        "observed": failure.observed,
+        "exception_type": failure.exception_type,
+        "image_index": failure.image_index,
+        "image_bytes": [ref.data if ref.data is not None and len(ref.data) <= bytes_cap else None
+                        for ref in source.images],
+        "image_paths": [ref.path for ref in source.images],
+        "text": source.text,
+        "fingerprint": fingerprint,
+    }

@@ -1,0 +1,107 @@
+"""The check catalogue: every invariant batchvlm enforces, in one place, and the one exception type.
+
+A check has a stable dotted name (it appears in quarantine rows, reports and the README), the stage
+that runs it, the condition it asserts and the failure it guards against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchvlm.records import Failure
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    condition: str
+    guards_against: str
+    remedy: str
+
+    @property
+    def stage(self) -> str:
+        return self.name.split(".", 1)[0]
+
+
+CATALOGUE: dict[str, Check] = {
+    check.name: check
+    for check in [
+        Check("source.missing_id", "the record's id column is not null or empty",
+              "rows that cannot be traced back to the dataset", "fill the id column or choose another with dataset.id_column"),
+        Check("source.duplicate_id", "no id appears twice in the input",
+              "two rows that a reader cannot tell apart", "deduplicate the dataset or choose a unique dataset.id_column"),
+        Check("decode.unreadable", "the bytes are an image Pillow can identify",
+              "bytes that are not an image (HTML saved as .jpg, random bytes, empty files)", "fix or drop the file"),
+        Check("decode.format_not_allowed", "the format, read from the content, is in decode.formats",
+              "risky decoders (EPS runs Ghostscript, PSD, ...) reached through a spoofed extension",
+              "convert the image to an allowed format, or extend decode.formats deliberately"),
+        Check("decode.too_many_pixels", "width x height from the header <= decode.max_pixels",
+              "decompression bombs and out-of-memory on huge images", "downscale the source or raise decode.max_pixels"),
+        Check("decode.truncated", "the whole image decodes",
+              "a partly decoded image whose missing rows would be embedded as black", "re-fetch the file"),
+        Check("decode.failed", "the decoder raises no other error",
+              "a malformed file that crashes the decoder", "re-encode the file"),
+        Check("decode.missing_file", "an image given as a path exists and can be read",
+              "dangling paths in the dataset", "fix the path or the dataset root"),
+        Check("text.placeholder_count", "placeholders in the text == images of the record",
+              "an image with no place in the sequence, or a placeholder with no image",
+              "fix the text, or set dataset.missing_placeholder=prepend for image-first datasets"),
+        Check("text.image_span_count", "runs of image tokens found in input_ids (non-circular) == images",
+              "adjacent images merging into one span, so the trainer splits embeddings at the wrong place",
+              "use a framed prompt contract (model.framing=k3) or separate the placeholders with text"),
+        Check("text.span_length", "each span's length == that image's planned tokens",
+              "a truncated or merged span, so embeddings land on the wrong tokens", "a family or tokenizer bug: report it"),
+        Check("plan.size_rule", "the plan obeys the family's size rule (padding multiple, budget)",
+              "a resize plan that the tower cannot take", "a family bug, or a processor parameter out of range"),
+        Check("preprocess.feature_length", "pixel rows == sum(prod(grid_thw)) over the batch",
+              "a preprocessing backend that drops or duplicates patches", "a backend bug: try preprocess.backend=reference"),
+        Check("preprocess.grid_match", "grids measured from the preprocessed pixels == planned grids",
+              "a preprocessing path whose output shape drifted from the plan", "a backend bug: try preprocess.backend=reference"),
+        Check("encode.packed_tokens", "packed rows == sum of t*h*w over the batch; cu_seqlens starts at 0, increases, ends at the total",
+              "a packed batch whose attention segments cross image boundaries", "a packing bug: report it"),
+        Check("encode.output_tokens", "tokens the tower returns for each image == its planned tokens",
+              "embeddings that do not fit the placeholder span", "the checkpoint and its processor config disagree"),
+        Check("encode.finite", "no NaN or Inf in the embeddings",
+              "a poisoned training step", "check the checkpoint, model.dtype and the image"),
+        Check("encode.failed", "the tower runs on the record without raising",
+              "an exception or out-of-memory inside the tower", "lower preprocess.token_budget or check the image"),
+        Check("assemble.token_tags", "token_tags cover the whole sequence: len(token_tags) == len(input_ids)",
+              "tags that misalign every token after the gap", "a layout bug: report it"),
+        Check("assemble.embed_bytes", "embedding bytes == n_tokens * hidden * sizeof(dtype)",
+              "a row whose embeddings cannot be reshaped to [n_tokens, hidden]", "a sink bug: report it"),
+    ]
+}
+
+
+class CheckFailed(Exception):
+    """Raised when a record breaks an invariant. Carries the check, the stage and both sides."""
+
+    def __init__(self, check: str, message: str, expected: object = "", observed: object = "",
+                 image_index: int | None = None):
+        if check not in CATALOGUE:
+            raise KeyError(f"unknown check {check!r}; add it to batchvlm.checks.CATALOGUE")
+        super().__init__(f"[{check}] {message}")
+        self.check = check
+        self.stage = CATALOGUE[check].stage
+        self.message = message
+        self.expected = str(expected)
+        self.observed = str(observed)
+        self.image_index = image_index
+        self.record = None  # set where a batch-level stage knows which record an image belongs to
+
+    def to_failure(self) -> Failure:
+        return Failure(check=self.check, stage=self.stage, message=self.message, expected=self.expected,
+                       observed=self.observed, exception_type=type(self).__name__, image_index=self.image_index)
+
+
+def require(condition: bool, check: str, message: str, expected: object = "", observed: object = "",
+            image_index: int | None = None) -> None:
+    if not condition:
+        raise CheckFailed(check, message, expected, observed, image_index)
+
+
+def unexpected_failure(check: str, error: BaseException, image_index: int | None = None) -> Failure:
+    """A Failure for an exception that no check anticipated, filed under the stage's catch-all check."""
+    return Failure(check=check, stage=CATALOGUE[check].stage, message=f"{type(error).__name__}: {error}",
+                   expected="no error", observed=type(error).__name__, exception_type=type(error).__name__,
+                   image_index=image_index)

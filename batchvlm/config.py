@@ -1,0 +1,215 @@
+"""Config schemas: one dataclass per Hydra group, validated before any work starts.
+
+Each YAML file under conf/ is merged onto these schemas, so an unknown key or a wrong type fails at
+load with the key's name; value checks live in `__post_init__`, which runs when the composed config
+becomes objects (`to_job_config`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work. The message names the key."""
+
+
+def _one_of(key: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _positive(key: str, value: int | float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key}={value!r} must be > 0")
+
+
+@dataclass
+class DatasetConfig:
+    kind: str = "demo"
+    """demo | parquet | disk | imagefolder."""
+    path: str | None = None
+    """parquet: a file, folder or glob; disk: a `save_to_disk` folder; imagefolder: the data dir."""
+    split: str = "train"
+    """Split to read where the dataset has several (disk, imagefolder)."""
+    id_column: str = "id"
+    images_column: str = "images"
+    """A column of image bytes / paths / HF Image structs, or a list of them per row."""
+    text_column: str = "text"
+    image_root: str | None = None
+    """Folder that relative image paths are resolved against (default: the dataset file's folder)."""
+    placeholder: str = "<image>"
+    """The dataset's image placeholder in text; the family expands it into its own tokens."""
+    missing_placeholder: str = "prepend"
+    """A record with images but no placeholder at all: prepend the placeholders, or quarantine."""
+    unit_size: int = 64
+    """Rows per work unit (the unit of commit and resume)."""
+    limit: int | None = None
+    """Read only the first N rows of each input file (for smoke runs)."""
+
+    def __post_init__(self) -> None:
+        _one_of("dataset.kind", self.kind, ("demo", "parquet", "disk", "imagefolder"))
+        _one_of("dataset.missing_placeholder", self.missing_placeholder, ("prepend", "quarantine"))
+        _positive("dataset.unit_size", self.unit_size)
+        if self.kind != "demo" and not self.path:
+            raise ConfigError(f"dataset.path is required for dataset.kind={self.kind}")
+        if not self.placeholder:
+            raise ConfigError("dataset.placeholder must not be empty")
+        if self.limit is not None:
+            _positive("dataset.limit", self.limit)
+
+
+@dataclass
+class ModelConfig:
+    family: str = "kimi_k25"
+    """Encoder family module under batchvlm/families/."""
+    path: str | None = None
+    """Local checkpoint folder (safetensors). null: the family's tiny demo checkpoint, built on first use."""
+    tokenizer_path: str | None = None
+    """Tokenizer folder when it is not the checkpoint's own."""
+    dtype: str = "float32"
+    """Compute dtype of the tower: float32 | bfloat16 | float16."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
+    attn_implementation: str = "sdpa"
+    embedding: str = "projector"
+    """Which output is stored: projector (LLM-ready tokens, when the checkpoint has a projector) | tower."""
+    framing: str = "k3"
+    """Prompt contract: k3 (begin/content/end frame around each image's tokens) | plain (bare repeats, K2.5)."""
+    trust_remote_code: bool = False
+    processor: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the checkpoint's processor parameters (family-specific keys, validated by the family)."""
+
+    def __post_init__(self) -> None:
+        _one_of("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _one_of("model.embedding", self.embedding, ("projector", "tower"))
+        _one_of("model.framing", self.framing, ("k3", "plain"))
+        _one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"model.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
+
+
+@dataclass
+class DecodeConfig:
+    formats: list[str] = field(default_factory=lambda: ["JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"])
+    """Pillow format names allowed, detected from the content, not the file name."""
+    max_pixels: int = 50_000_000
+    """Width x height limit, checked from the header before any pixel is allocated."""
+    max_bytes: int = 64 * 1024 * 1024
+    """Encoded size limit, checked before Pillow sees the bytes."""
+
+    def __post_init__(self) -> None:
+        _positive("decode.max_pixels", self.max_pixels)
+        _positive("decode.max_bytes", self.max_bytes)
+        if not self.formats:
+            raise ConfigError("decode.formats must name at least one format")
+
+
+@dataclass
+class PreprocessConfig:
+    backend: str = "torch"
+    """torch (batchvlm's own ops, CPU or GPU) | reference (the family's Hugging Face processor)."""
+    token_budget: int = 16384
+    """Patches per packed batch; an image larger than the budget is encoded alone."""
+    max_images_per_batch: int = 256
+    background: str = "black"
+    """Background that transparent pixels are composited onto: black | white | gray | chessboard."""
+
+    def __post_init__(self) -> None:
+        _one_of("preprocess.backend", self.backend, ("torch", "reference"))
+        _one_of("preprocess.background", self.background, ("black", "white", "gray", "chessboard"))
+        _positive("preprocess.token_budget", self.token_budget)
+        _positive("preprocess.max_images_per_batch", self.max_images_per_batch)
+
+
+@dataclass
+class OutputConfig:
+    root: str = "outputs"
+    """Folder that holds run directories."""
+    embed_dtype: str = "bfloat16"
+    """dtype of stored embeddings (raw little-endian bytes): bfloat16 | float16 | float32."""
+    compression: str = "zstd"
+    quarantine_bytes_cap: int = 4 * 1024 * 1024
+    """Original image bytes kept in a quarantine row up to this size; larger ones keep only their path."""
+
+    def __post_init__(self) -> None:
+        _one_of("output.embed_dtype", self.embed_dtype, ("bfloat16", "float16", "float32"))
+        _one_of("output.compression", self.compression, ("zstd", "snappy", "none"))
+        if self.quarantine_bytes_cap < 0:
+            raise ConfigError("output.quarantine_bytes_cap must be >= 0")
+
+
+@dataclass
+class ChecksConfig:
+    max_quarantine_fraction: float = 0.5
+    """Abort the job once this fraction of records is quarantined (after min_records)."""
+    min_records: int = 100
+    """Records seen before the quarantine fraction can abort the job."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.max_quarantine_fraction <= 1.0:
+            raise ConfigError(f"checks.max_quarantine_fraction={self.max_quarantine_fraction} must be in [0, 1]")
+        if self.min_records < 0:
+            raise ConfigError("checks.min_records must be >= 0")
+
+
+@dataclass
+class RuntimeConfig:
+    num_workers: int = 2
+    """DataLoader worker processes for decode/plan/layout; 0 runs every stage inline (debugging)."""
+    prefetch: int = 8
+    """Records each worker keeps ready (bounds the worker-to-device queue)."""
+    writer_queue: int = 16
+    """Batches waiting for the writer thread (bounds the device-to-sink queue)."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ConfigError("runtime.num_workers must be >= 0")
+        _positive("runtime.prefetch", self.prefetch)
+        _positive("runtime.writer_queue", self.writer_queue)
+
+
+@dataclass
+class JobConfig:
+    run_name: str = "demo"
+    """Run directory name under output.root; the same for every rank and every restart."""
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    checks: ChecksConfig = field(default_factory=ChecksConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self) -> None:
+        if not self.run_name or "/" in self.run_name or self.run_name in (".", ".."):
+            raise ConfigError(f"run_name={self.run_name!r} must be a plain folder name")
+
+
+GROUPS = {
+    "dataset": DatasetConfig,
+    "model": ModelConfig,
+    "preprocess": PreprocessConfig,
+    "output": OutputConfig,
+    "checks": ChecksConfig,
+}
+
+
+def register_schemas() -> None:
+    """Register the schemas so that conf/*.yaml can name them in their defaults lists."""
+    store = ConfigStore.instance()
+    store.store(name="embed_schema", node=JobConfig)
+    for group, schema in GROUPS.items():
+        store.store(group=group, name="schema", node=schema)
+
+
+def to_job_config(cfg: DictConfig) -> JobConfig:
+    """Turn the composed config into validated objects; ConfigError names the offending key."""
+    job = OmegaConf.to_object(cfg)
+    assert isinstance(job, JobConfig)
+    return job

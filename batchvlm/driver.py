@@ -1,0 +1,242 @@
+"""The driver: the one loop that chains the stages. It knows stages and records, no family.
+
+    workers (DataLoader):  source -> decode -> plan -> layout      (PreparedRecord | QuarantinedRecord | UnitEnd)
+    main process:          token-budget batches -> preprocess -> encode -> assemble
+    writer thread:         sink (atomic per-unit commit)
+
+A failure inside a packed batch is pinned on its record: checks that know the record name it, any
+other error is bisected down to the record that raises it; the rest of the batch is committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from tqdm import tqdm
+
+from batchvlm.assemble import EMBED_DTYPES, data_row, quarantine_row
+from batchvlm.checks import CheckFailed, unexpected_failure
+from batchvlm.config import JobConfig
+from batchvlm.decode import decode_image, read_bytes
+from batchvlm.encode import encode_batch
+from batchvlm.families import load_family
+from batchvlm.preprocess import make_preprocessor, pack
+from batchvlm.records import (EncodedRecord, Failure, PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd,
+                              WorkUnit)
+from batchvlm.rundir import RunDir
+from batchvlm.sink import RunSink, SinkWriter
+from batchvlm.source import Source
+from batchvlm.tokens import build_layout, place_images
+
+log = logging.getLogger("batchvlm")
+
+
+class JobAborted(RuntimeError):
+    """The job stopped on purpose (e.g. too many records quarantined); the message says why."""
+
+
+# -- worker side: decode, plan, layout ---------------------------------------------------------
+def prepare(record: SourceRecord, family, job: JobConfig) -> PreparedRecord | QuarantinedRecord:
+    try:
+        text = place_images(record.text, job.dataset.placeholder, len(record.images),
+                            job.dataset.missing_placeholder)
+        images = [decode_image(read_bytes(ref, index), job.decode, index) for index, ref in enumerate(record.images)]
+        plans = [family.plan(image.height, image.width) for image in images]
+        layout = build_layout(text, job.dataset.placeholder, plans, family)
+    except CheckFailed as failure:
+        return QuarantinedRecord(record, failure.to_failure())
+    return PreparedRecord(source=record, images=images, plans=plans, layout=layout)
+
+
+def source_failure(record: SourceRecord, check: str, message: str) -> QuarantinedRecord:
+    failure = Failure(check=check, stage="source", message=message, expected="a unique, non-empty id",
+                      observed=repr(record.id), exception_type="CheckFailed")
+    return QuarantinedRecord(record, failure)
+
+
+class PreparedStream(IterableDataset):
+    """Each worker takes every n-th unit and yields its records prepared, then the unit's end marker."""
+
+    def __init__(self, source: Source, units: list[WorkUnit], family, job: JobConfig):
+        self.source, self.units, self.family, self.job = source, units, family, job
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for unit in self.units[worker::workers]:
+            count = 0
+            for record in self.source.records(unit):
+                count += 1
+                if record.id is None:
+                    record.id = f"{unit.source}#{record.row}"
+                    yield source_failure(record, "source.missing_id", "the id column is empty for this row")
+                elif self.source.is_duplicate(unit, record.row):
+                    yield source_failure(record, "source.duplicate_id", f"id {record.id!r} appeared earlier")
+                else:
+                    yield prepare(record, self.family, self.job)
+            yield UnitEnd(unit, count)
+
+
+def _keep(item):
+    return item
+
+
+# -- main side: batches, encode, pin failures --------------------------------------------------
+class TokenBudgetBatcher:
+    """Groups records until the next one would push the batch past the patch budget."""
+
+    def __init__(self, token_budget: int, max_images: int):
+        self.token_budget, self.max_images = token_budget, max_images
+        self.records: list[PreparedRecord] = []
+        self.patches = 0
+        self.images = 0
+
+    def add(self, record: PreparedRecord) -> list[PreparedRecord] | None:
+        """Add a record; return the batch it closes, if any."""
+        full = self.records and (self.patches + record.num_patches > self.token_budget
+                                 or self.images + len(record.plans) > self.max_images)
+        closed = self.flush() if full else None
+        self.records.append(record)
+        self.patches += record.num_patches
+        self.images += len(record.plans)
+        return closed
+
+    def flush(self) -> list[PreparedRecord]:
+        batch, self.records, self.patches, self.images = self.records, [], 0, 0
+        return batch
+
+
+@dataclass
+class Device:
+    preprocessor: object
+    encoder: object
+
+    def encode(self, records: list[PreparedRecord]) -> tuple[list[EncodedRecord], list[QuarantinedRecord]]:
+        """Encode a batch; pin every failure on the record that caused it and encode the rest unchanged."""
+        if not records:
+            return [], []
+        try:
+            return encode_batch(self.encoder, pack(records, self.preprocessor)), []
+        except CheckFailed as failure:
+            if failure.record is not None:
+                rest = [record for record in records if record is not failure.record]
+                encoded, quarantined = self.encode(rest)
+                return encoded, [QuarantinedRecord(failure.record.source, failure.to_failure())] + quarantined
+            error = failure
+        except Exception as caught:  # an exception or out-of-memory: find the record that raises it
+            error = caught
+        if len(records) == 1:
+            failure = error.to_failure() if isinstance(error, CheckFailed) else unexpected_failure("encode.failed", error)
+            return [], [QuarantinedRecord(records[0].source, failure)]
+        middle = len(records) // 2
+        left, right = self.encode(records[:middle]), self.encode(records[middle:])
+        return left[0] + right[0], left[1] + right[1]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Job:
+    def __init__(self, job: JobConfig, run_dir: Path):
+        self.job = job
+        self.family = load_family(job.model)
+        self.source = Source(job.dataset)
+        self.device = resolve_device(job.model.device)
+        encoder = self.family.load_encoder(self.device, EMBED_DTYPES[job.model.dtype])
+        self.embed_dtype = EMBED_DTYPES[job.output.embed_dtype]
+        self.run = RunDir(run_dir, job, self.family, encoder)
+        self.sink = RunSink(run_dir, self.run.schema_metadata(encoder.hidden_size), job.output.compression)
+        self.hidden_size = encoder.hidden_size
+        self.on_device = Device(make_preprocessor(job.preprocess.backend, self.family, self.device,
+                                                  job.preprocess.background), encoder)
+        self.seen = 0
+        self.quarantined = 0
+        self.image_tokens = 0
+
+    def run_all(self) -> dict:
+        started = time.perf_counter()
+        units = self.source.units()
+        committed = self.sink.committed()
+        todo = [unit for unit in units if unit.unit_id not in committed]
+        self.sink.remove_orphans()
+        log.info("%d work units, %d already committed, %d to do", len(units), len(units) - len(todo), len(todo))
+        writer = SinkWriter(self.sink, self.job.runtime.writer_queue)
+        stream = self._stream(todo)
+        batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
+        progress = tqdm(total=sum(u.num_rows for u in todo), unit="rec", disable=not self.job.runtime.progress,
+                        desc=f"embed {self.run.path.name}")
+        units_by_id = {unit.unit_id: unit for unit in todo}
+        try:
+            for item in stream:
+                if isinstance(item, UnitEnd):
+                    writer.submit(lambda item=item: self.sink.end_unit(item.unit, item.num_records))
+                elif isinstance(item, QuarantinedRecord):
+                    self._emit(writer, progress, units_by_id, [], [item])
+                elif not item.plans:
+                    self._emit(writer, progress, units_by_id, [EncodedRecord(item, [])], [])
+                elif (batch := batcher.add(item)) is not None:
+                    self._emit(writer, progress, units_by_id, *self.on_device.encode(batch))
+            self._emit(writer, progress, units_by_id, *self.on_device.encode(batcher.flush()))
+        finally:
+            progress.close()
+            writer.close()
+        return self.run.finish(units, time.perf_counter() - started, self.seen, self.image_tokens)
+
+    def _stream(self, todo: list[WorkUnit]):
+        dataset = PreparedStream(self.source, todo, self.family, self.job)
+        workers = min(self.job.runtime.num_workers, len(todo))
+        if workers == 0:
+            return iter(dataset)
+        return iter(DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_keep,
+                               prefetch_factor=self.job.runtime.prefetch, persistent_workers=False))
+
+    def _emit(self, writer: SinkWriter, progress, units: dict, encoded: list[EncodedRecord],
+              quarantined: list[QuarantinedRecord]) -> None:
+        rows = [(units[e.prepared.source.unit_id], data_row(e, self.embed_dtype, self.hidden_size)) for e in encoded]
+        bad = [(units[q.source.unit_id], quarantine_row(q, q.source.unit_id, self.job.output.quarantine_bytes_cap,
+                                                         self.run.fingerprint_digest)) for q in quarantined]
+        for unit, row in rows:
+            writer.submit(lambda unit=unit, row=row: self.sink.add_row(unit, row))
+        for unit, row in bad:
+            writer.submit(lambda unit=unit, row=row: self.sink.add_quarantine(unit, row))
+        for item in quarantined:
+            log.warning("quarantined %s [%s] %s", item.source.id, item.failure.check, item.failure.message)
+        self.image_tokens += sum(row["num_image_tokens"] for _, row in rows)
+        self.seen += len(rows) + len(bad)
+        self.quarantined += len(bad)
+        progress.update(len(rows) + len(bad))
+        self._check_quarantine_fraction()
+
+    def _check_quarantine_fraction(self) -> None:
+        limit = self.job.checks.max_quarantine_fraction
+        if self.seen >= self.job.checks.min_records and self.quarantined > limit * self.seen:
+            raise JobAborted(f"{self.quarantined} of {self.seen} records quarantined "
+                             f"({self.quarantined / self.seen:.1%}), over checks.max_quarantine_fraction={limit}; "
+                             "committed units are kept, see quarantine/ for the reasons")
+
+
+def run_job(job: JobConfig, run_dir: Path) -> dict:
+    return Job(job, run_dir).run_all()
+
+
+def summarize(summary: dict) -> str:
+    lines = [f"run directory: {summary['run_dir']}",
+             f"records in: {summary['records_in']}  written: {summary['written']}  "
+             f"quarantined: {summary['quarantined']}"]
+    for check, count in sorted(summary["by_check"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {check}: {count}")
+    lines.append(f"throughput: {summary['records_per_s']:.1f} records/s, {summary['tokens_per_s']:.0f} image tokens/s "
+                 f"over {summary['seconds']:.1f} s")
+    lines.append(f"data: {summary['run_dir']}/data  quarantine: {summary['run_dir']}/quarantine")
+    if not summary["complete"]:
+        lines.append("NOT COMPLETE: some units are not committed; rerun the same command to finish")
+    return "\n".join(lines)
+

@@ -1,0 +1,226 @@
+"""Kimi-K2.5 / K3-style MoonViT (NaViT packing): shared/reference/families.md section 1.
+
+Resize: scale down to a patch budget (never up), truncate, pad bottom/right to a multiple of
+merge*patch. Patches (N, C, p, p) in raster order; the tower merges 2x2 itself. Prompt: K3 framing
+`<|media_begin|>image {W}x{H}<|media_content|>` + pad * n + `<|media_end|>`, or K2.5's bare repeat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.records import ImagePlan
+from batchvlm.tokens import FRAME, IMAGE
+
+IMAGE_TOKEN = "<|media_pad|>"
+FRAME_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_end|>")
+
+
+@dataclass(frozen=True)
+class KimiProcessorParams:
+    patch_size: int = 14
+    merge_size: int = 2
+    max_patches: int = 16384
+    """in_patch_limit (L): the patch budget, checked on the floored source size."""
+    max_patches_per_side: int = 512
+    """patch_limit_on_one_side (S)."""
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    @classmethod
+    def from_checkpoint(cls, path: Path, overrides: dict) -> "KimiProcessorParams":
+        values = _read_processor_config(path)
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in overrides:
+            if key not in known:
+                raise ConfigError(f"model.processor.{key} is not a kimi_k25 processor parameter "
+                                  f"(known: {', '.join(sorted(known))})")
+        values.update(overrides)
+        params = cls(**{k: tuple(v) if k.startswith("image_") else int(v) for k, v in values.items()})
+        if any(s == 0 for s in params.image_std):
+            raise ConfigError("model.processor.image_std: image normalization standard deviation must be nonzero")
+        return params
+
+
+def _read_processor_config(path: Path) -> dict:
+    """Processor parameters from the checkpoint: HF `preprocessor_config.json` or Moonshot's `media_proc_cfg`."""
+    file = path / "preprocessor_config.json"
+    if not file.exists():
+        return {}
+    raw = json.loads(file.read_text())
+    if "media_proc_cfg" in raw:
+        media = raw["media_proc_cfg"]
+        if media.get("fixed_output_tokens") is not None:
+            raise ConfigError(f"{file}: fixed_output_tokens is set, which decouples token counts from grids; "
+                              "batchvlm refuses it rather than write spans that disagree with the embeddings")
+        mapping = {"patch_size": "patch_size", "merge_kernel_size": "merge_size", "in_patch_limit": "max_patches",
+                   "patch_limit_on_one_side": "max_patches_per_side", "image_mean": "image_mean",
+                   "image_std": "image_std"}
+        return {ours: media[theirs] for theirs, ours in mapping.items() if theirs in media}
+    values = {k: raw[k] for k in ("patch_size", "merge_size", "max_patches", "image_mean", "image_std") if k in raw}
+    if "size" in raw and "max_height" in raw["size"]:
+        values["max_patches_per_side"] = raw["size"]["max_height"]
+    return values
+
+
+def navit_plan(height: int, width: int, params: KimiProcessorParams) -> ImagePlan:
+    """The NaViT resize rule, in the same double-precision operations and order as the reference."""
+    p, m = params.patch_size, params.merge_size
+    limit, side = params.max_patches, params.max_patches_per_side
+    patches_h = max(1, height // p)
+    patches_w = max(1, width // p)
+    scale = min(1.0, math.sqrt(limit / (patches_h * patches_w)), side * p / height, side * p / width)
+    new_h = min(max(1, int(height * scale)), side * p)
+    new_w = min(max(1, int(width * scale)), side * p)
+    factor = m * p
+    pad_h = new_h + (factor - new_h % factor) % factor
+    pad_w = new_w + (factor - new_w % factor) % factor
+    grid = (1, pad_h // p, pad_w // p)
+    return ImagePlan(original=(height, width), resized=(new_h, new_w), padded=(pad_h, pad_w), grid_thw=grid,
+                     num_tokens=grid[1] * grid[2] // (m * m))
+
+
+class KimiEncoder(torch.nn.Module):
+    """MoonViT tower (+ projector): packed (N, C, p, p) patches and grids in, per-image tokens out."""
+
+    def __init__(self, tower: torch.nn.Module, projector: torch.nn.Module | None, merge_size: int):
+        super().__init__()
+        self.tower = tower
+        self.projector = projector
+        self.merge_area = merge_size * merge_size
+        self.hidden_size = (projector.out_proj.out_features if projector is not None
+                            else tower.config.hidden_size * self.merge_area)
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        merged = self.tower(pixel_values, grid_thw=grid_thw).pooler_output  # [tokens, m*m, D]
+        if self.projector is not None:
+            tokens = self.projector(merged).squeeze(1)
+        else:
+            tokens = merged.reshape(merged.shape[0], -1)
+        sizes = (grid_thw[:, 1] * grid_thw[:, 2] // self.merge_area).tolist()
+        return list(torch.split(tokens, sizes))
+
+
+class KimiK25:
+    name = "kimi_k25"
+    resample = "bicubic"
+
+    def __init__(self, checkpoint: Path, params: KimiProcessorParams, tokenizer, framing: str,
+                 embedding: str, attn_implementation: str):
+        self.checkpoint = checkpoint
+        self.params = params
+        self.tokenizer = tokenizer
+        self.framing = framing
+        self.embedding = embedding
+        self.attn_implementation = attn_implementation
+        self.image_mean = params.image_mean
+        self.image_std = params.image_std
+        self.image_token_id = _token_id(tokenizer, IMAGE_TOKEN)
+        if framing == "k3":
+            self.frame_ids = [_token_id(tokenizer, token) for token in FRAME_TOKENS]
+
+    # -- plan and layout ------------------------------------------------------------------------
+    def plan(self, height: int, width: int) -> ImagePlan:
+        return navit_plan(height, width, self.params)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def expand_image(self, plan: ImagePlan) -> tuple[list[int], list[int]]:
+        pads = [self.image_token_id] * plan.num_tokens
+        if self.framing == "plain":
+            return pads, [IMAGE] * len(pads)
+        begin, content, end = self.frame_ids
+        height, width = plan.original
+        # The frame names the original uploaded size, not the resized one (K3 contract).
+        head = [begin] + self.encode_text(f"image {width}x{height}") + [content]
+        return head + pads + [end], [FRAME] * len(head) + [IMAGE] * len(pads) + [FRAME]
+
+    # -- pixels ---------------------------------------------------------------------------------
+    def patchify(self, image: torch.Tensor) -> torch.Tensor:
+        c, h, w = image.shape
+        p = self.params.patch_size
+        patches = image.reshape(c, h // p, p, w // p, p).permute(1, 3, 0, 2, 4)
+        return patches.reshape(-1, c, p, p)
+
+    def grid_of(self, image: torch.Tensor) -> tuple[int, int, int]:
+        _, h, w = image.shape
+        p = self.params.patch_size
+        # True division: a size that is not a whole number of patches shows up as a fraction.
+        return (1, h / p, w / p)
+
+    def reference_processor(self):
+        from transformers import Kimi_K25ImageProcessor
+
+        p = self.params
+        return Kimi_K25ImageProcessor(
+            patch_size=p.patch_size, merge_size=p.merge_size, max_patches=p.max_patches,
+            size={"max_height": p.max_patches_per_side, "max_width": p.max_patches_per_side},
+            image_mean=list(p.image_mean), image_std=list(p.image_std))
+
+    def reference_preprocess(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        tensors = [torch.from_numpy(np.ascontiguousarray(image[..., :3])).permute(2, 0, 1) for image in images]
+        out = self.reference_processor()(images=tensors, return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
+
+    # -- tower ----------------------------------------------------------------------------------
+    def load_encoder(self, device: torch.device, dtype: torch.dtype) -> KimiEncoder:
+        from transformers import AutoConfig, Kimi_K25ForConditionalGeneration, Kimi_K25VisionModel
+
+        config = AutoConfig.from_pretrained(self.checkpoint)
+        kwargs = dict(dtype=dtype, attn_implementation=self.attn_implementation, use_safetensors=True)
+        if config.model_type == "kimi_k25_vision":
+            tower, projector = Kimi_K25VisionModel.from_pretrained(self.checkpoint, **kwargs), None
+        elif config.model_type == "kimi_k25":
+            if config.image_token_id != self.image_token_id:
+                raise ConfigError(f"{self.checkpoint}: config image_token_id={config.image_token_id} but the "
+                                  f"tokenizer maps {IMAGE_TOKEN} to {self.image_token_id}")
+            full = Kimi_K25ForConditionalGeneration.from_pretrained(self.checkpoint, **kwargs)
+            tower, projector = full.model.vision_tower, full.model.mm_projector
+            del full  # the language model is not needed to embed images
+        else:
+            raise ConfigError(f"model.path={self.checkpoint} holds a {config.model_type!r} checkpoint, "
+                              "not kimi_k25 or kimi_k25_vision")
+        if self.embedding == "tower":
+            projector = None
+        elif projector is None:
+            raise ConfigError("model.embedding=projector but the checkpoint has no projector; use model.embedding=tower")
+        return KimiEncoder(tower, projector, self.params.merge_size).to(device).eval()
+
+    def fingerprint(self) -> dict:
+        return {"family": self.name, "processor": dataclasses.asdict(self.params), "framing": self.framing,
+                "embedding": self.embedding, "tokenizer": _tokenizer_digest(self.tokenizer)}
+
+
+def _token_id(tokenizer, token: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if token_id is None or token_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(token_id) != token:
+        raise ConfigError(f"the tokenizer has no {token} token; kimi_k25 needs it (model.tokenizer_path)")
+    return token_id
+
+
+def _tokenizer_digest(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def from_config(model: ModelConfig) -> KimiK25:
+    from transformers import AutoTokenizer
+
+    from batchvlm.demo import resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(model)
+    params = KimiProcessorParams.from_checkpoint(checkpoint, dict(model.processor))
+    tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_path or checkpoint,
+                                              trust_remote_code=model.trust_remote_code)
+    return KimiK25(checkpoint, params, tokenizer, model.framing, model.embedding, model.attn_implementation)

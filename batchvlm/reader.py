@@ -1,0 +1,76 @@
+"""Reading the output back: a shard row -> tensors, without copying the embedding bytes."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class RecordTensors:
+    id: str
+    input_ids: torch.Tensor  # [seq] int64
+    image_embeds: torch.Tensor  # [n_tokens, hidden], the stored dtype
+    grid_thw: torch.Tensor  # [n_images, 3] int64
+    image_spans: torch.Tensor  # [n_images, 2] int64: (start, length)
+    token_tags: torch.Tensor  # [seq] int8
+
+    def image_token_positions(self) -> torch.Tensor:
+        """Sequence positions of the image tokens, in the order of the rows of image_embeds."""
+        return torch.cat([torch.arange(s, s + n) for s, n in self.image_spans.tolist()]) \
+            if len(self.image_spans) else torch.zeros(0, dtype=torch.int64)
+
+
+def embedding_layout(schema: pa.Schema) -> tuple[torch.dtype, int]:
+    meta = schema.metadata or {}
+    return _DTYPES[meta[b"batchvlm.embed_dtype"].decode()], int(meta[b"batchvlm.hidden_size"])
+
+
+def tensors_of(table: pa.Table, index: int) -> RecordTensors:
+    """Row `index` of a data shard as tensors; image_embeds is a view on the Arrow buffer."""
+    dtype, hidden = embedding_layout(table.schema)
+    column = lambda name: table.column(name)[index]  # noqa: E731
+    blob = column("image_embeds").as_buffer()
+    if blob is None or blob.size == 0:
+        embeds = torch.zeros((0, hidden), dtype=dtype)
+    else:
+        with warnings.catch_warnings():
+            # Arrow buffers are read-only; the tensor is a view on them, which is the point.
+            warnings.simplefilter("ignore", UserWarning)
+            embeds = torch.frombuffer(memoryview(blob), dtype=dtype).view(-1, hidden)
+    spans = [(s["start"], s["length"]) for s in column("image_spans").as_py()]
+    return RecordTensors(
+        id=column("id").as_py(),
+        input_ids=torch.tensor(column("input_ids").as_py(), dtype=torch.int64),
+        image_embeds=embeds,
+        grid_thw=torch.tensor(column("grid_thw").as_py(), dtype=torch.int64).reshape(-1, 3),
+        image_spans=torch.tensor(spans, dtype=torch.int64).reshape(-1, 2),
+        token_tags=torch.tensor(column("token_tags").as_py(), dtype=torch.int8),
+    )
+
+
+def read_shard(path: str | Path) -> Iterator[RecordTensors]:
+    table = pq.read_table(path)
+    for index in range(table.num_rows):
+        yield tensors_of(table, index)
+
+
+def committed_shards(run_dir: str | Path, kind: str = "data") -> list[Path]:
+    """The shards that manifests list: the only ones a reader may trust."""
+    run_dir = Path(run_dir)
+    return [run_dir / json.loads(m.read_text())["files"][kind]["path"]
+            for m in sorted((run_dir / "manifest").glob("*.json"))]
+
+
+def read_run(run_dir: str | Path) -> Iterator[RecordTensors]:
+    for shard in committed_shards(run_dir):
+        yield from read_shard(shard)

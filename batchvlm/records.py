@@ -1,0 +1,142 @@
+"""Typed records passed between stages. Stages exchange these, never dicts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """A contiguous row range of one input file: the unit of assignment, commit and resume."""
+
+    unit_id: str
+    source: str
+    start: int
+    stop: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class ImageRef:
+    """An image as the dataset holds it: raw bytes, or a path to read them from."""
+
+    data: bytes | None = None
+    path: str | None = None
+
+
+@dataclass
+class SourceRecord:
+    id: str
+    unit_id: str
+    source: str
+    row: int
+    text: str
+    images: list[ImageRef]
+
+
+@dataclass
+class DecodedImage:
+    """HWC uint8 pixels, RGB or RGBA, upright (EXIF applied)."""
+
+    pixels: np.ndarray
+    format: str
+    sha256: str
+
+    @property
+    def height(self) -> int:
+        return int(self.pixels.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.pixels.shape[1])
+
+    @property
+    def has_alpha(self) -> bool:
+        return self.pixels.shape[2] == 4
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """The family's resize rule applied to one image. Sizes are (height, width)."""
+
+    original: tuple[int, int]
+    resized: tuple[int, int]
+    padded: tuple[int, int]
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+
+    @property
+    def num_patches(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
+
+
+@dataclass
+class TokenLayout:
+    """The record's token sequence with placeholders expanded, and where each image sits in it."""
+
+    input_ids: list[int]
+    image_spans: list[tuple[int, int]]  # (start, length) per image, in image order
+    token_tags: list[int]
+
+
+@dataclass
+class PreparedRecord:
+    """A record ready for the device: decoded, planned and laid out (built in a worker)."""
+
+    source: SourceRecord
+    images: list[DecodedImage]
+    plans: list[ImagePlan]
+    layout: TokenLayout
+
+    @property
+    def num_patches(self) -> int:
+        return sum(plan.num_patches for plan in self.plans)
+
+
+@dataclass
+class EncodedRecord:
+    prepared: PreparedRecord
+    image_embeds: list[torch.Tensor]  # one [num_tokens_i, hidden] tensor per image
+
+
+@dataclass
+class Failure:
+    """What a failed check says: which check, where, what was expected and what was seen."""
+
+    check: str
+    stage: str
+    message: str
+    expected: str
+    observed: str
+    exception_type: str
+    image_index: int | None = None
+
+
+@dataclass
+class QuarantinedRecord:
+    source: SourceRecord
+    failure: Failure
+
+
+@dataclass
+class UnitEnd:
+    """Sent by a worker after the last record of a unit, so the sink knows when the unit is whole."""
+
+    unit: WorkUnit
+    num_records: int
+
+
+@dataclass
+class PackedBatch:
+    """Images of several records packed along the row axis, in the layout the tower takes."""
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor  # [num_images, 3] int64
+    records: list[PreparedRecord] = field(default_factory=list)

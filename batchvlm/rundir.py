@@ -1,0 +1,121 @@
+"""The run directory: resolved config, fingerprint, schema metadata and the `_SUCCESS` marker.
+
+A run directory belongs to one fingerprint (family, processor, checkpoint digests, dtypes,
+versions). Reopening it with another is refused, naming what differs, so runs never mix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+
+from pathlib import Path
+
+import torch
+import transformers
+from omegaconf import OmegaConf
+
+import batchvlm
+from batchvlm.config import ConfigError, JobConfig
+from batchvlm.sink import durable_write, durable_write_json
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def config_digest(checkpoint: Path) -> str:
+    file = checkpoint / "config.json"
+    return hashlib.sha256(file.read_bytes()).hexdigest() if file.exists() else ""
+
+
+class RunDir:
+    def __init__(self, path: Path, job: JobConfig, family, encoder):
+        self.path = path
+        self.job = job
+        self.family = family
+        fingerprint = {
+            **family.fingerprint(),
+            "model_config_sha256": config_digest(family.checkpoint),
+            "weights_sha256": weights_digest(encoder),
+            "hidden_size": encoder.hidden_size,
+            "model_dtype": job.model.dtype,
+            "embed_dtype": job.output.embed_dtype,
+            "preprocess_backend": job.preprocess.backend,
+            "background": job.preprocess.background,
+            "placeholder": job.dataset.placeholder,
+            "versions": {"batchvlm": batchvlm.__version__, "transformers": transformers.__version__,
+                         "torch": torch.__version__},
+        }
+        # Round-trip through JSON so the comparison with a stored fingerprint sees the same types.
+        self.fingerprint = json.loads(json.dumps(fingerprint, sort_keys=True))
+        self.fingerprint_digest = hashlib.sha256(json.dumps(self.fingerprint, sort_keys=True).encode()).hexdigest()
+        self._open()
+
+    def _open(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        existing = self.path / "fingerprint.json"
+        if existing.exists():
+            previous = json.loads(existing.read_text())
+            if previous != self.fingerprint:
+                raise ConfigError(f"{self.path} was written with another fingerprint ({_differences(previous, self.fingerprint)}); "
+                                  "use another run_name=... for a new run, or delete the directory")
+        else:
+            durable_write_json(existing, self.fingerprint)
+        if not (self.path / "config.yaml").exists():  # the config that started the run; restarts log theirs
+            resolved = OmegaConf.to_yaml(OmegaConf.structured(self.job))
+            durable_write(self.path / "config.yaml", lambda tmp: tmp.write_text(resolved))
+
+    def schema_metadata(self, hidden_size: int) -> dict[str, str]:
+        return {"batchvlm.family": self.family.name, "batchvlm.hidden_size": str(hidden_size),
+                "batchvlm.embed_dtype": self.job.output.embed_dtype, "batchvlm.embedding": self.job.model.embedding,
+                "batchvlm.fingerprint": self.fingerprint_digest, "batchvlm.version": batchvlm.__version__}
+
+    def finish(self, units, seconds: float, records_seen: int, image_tokens: int) -> dict:
+        manifests = {}
+        for unit in units:
+            file = self.path / "manifest" / f"{unit.unit_id}.json"
+            if file.exists():
+                manifests[unit.unit_id] = json.loads(file.read_text())
+        by_check: dict[str, int] = {}
+        for manifest in manifests.values():
+            for check, count in manifest["checks"].items():
+                by_check[check] = by_check.get(check, 0) + count
+        summary = {
+            "run_dir": str(self.path),
+            "units": len(units), "units_committed": len(manifests),
+            "records_in": sum(m["records_in"] for m in manifests.values()),
+            "written": sum(m["written"] for m in manifests.values()),
+            "quarantined": sum(m["quarantined"] for m in manifests.values()),
+            "by_check": by_check,
+            "complete": len(manifests) == len(units),
+            "seconds": seconds,
+            "records_per_s": records_seen / seconds if seconds else 0.0,
+            "tokens_per_s": image_tokens / seconds if seconds else 0.0,
+            "host": platform.node(),
+        }
+        if summary["complete"] and not (self.path / "_SUCCESS").exists():
+            durable_write_json(self.path / "_SUCCESS", summary)
+        return summary
+
+
+def _differences(old: dict, new: dict, prefix: str = "") -> str:
+    keys = sorted(set(old) | set(new))
+    diffs = []
+    for key in keys:
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            inner = _differences(a, b, f"{prefix}{key}.")
+            if inner:
+                diffs.append(inner)
+        elif a != b:
+            diffs.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return "; ".join(diffs)
+
+
+

@@ -1,0 +1,38 @@
+"""The main job: `python jobs/embed.py [overrides]` (see README.md, "Configuration")."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import datasets
+import hydra
+import transformers
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from batchvlm.config import ConfigError, register_schemas, to_job_config
+from batchvlm.driver import JobAborted, run_job, summarize
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+register_schemas()
+log = logging.getLogger("batchvlm")
+
+
+@hydra.main(config_path="../conf", config_name="embed", version_base=None)
+def main(cfg: DictConfig) -> None:
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        job = to_job_config(cfg)
+        summary = run_job(job, Path(HydraConfig.get().runtime.output_dir))
+    except (ConfigError, JobAborted) as error:
+        log.error("%s", error)
+        sys.exit(2)
+    print(summarize(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Shared fixtures: one demo build per test session (real photos, tiny checkpoint), built in a temp home."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Set before batchvlm is imported anywhere, so tests and the subprocesses they start share one build.
+os.environ.setdefault("BATCHVLM_HOME", tempfile.mkdtemp(prefix="batchvlm-home-"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_embed(*overrides: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python jobs/embed.py overrides...` as a user runs it."""
+    return subprocess.run([sys.executable, str(REPO / "jobs" / "embed.py"), *overrides], cwd=cwd or REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def kimi_family():
+    from batchvlm.config import ModelConfig
+    from batchvlm.families import load_family
+
+    return load_family(ModelConfig())
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> Path:
+    """The demo job, run once as a subprocess with default settings."""
+    root = tmp_path_factory.mktemp("outputs")
+    result = run_embed(f"output.root={root}", "run_name=demo")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return root / "demo"
