@@ -7,6 +7,7 @@ becomes objects (`to_job_config`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,8 +209,21 @@ def register_schemas() -> None:
         store.store(group=group, name="schema", node=schema)
 
 
+def _reject_unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
+    """Hydra's `+key=value` adds keys even to typed nodes; refuse them rather than ignore them."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node.keys():
+        if key not in fields:
+            raise ConfigError(f"{prefix}{key} is not a config key (known under {prefix.rstrip('.') or 'the root'}: "
+                              f"{', '.join(fields)})")
+        factory = fields[key].default_factory
+        if isinstance(factory, type) and dataclasses.is_dataclass(factory):
+            _reject_unknown_keys(node[key], factory, f"{prefix}{key}.")
+
+
 def to_job_config(cfg: DictConfig) -> JobConfig:
     """Turn the composed config into validated objects; ConfigError names the offending key."""
+    _reject_unknown_keys(cfg, JobConfig)
     job = OmegaConf.to_object(cfg)
     assert isinstance(job, JobConfig)
     return job

@@ -35,12 +35,23 @@ def embedding_layout(schema: pa.Schema) -> tuple[torch.dtype, int]:
     return _DTYPES[meta[b"batchvlm.embed_dtype"].decode()], int(meta[b"batchvlm.hidden_size"])
 
 
+def _value_buffer(column: pa.ChunkedArray, index: int) -> pa.Buffer:
+    """The bytes of one large_binary value as a slice of the column's data buffer (no copy)."""
+    for chunk in column.chunks:
+        if index < len(chunk):
+            _, offsets, data = chunk.buffers()
+            start, stop = (int(v) for v in memoryview(offsets).cast("q")[chunk.offset + index:chunk.offset + index + 2])
+            return data.slice(start, stop - start) if data is not None else pa.py_buffer(b"")
+        index -= len(chunk)
+    raise IndexError(index)
+
+
 def tensors_of(table: pa.Table, index: int) -> RecordTensors:
     """Row `index` of a data shard as tensors; image_embeds is a view on the Arrow buffer."""
     dtype, hidden = embedding_layout(table.schema)
     column = lambda name: table.column(name)[index]  # noqa: E731
-    blob = column("image_embeds").as_buffer()
-    if blob is None or blob.size == 0:
+    blob = _value_buffer(table.column("image_embeds"), index)
+    if blob.size == 0:
         embeds = torch.zeros((0, hidden), dtype=dtype)
     else:
         with warnings.catch_warnings():

@@ -1,0 +1,58 @@
+"""Every shipped config composes and validates; wrong keys and values fail naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from batchvlm.config import ConfigError, register_schemas, to_job_config
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+REQUIRED = {"dataset": ["dataset.path=/data/x.parquet"], "model": ["model.path=/ckpt"]}
+
+
+def job(*overrides):
+    register_schemas()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="embed", overrides=list(overrides))
+        cfg.run_name = "test"  # the default interpolates Hydra's runtime choices, absent in compose
+        return to_job_config(cfg)
+
+
+@pytest.mark.parametrize("group,option", sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml")))
+def test_every_shipped_config_loads(group, option):
+    overrides = [f"{group}={option}"] + REQUIRED.get(group, [])
+    loaded = job(*overrides)
+    assert getattr(loaded, group) is not None
+
+
+def test_unknown_key_fails_naming_it():
+    with pytest.raises(ConfigError, match=r"model\.pth is not a config key"):
+        job("+model.pth=/x")
+    with pytest.raises(Exception, match="pth"):
+        job("model.pth=/x")
+
+
+def test_wrong_type_fails_naming_the_key():
+    with pytest.raises(Exception, match="unit_size"):
+        job("dataset.unit_size=many")
+
+
+@pytest.mark.parametrize("override,key", [
+    ("model.dtype=int8", "model.dtype"), ("preprocess.token_budget=0", "preprocess.token_budget"),
+    ("checks.max_quarantine_fraction=2", "checks.max_quarantine_fraction"),
+    ("dataset=parquet", "dataset.path"),
+])
+def test_bad_values_fail_naming_the_key(override, key):
+    with pytest.raises(Exception, match=key.replace(".", r"\.")):
+        job(override)
+
+
+def test_unknown_processor_parameter_is_refused():
+    from batchvlm.config import ModelConfig
+    from batchvlm.families import load_family
+
+    with pytest.raises(ConfigError, match="model.processor.max_pixels"):
+        load_family(ModelConfig(processor={"max_pixels": 5}))

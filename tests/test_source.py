@@ -1,0 +1,96 @@
+"""Sources: save_to_disk folders, Parquet globs and imagefolders, read as bytes, keeping their ids."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import datasets
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+from skimage import data
+
+from batchvlm.config import ConfigError, DatasetConfig
+from batchvlm.decode import read_bytes
+from batchvlm.source import Source
+from conftest import run_embed
+
+
+def jpeg(pixels) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG")
+    return buffer.getvalue()
+
+
+PHOTOS = {"cat": data.chelsea(), "cup": data.coffee()[:200, :300], "coins": data.coins()}
+FEATURES = datasets.Features({"key": datasets.Value("string"), "pics": datasets.List(datasets.Image()),
+                              "caption": datasets.Value("string")})
+
+
+def _table(keys):
+    return {"key": keys, "pics": [[{"bytes": jpeg(PHOTOS[k]), "path": None}] for k in keys],
+            "caption": [f"<image> a photo of {k}" for k in keys]}
+
+
+def _columns(**extra) -> dict:
+    return dict(id_column="key", images_column="pics", text_column="caption", **extra)
+
+
+def test_save_to_disk_folder_keeps_ids_and_raw_bytes(tmp_path):
+    datasets.Dataset.from_dict(_table(["cat", "cup", "coins"]), features=FEATURES).save_to_disk(tmp_path / "ds")
+    source = Source(DatasetConfig(kind="disk", path=str(tmp_path / "ds"), unit_size=2, **_columns()))
+    units = source.units()
+    assert [u.num_rows for u in units] == [2, 1]
+    records = [r for unit in units for r in source.records(unit)]
+    assert [r.id for r in records] == ["cat", "cup", "coins"]
+    assert records[0].images[0].data[:2] == b"\xff\xd8"  # bytes, not a decoded PIL image
+    assert records[1].text == "<image> a photo of cup"
+
+
+def test_unit_ids_derive_from_file_and_range(tmp_path):
+    for index, keys in enumerate([["cat", "cup"], ["coins"]]):
+        datasets.Dataset.from_dict(_table(keys), features=FEATURES).to_parquet(str(tmp_path / f"part-{index}.parquet"))
+    cfg = DatasetConfig(kind="parquet", path=str(tmp_path / "*.parquet"), unit_size=1, **_columns())
+    first, second = [u.unit_id for u in Source(cfg).units()], [u.unit_id for u in Source(cfg).units()]
+    assert first == second and len(set(first)) == 3
+    assert first[0].startswith("part-0-") and first[0].endswith("-00000000-00000001")
+
+
+def test_imagefolder_with_metadata_reads_captions_and_ids(tmp_path):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    lines = []
+    for key, pixels in PHOTOS.items():
+        Image.fromarray(pixels).save(folder / f"{key}.png")
+        lines.append(json.dumps({"file_name": f"{key}.png", "id": f"img-{key}", "text": f"<image> {key}"}))
+    (folder / "metadata.jsonl").write_text("\n".join(lines))
+    source = Source(DatasetConfig(kind="imagefolder", path=str(folder), images_column="image"))
+    records = [r for unit in source.units() for r in source.records(unit)]
+    assert sorted(r.id for r in records) == ["img-cat", "img-coins", "img-cup"]
+    assert all(len(r.images) == 1 and read_bytes(r.images[0], 0)[:4] == b"\x89PNG" for r in records)
+
+
+def test_duplicate_ids_are_found_after_their_first_occurrence(tmp_path):
+    datasets.Dataset.from_dict(_table(["cat", "cup", "cat"]), features=FEATURES).save_to_disk(tmp_path / "ds")
+    source = Source(DatasetConfig(kind="disk", path=str(tmp_path / "ds"), **_columns()))
+    (unit,) = source.units()
+    assert [source.is_duplicate(unit, row) for row in range(3)] == [False, False, True]
+
+
+def test_a_missing_column_is_a_config_error_naming_the_key(tmp_path):
+    datasets.Dataset.from_dict(_table(["cat"]), features=FEATURES).save_to_disk(tmp_path / "ds")
+    with pytest.raises(ConfigError, match="dataset.images_column='images'"):
+        Source(DatasetConfig(kind="disk", path=str(tmp_path / "ds"), id_column="key", text_column="caption"))
+
+
+def test_embed_job_reads_a_parquet_glob_with_overridden_columns(tmp_path):
+    for index, keys in enumerate([["cat", "cup"], ["coins"]]):
+        datasets.Dataset.from_dict(_table(keys), features=FEATURES).to_parquet(str(tmp_path / f"part-{index}.parquet"))
+    result = run_embed("dataset=parquet", f"dataset.path={tmp_path}/*.parquet", "dataset.id_column=key",
+                       "dataset.images_column=pics", "dataset.text_column=caption", f"output.root={tmp_path}/out",
+                       "runtime.num_workers=0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "out" / "parquet-kimi_k25_tiny"  # deterministic name from the chosen groups
+    ids = sorted(r["id"] for p in (run / "data").glob("*.parquet") for r in pq.read_table(p).to_pylist())
+    assert ids == ["cat", "coins", "cup"]
