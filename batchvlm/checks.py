@@ -41,6 +41,11 @@ CATALOGUE: dict[str, Check] = {
               "a partly decoded image whose missing rows would be embedded as black", "re-fetch the file"),
         Check("decode.failed", "the decoder raises no other error",
               "a malformed file that crashes the decoder", "re-encode the file"),
+        Check("decode.crashed", "the decoder process survives the image",
+              "a segfault or abort in a C decoder taking the whole job down", "drop or re-encode the file; report it to Pillow"),
+        Check("decode.timeout", "the image decodes within decode.timeout_s",
+              "algorithmic-complexity inputs (TIFF IFD chains, many-frame files) stalling a worker forever",
+              "re-encode the file or raise decode.timeout_s"),
         Check("decode.missing_file", "an image given as a path exists and can be read",
               "dangling paths in the dataset", "fix the path or the dataset root"),
         Check("text.placeholder_count", "placeholders in the text == images of the record",
@@ -88,6 +93,9 @@ class CheckFailed(Exception):
         self.observed = str(observed)
         self.image_index = image_index
         self.record = None  # set where a batch-level stage knows which record an image belongs to
+
+    def __reduce__(self):  # crosses process boundaries (decode sandbox, DataLoader workers)
+        return (type(self), (self.check, self.message, self.expected, self.observed, self.image_index))
 
     def to_failure(self) -> Failure:
         return Failure(check=self.check, stage=self.stage, message=self.message, expected=self.expected,

@@ -102,8 +102,14 @@ class DecodeConfig:
     """Width x height limit, checked from the header before any pixel is allocated."""
     max_bytes: int = 64 * 1024 * 1024
     """Encoded size limit, checked before Pillow sees the bytes."""
+    isolation: str = "process"
+    """process: decode in a child process, so a decoder crash or hang costs one record; none: in-process."""
+    timeout_s: float = 30.0
+    """Per-image decode time limit (isolation=process)."""
 
     def __post_init__(self) -> None:
+        _one_of("decode.isolation", self.isolation, ("process", "none"))
+        _positive("decode.timeout_s", self.timeout_s)
         _positive("decode.max_pixels", self.max_pixels)
         _positive("decode.max_bytes", self.max_bytes)
         if not self.formats:

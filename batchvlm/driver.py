@@ -22,7 +22,7 @@ from tqdm import tqdm
 from batchvlm.assemble import EMBED_DTYPES, data_row, quarantine_row
 from batchvlm.checks import CheckFailed, unexpected_failure
 from batchvlm.config import JobConfig
-from batchvlm.decode import decode_image, read_bytes
+from batchvlm.decode import Decoder
 from batchvlm.encode import encode_batch
 from batchvlm.families import load_family
 from batchvlm.preprocess import make_preprocessor, pack
@@ -41,11 +41,11 @@ class JobAborted(RuntimeError):
 
 
 # -- worker side: decode, plan, layout ---------------------------------------------------------
-def prepare(record: SourceRecord, family, job: JobConfig) -> PreparedRecord | QuarantinedRecord:
+def prepare(record: SourceRecord, family, job: JobConfig, decoder: Decoder) -> PreparedRecord | QuarantinedRecord:
     try:
         text = place_images(record.text, job.dataset.placeholder, len(record.images),
                             job.dataset.missing_placeholder)
-        images = [decode_image(read_bytes(ref, index), job.decode, index) for index, ref in enumerate(record.images)]
+        images = [decoder(ref, index) for index, ref in enumerate(record.images)]
         plans = [family.plan(image.height, image.width) for image in images]
         layout = build_layout(text, job.dataset.placeholder, plans, family)
     except CheckFailed as failure:
@@ -64,11 +64,18 @@ class PreparedStream(IterableDataset):
 
     def __init__(self, source: Source, units: list[WorkUnit], family, job: JobConfig):
         self.source, self.units, self.family, self.job = source, units, family, job
+        self.decoder = Decoder(job.decode)
 
     def __iter__(self):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        for unit in self.units[worker::workers]:
+        try:
+            yield from self._prepared(self.units[worker::workers])
+        finally:
+            self.decoder.close()
+
+    def _prepared(self, units: list[WorkUnit]):
+        for unit in units:
             count = 0
             for record in self.source.records(unit):
                 count += 1
@@ -78,7 +85,7 @@ class PreparedStream(IterableDataset):
                 elif self.source.is_duplicate(unit, record.row):
                     yield source_failure(record, "source.duplicate_id", f"id {record.id!r} appeared earlier")
                 else:
-                    yield prepare(record, self.family, self.job)
+                    yield prepare(record, self.family, self.job, self.decoder)
             yield UnitEnd(unit, count)
 
 
@@ -168,8 +175,8 @@ class Job:
         todo = [unit for unit in units if unit.unit_id not in committed]
         self.sink.remove_orphans()
         log.info("%d work units, %d already committed, %d to do", len(units), len(units) - len(todo), len(todo))
+        stream = self._stream(todo)  # workers fork before the writer thread exists
         writer = SinkWriter(self.sink, self.job.runtime.writer_queue)
-        stream = self._stream(todo)
         batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
         progress = tqdm(total=sum(u.num_rows for u in todo), unit="rec", disable=not self.job.runtime.progress,
                         desc=f"embed {self.run.path.name}")
@@ -194,7 +201,7 @@ class Job:
         dataset = PreparedStream(self.source, todo, self.family, self.job)
         workers = min(self.job.runtime.num_workers, len(todo))
         if workers == 0:
-            return iter(dataset)
+            return iter(dataset)  # inline: the decoder still forks its child on first use
         return iter(DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_keep,
                                prefetch_factor=self.job.runtime.prefetch, persistent_workers=False))
 

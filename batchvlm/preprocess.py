@@ -113,6 +113,11 @@ def pack(records: list[PreparedRecord], preprocessor) -> PackedBatch:
     """Preprocess every image of the records and pack them, checking grids and row counts per image."""
     rows, grids = preprocessor(records)
     plans = [plan for record in records for plan in record.plans]
+    # Which image lost its grid cannot be told from a short list: the driver bisects such a batch.
+    require(len(grids) == len(plans), "preprocess.grid_match", "the backend returned a grid count that differs "
+            "from the batch's image count", expected=len(plans), observed=len(grids))
+    require(len(rows) == len(plans), "preprocess.feature_length", "the backend returned pixels for a different "
+            "number of images than the batch has", expected=len(plans), observed=len(rows))
     owners = [(record, index) for record in records for index in range(len(record.plans))]
     for (record, index), plan, grid, image_rows in zip(owners, plans, grids, rows):
         _check_image(record, index, plan, grid, image_rows)
