@@ -85,14 +85,14 @@ def data_row(encoded: EncodedRecord, dtype: torch.dtype, hidden_size: int) -> di
     }
 
 
-def quarantine_row(item: QuarantinedRecord, unit_id: str, bytes_cap: int, fingerprint: str) -> dict:
+def quarantine_row(item: QuarantinedRecord, bytes_cap: int, fingerprint: str) -> dict:
     source: SourceRecord = item.source
     failure = item.failure
     return {
         "id": source.id,
         "source": source.source,
         "row": source.row,
-        "unit": unit_id,
+        "unit": source.unit_id,
         "stage": failure.stage,
         "check": failure.check,
         "message": failure.message,

@@ -113,3 +113,14 @@ def unexpected_failure(check: str, error: BaseException, image_index: int | None
     return Failure(check=check, stage=CATALOGUE[check].stage, message=f"{type(error).__name__}: {error}",
                    expected="no error", observed=type(error).__name__, exception_type=type(error).__name__,
                    image_index=image_index)
+
+
+def markdown_table() -> str:
+    """The README's table of checks (`python -m batchvlm.checks` prints it)."""
+    lines = ["| check | stage | condition | guards against | what to do |", "|---|---|---|---|---|"]
+    lines += [f"| `{c.name}` | {c.stage} | {c.condition} | {c.guards_against} | {c.remedy} |" for c in CATALOGUE.values()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -207,19 +207,24 @@ class Job:
 
     def _emit(self, writer: SinkWriter, progress, units: dict, encoded: list[EncodedRecord],
               quarantined: list[QuarantinedRecord]) -> None:
-        rows = [(units[e.prepared.source.unit_id], data_row(e, self.embed_dtype, self.hidden_size)) for e in encoded]
-        bad = [(units[q.source.unit_id], quarantine_row(q, q.source.unit_id, self.job.output.quarantine_bytes_cap,
-                                                         self.run.fingerprint_digest)) for q in quarantined]
-        for unit, row in rows:
+        rows, quarantined = [], list(quarantined)
+        for item in encoded:
+            try:
+                rows.append((item.prepared.source.unit_id, data_row(item, self.embed_dtype, self.hidden_size)))
+            except CheckFailed as failure:
+                quarantined.append(QuarantinedRecord(item.prepared.source, failure.to_failure()))
+        for unit_id, row in rows:
+            unit = units[unit_id]
             writer.submit(lambda unit=unit, row=row: self.sink.add_row(unit, row))
-        for unit, row in bad:
-            writer.submit(lambda unit=unit, row=row: self.sink.add_quarantine(unit, row))
         for item in quarantined:
             log.warning("quarantined %s [%s] %s", item.source.id, item.failure.check, item.failure.message)
+            unit = units[item.source.unit_id]
+            row = quarantine_row(item, self.job.output.quarantine_bytes_cap, self.run.fingerprint_digest)
+            writer.submit(lambda unit=unit, row=row: self.sink.add_quarantine(unit, row))
         self.image_tokens += sum(row["num_image_tokens"] for _, row in rows)
-        self.seen += len(rows) + len(bad)
-        self.quarantined += len(bad)
-        progress.update(len(rows) + len(bad))
+        self.seen += len(rows) + len(quarantined)
+        self.quarantined += len(quarantined)
+        progress.update(len(rows) + len(quarantined))
         self._check_quarantine_fraction()
 
     def _check_quarantine_fraction(self) -> None:
