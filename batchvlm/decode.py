@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import io
 import os
@@ -135,6 +136,7 @@ def _scale_to_uint8(values: np.ndarray, mode: str) -> np.ndarray:
 
 # -- isolation ---------------------------------------------------------------------------------
 def _serve(conn: Connection, cfg: DecodeConfig) -> None:
+    faulthandler.disable()  # a decoder crash is reported by the parent as decode.crashed, not dumped here
     while True:
         try:
             data, image_index = conn.recv()

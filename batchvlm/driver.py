@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from tqdm import tqdm
 
@@ -23,7 +22,9 @@ from batchvlm.assemble import EMBED_DTYPES, data_row, quarantine_row
 from batchvlm.checks import CheckFailed, unexpected_failure
 from batchvlm.config import JobConfig
 from batchvlm.decode import Decoder
+from batchvlm.distributed import Coordinator, init_ranks
 from batchvlm.encode import encode_batch
+from batchvlm.faults import crash_point
 from batchvlm.families import load_family
 from batchvlm.preprocess import make_preprocessor, pack
 from batchvlm.records import (EncodedRecord, Failure, PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd,
@@ -31,6 +32,7 @@ from batchvlm.records import (EncodedRecord, Failure, PreparedRecord, Quarantine
 from batchvlm.rundir import RunDir
 from batchvlm.sink import RunSink, SinkWriter
 from batchvlm.source import Source
+from batchvlm.workunits import assign, plan_units, read_plan
 from batchvlm.tokens import build_layout, place_images
 
 log = logging.getLogger("batchvlm")
@@ -78,6 +80,7 @@ class PreparedStream(IterableDataset):
         for unit in units:
             count = 0
             for record in self.source.records(unit):
+                crash_point("decode")
                 count += 1
                 if record.id is None:
                     record.id = f"{unit.source}#{record.row}"
@@ -127,6 +130,7 @@ class Device:
         """Encode a batch; pin every failure on the record that caused it and encode the rest unchanged."""
         if not records:
             return [], []
+        crash_point("encode")
         try:
             return encode_batch(self.encoder, pack(records, self.preprocessor)), []
         except CheckFailed as failure:
@@ -145,22 +149,19 @@ class Device:
         return left[0] + right[0], left[1] + right[1]
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class Job:
+    """One rank's share of the job; every rank of `accelerate launch` builds one."""
+
     def __init__(self, job: JobConfig, run_dir: Path):
         self.job = job
+        self.ranks, self.device = init_ranks(job.model.device)
         self.family = load_family(job.model)
         self.source = Source(job.dataset)
-        self.device = resolve_device(job.model.device)
         encoder = self.family.load_encoder(self.device, EMBED_DTYPES[job.model.dtype])
         self.embed_dtype = EMBED_DTYPES[job.output.embed_dtype]
-        self.run = RunDir(run_dir, job, self.family, encoder)
-        self.sink = RunSink(run_dir, self.run.schema_metadata(encoder.hidden_size), job.output.compression)
+        self.run = RunDir(run_dir, job, self.family, encoder, self.ranks)
+        self.sink = RunSink(run_dir, self.run.schema_metadata(encoder.hidden_size), job.output.compression,
+                            self.ranks.rank)
         self.hidden_size = encoder.hidden_size
         self.on_device = Device(make_preprocessor(job.preprocess.backend, self.family, self.device,
                                                   job.preprocess.background), encoder)
@@ -168,18 +169,34 @@ class Job:
         self.quarantined = 0
         self.image_tokens = 0
 
-    def run_all(self) -> dict:
+    def _plan(self) -> list[dict]:
+        """Rank 0 fixes the unit plan and clears what a crashed attempt left; the others wait for it."""
+        if self.ranks.is_main:
+            plan_units(self.run.path / "units.json", self.source, self.family, self.job.decode)
+            removed = self.sink.remove_orphans()
+            if removed:
+                log.info("removed %d files of an earlier attempt that no manifest lists", len(removed))
+        self.coordinator = Coordinator(self.run.path, self.ranks)  # a barrier: the plan exists after it
+        return read_plan(self.run.path / "units.json")
+
+    def run_all(self) -> dict | None:
+        """Run this rank's share; rank 0 returns the job's summary, the other ranks None."""
         started = time.perf_counter()
-        units = self.source.units()
+        if (done := self.run.completed()) is not None:
+            log.info("%s is already complete: nothing to do", self.run.path)
+            return done
+        plan = self._plan()
         committed = self.sink.committed()
-        todo = [unit for unit in units if unit.unit_id not in committed]
-        self.sink.remove_orphans()
-        log.info("%d work units, %d already committed, %d to do", len(units), len(units) - len(todo), len(todo))
+        share = assign(plan, self.ranks.world)[self.ranks.rank]
+        todo = [unit for unit in share if unit.unit_id not in committed]
+        log.info("rank %d/%d: %d work units in the run, %d in this rank's share, %d to do", self.ranks.rank,
+                 self.ranks.world, len(plan), len(share), len(todo))
         stream = self._stream(todo)  # workers fork before the writer thread exists
         writer = SinkWriter(self.sink, self.job.runtime.writer_queue)
         batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
-        progress = tqdm(total=sum(u.num_rows for u in todo), unit="rec", disable=not self.job.runtime.progress,
-                        desc=f"embed {self.run.path.name}")
+        remaining = sum(e["stop"] - e["start"] for e in plan if e["unit_id"] not in committed)
+        progress = tqdm(total=remaining, unit="rec", desc=f"embed {self.run.path.name}",
+                        disable=not (self.job.runtime.progress and self.ranks.is_main))
         units_by_id = {unit.unit_id: unit for unit in todo}
         try:
             for item in stream:
@@ -192,10 +209,23 @@ class Job:
                 elif (batch := batcher.add(item)) is not None:
                     self._emit(writer, progress, units_by_id, *self.on_device.encode(batch))
             self._emit(writer, progress, units_by_id, *self.on_device.encode(batcher.flush()))
+            writer.close()
+            self.coordinator.done({"rank": self.ranks.rank, "records": self.seen, "image_tokens": self.image_tokens})
+            if not self.ranks.is_main:
+                return None
+            stats = self.coordinator.wait_for_all(on_tick=lambda: self._show(progress))
+            self._show(progress)
         finally:
             progress.close()
             writer.close()
-        return self.run.finish(units, time.perf_counter() - started, self.seen, self.image_tokens)
+        return self.run.finish([entry["unit_id"] for entry in plan], time.perf_counter() - started,
+                               sum(s["records"] for s in stats), sum(s["image_tokens"] for s in stats))
+
+    def _show(self, progress) -> None:
+        """Rank 0's bar shows every rank's records, read from their progress files."""
+        if self.ranks.is_main:
+            progress.n = self.coordinator.records_done()
+            progress.refresh()
 
     def _stream(self, todo: list[WorkUnit]):
         dataset = PreparedStream(self.source, todo, self.family, self.job)
@@ -224,7 +254,8 @@ class Job:
         self.image_tokens += sum(row["num_image_tokens"] for _, row in rows)
         self.seen += len(rows) + len(quarantined)
         self.quarantined += len(quarantined)
-        progress.update(len(rows) + len(quarantined))
+        self.coordinator.report(self.seen)
+        self._show(progress)
         self._check_quarantine_fraction()
 
     def _check_quarantine_fraction(self) -> None:
@@ -235,8 +266,12 @@ class Job:
                              "committed units are kept, see quarantine/ for the reasons")
 
 
-def run_job(job: JobConfig, run_dir: Path) -> dict:
-    return Job(job, run_dir).run_all()
+def run_job(job: JobConfig, run_dir: Path) -> dict | None:
+    runner = Job(job, run_dir)
+    try:
+        return runner.run_all()
+    finally:
+        runner.ranks.close()
 
 
 def summarize(summary: dict) -> str:

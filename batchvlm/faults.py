@@ -1,12 +1,18 @@
 """Fault points for crash-safety tests: `BATCHVLM_FAULTS="point=value,point=value"`.
 
-Production code calls `fault(point)` at the few places a test must be able to break; with the
-variable unset (always, outside tests) it returns None and costs a dict lookup.
+Production code calls `fault(point)` or `crash_point(point)` at the few places a test must be able
+to break; with the variable unset (always, outside tests) they return at once.
+
+- `decode.crash=<sha256 prefix>` / `decode.hang=<sha256 prefix>`: the decoder child aborts / hangs on that image.
+- `crash.<point>=<n>`: the process exits with status 137 (as if SIGKILLed) the n-th time it reaches <point>.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
+
+_hits: Counter = Counter()
 
 
 def _parse(spec: str) -> dict[str, str]:
@@ -15,4 +21,14 @@ def _parse(spec: str) -> dict[str, str]:
 
 
 def fault(point: str) -> str | None:
-    return _parse(os.environ.get("BATCHVLM_FAULTS", "")).get(point)
+    spec = os.environ.get("BATCHVLM_FAULTS")
+    return _parse(spec).get(point) if spec else None
+
+
+def crash_point(point: str) -> None:
+    target = fault(f"crash.{point}")
+    if target is None:
+        return
+    _hits[point] += 1
+    if _hits[point] == int(target):
+        os._exit(137)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import shutil
 
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from omegaconf import OmegaConf
 
 import batchvlm
 from batchvlm.config import ConfigError, JobConfig
+from batchvlm.faults import crash_point
 from batchvlm.sink import durable_write, durable_write_json
 
 
@@ -35,7 +37,7 @@ def config_digest(checkpoint: Path) -> str:
 
 
 class RunDir:
-    def __init__(self, path: Path, job: JobConfig, family, encoder):
+    def __init__(self, path: Path, job: JobConfig, family, encoder, ranks):
         self.path = path
         self.job = job
         self.family = family
@@ -55,52 +57,66 @@ class RunDir:
         # Round-trip through JSON so the comparison with a stored fingerprint sees the same types.
         self.fingerprint = json.loads(json.dumps(fingerprint, sort_keys=True))
         self.fingerprint_digest = hashlib.sha256(json.dumps(self.fingerprint, sort_keys=True).encode()).hexdigest()
-        self._open()
-
-    def _open(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        existing = self.path / "fingerprint.json"
-        if existing.exists():
-            previous = json.loads(existing.read_text())
-            if previous != self.fingerprint:
-                raise ConfigError(f"{self.path} was written with another fingerprint ({_differences(previous, self.fingerprint)}); "
-                                  "use another run_name=... for a new run, or delete the directory")
-        else:
-            durable_write_json(existing, self.fingerprint)
+        if ranks.is_main:
+            self._claim()
+        ranks.barrier()
+        self._check_fingerprint()
+
+    def _claim(self) -> None:
+        """Rank 0 writes the fingerprint and the starting config of a new run directory."""
+        self._check_fingerprint()
+        if not (self.path / "fingerprint.json").exists():
+            durable_write_json(self.path / "fingerprint.json", self.fingerprint)
         if not (self.path / "config.yaml").exists():  # the config that started the run; restarts log theirs
             resolved = OmegaConf.to_yaml(OmegaConf.structured(self.job))
             durable_write(self.path / "config.yaml", lambda tmp: tmp.write_text(resolved))
+
+    def _check_fingerprint(self) -> None:
+        existing = self.path / "fingerprint.json"
+        if existing.exists() and (previous := json.loads(existing.read_text())) != self.fingerprint:
+            raise ConfigError(f"{self.path} was written with another fingerprint "
+                              f"({_differences(previous, self.fingerprint)}); "
+                              "use another run_name=... for a new run, or delete the directory")
 
     def schema_metadata(self, hidden_size: int) -> dict[str, str]:
         return {"batchvlm.family": self.family.name, "batchvlm.hidden_size": str(hidden_size),
                 "batchvlm.embed_dtype": self.job.output.embed_dtype, "batchvlm.embedding": self.job.model.embedding,
                 "batchvlm.fingerprint": self.fingerprint_digest, "batchvlm.version": batchvlm.__version__}
 
-    def finish(self, units, seconds: float, records_seen: int, image_tokens: int) -> dict:
+    def completed(self) -> dict | None:
+        """The totals of a finished run (its `_SUCCESS`), or None."""
+        marker = self.path / "_SUCCESS"
+        return json.loads(marker.read_text()) if marker.exists() else None
+
+    def finish(self, unit_ids: list[str], seconds: float, records_seen: int, image_tokens: int) -> dict:
+        """Rank 0, after every rank is done: merged totals, and `_SUCCESS` if every unit is committed."""
         manifests = {}
-        for unit in units:
-            file = self.path / "manifest" / f"{unit.unit_id}.json"
+        for unit_id in unit_ids:
+            file = self.path / "manifest" / f"{unit_id}.json"
             if file.exists():
-                manifests[unit.unit_id] = json.loads(file.read_text())
+                manifests[unit_id] = json.loads(file.read_text())
         by_check: dict[str, int] = {}
         for manifest in manifests.values():
             for check, count in manifest["checks"].items():
                 by_check[check] = by_check.get(check, 0) + count
         summary = {
             "run_dir": str(self.path),
-            "units": len(units), "units_committed": len(manifests),
+            "units": len(unit_ids), "units_committed": len(manifests),
             "records_in": sum(m["records_in"] for m in manifests.values()),
             "written": sum(m["written"] for m in manifests.values()),
             "quarantined": sum(m["quarantined"] for m in manifests.values()),
             "by_check": by_check,
-            "complete": len(manifests) == len(units),
+            "complete": len(manifests) == len(unit_ids),
             "seconds": seconds,
             "records_per_s": records_seen / seconds if seconds else 0.0,
             "tokens_per_s": image_tokens / seconds if seconds else 0.0,
             "host": platform.node(),
         }
         if summary["complete"] and not (self.path / "_SUCCESS").exists():
+            crash_point("finish.before_success")
             durable_write_json(self.path / "_SUCCESS", summary)
+            shutil.rmtree(self.path / "ranks", ignore_errors=True)  # per-attempt rank state, no longer needed
         return summary
 
 

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchvlm.assemble import DATA_SCHEMA, QUARANTINE_SCHEMA
+from batchvlm.faults import crash_point
 from batchvlm.records import WorkUnit
 
 TMP_MARK = ".tmp-"
@@ -37,6 +38,7 @@ def durable_write(path: Path, write) -> None:
     """Write via `write(tmp_path)` to a temporary name beside `path`, fsync, rename, fsync the directory."""
     tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
     write(tmp)
+    crash_point("commit.before_rename")
     with open(tmp, "rb+") as handle:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
@@ -70,8 +72,9 @@ class OpenUnit:
 class RunSink:
     """Owns the run directory's data/, quarantine/ and manifest/ folders."""
 
-    def __init__(self, run_dir: Path, metadata: dict[str, str], compression: str):
+    def __init__(self, run_dir: Path, metadata: dict[str, str], compression: str, rank: int = 0):
         self.run_dir = run_dir
+        self.rank = rank
         self.metadata = {k.encode(): v.encode() for k, v in metadata.items()}
         self.compression = None if compression == "none" else compression
         for name in ("data", "quarantine", "manifest"):
@@ -88,9 +91,11 @@ class RunSink:
         return {path.stem for path in (self.run_dir / "manifest").glob("*.json")}
 
     def remove_orphans(self) -> list[Path]:
-        """Temporary files of a crashed attempt: never listed by a manifest, safe to delete."""
+        """What a crashed attempt left: temporary files, and shards renamed into place whose manifest
+        never landed. No manifest lists them, so no reader trusts them; their units are redone."""
+        committed = self.committed()
         orphans = [p for name in ("data", "quarantine", "manifest") for p in (self.run_dir / name).iterdir()
-                   if TMP_MARK in p.name]
+                   if TMP_MARK in p.name or (name != "manifest" and p.stem not in committed)]
         for path in orphans:
             path.unlink(missing_ok=True)
         return orphans
@@ -124,10 +129,11 @@ class RunSink:
             "data": self._write_shard("data", unit.unit_id, rows, DATA_SCHEMA),
             "quarantine": self._write_shard("quarantine", unit.unit_id, quarantined, QUARANTINE_SCHEMA),
         }
+        crash_point("commit.before_manifest")
         checks = Counter(row["check"] for row in quarantined)
         manifest = {"unit": unit.unit_id, "source": unit.source, "start": unit.start, "stop": unit.stop,
                     "records_in": state.expected, "written": len(rows), "quarantined": len(quarantined),
-                    "checks": dict(sorted(checks.items())), "files": files}
+                    "checks": dict(sorted(checks.items())), "files": files, "rank": self.rank}
         durable_write_json(self.manifest_path(unit.unit_id), manifest)
         self.totals.update(records_in=state.expected, written=len(rows), quarantined=len(quarantined))
         self.by_check.update(checks)
@@ -164,8 +170,9 @@ class SinkWriter:
         self.queue.put(task)
 
     def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join()
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:

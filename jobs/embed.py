@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
@@ -18,7 +17,6 @@ from batchvlm.driver import JobAborted, run_job, summarize
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 register_schemas()
-log = logging.getLogger("batchvlm")
 
 
 @hydra.main(config_path="../conf", config_name="embed", version_base=None)
@@ -29,9 +27,10 @@ def main(cfg: DictConfig) -> None:
         job = to_job_config(cfg)
         summary = run_job(job, Path(HydraConfig.get().runtime.output_dir))
     except (ConfigError, JobAborted) as error:
-        log.error("%s", error)
+        print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    print(summarize(summary))
+    if summary is not None:  # rank 0 speaks for the job
+        print(summarize(summary))
 
 
 if __name__ == "__main__":
