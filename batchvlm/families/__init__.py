@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.layouts import PatchLayout
 from batchvlm.records import ImagePlan
 
 
@@ -28,6 +29,7 @@ class Family(Protocol):
     resample: str  # torch interpolate mode of the family's processor
     image_mean: tuple[float, float, float]
     image_std: tuple[float, float, float]
+    layout: PatchLayout  # the row layout every preprocessing backend writes
 
     def plan(self, height: int, width: int) -> ImagePlan:
         """Resized size, padded size, grid and token count of an image, by the family's size rule."""

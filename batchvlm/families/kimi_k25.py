@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.layouts import RASTER_CHW, PatchLayout
 from batchvlm.records import ImagePlan
 from batchvlm.tokens import FRAME, IMAGE
 
@@ -126,6 +127,7 @@ class KimiK25:
         self.image_mean = params.image_mean
         self.image_std = params.image_std
         self.image_token_id = _token_id(tokenizer, IMAGE_TOKEN)
+        self.layout = PatchLayout(RASTER_CHW, params.patch_size, params.merge_size)
         if framing == "k3":
             self.frame_ids = [_token_id(tokenizer, token) for token in FRAME_TOKENS]
 
@@ -148,10 +150,7 @@ class KimiK25:
 
     # -- pixels ---------------------------------------------------------------------------------
     def patchify(self, image: torch.Tensor) -> torch.Tensor:
-        c, h, w = image.shape
-        p = self.params.patch_size
-        patches = image.reshape(c, h // p, p, w // p, p).permute(1, 3, 0, 2, 4)
-        return patches.reshape(-1, c, p, p)
+        return self.layout.patchify(image)
 
     def grid_of(self, image: torch.Tensor) -> tuple[int, int, int]:
         _, h, w = image.shape

@@ -1,0 +1,50 @@
+"""Patch layouts: how a normalized image becomes the rows a family's tower takes.
+
+Three layouts cover the families (shared/reference/families.md, s1.4, s2.4, s3.2). A layout is data,
+not code in the family, so every preprocessing backend (torch ops here, Triton kernels in kernels/)
+writes the same rows from the same description.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+RASTER_CHW = "raster_chw"
+"""Kimi MoonViT: rows in raster order over (gh, gw), each row a (C, p, p) patch."""
+MERGE_WINDOW = "merge_window"
+"""Qwen2/2.5/3-VL: rows grouped by m x m merge window, each row (C, tps, p, p) flattened."""
+RASTER_HWC = "raster_hwc"
+"""SigLIP2 NaFlex: rows in raster order, each row (p, p, C) flattened (channels last)."""
+
+
+@dataclass(frozen=True)
+class PatchLayout:
+    kind: str
+    patch_size: int
+    merge_size: int = 1
+    temporal_patch_size: int = 1
+    channels: int = 3
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        c, p, tps = self.channels, self.patch_size, self.temporal_patch_size
+        if self.kind == RASTER_CHW:
+            return (c, p, p)
+        return (c * tps * p * p,)
+
+    def patchify(self, image: torch.Tensor) -> torch.Tensor:
+        """CHW image whose sides are whole patches (and merge windows, where the layout has them) -> rows."""
+        c, h, w = image.shape
+        p, m = self.patch_size, self.merge_size
+        gh, gw = h // p, w // p
+        if self.kind == RASTER_CHW:
+            return image.reshape(c, gh, p, gw, p).permute(1, 3, 0, 2, 4).reshape(gh * gw, c, p, p)
+        if self.kind == RASTER_HWC:
+            return image.reshape(c, gh, p, gw, p).permute(1, 3, 2, 4, 0).reshape(gh * gw, p * p * c)
+        tps = self.temporal_patch_size
+        # A still image is one frame repeated tps times (t = 1).
+        frames = image[None].expand(tps, c, h, w)
+        windows = frames.reshape(tps, c, gh // m, m, p, gw // m, m, p).permute(2, 5, 3, 6, 1, 0, 4, 7)
+        return windows.reshape(gh * gw, c * tps * p * p)
