@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+
+from batchvlm.checks import CATALOGUE
 
 
 class ConfigError(ValueError):
@@ -192,10 +195,35 @@ class JobConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    requeue_from: str | None = None
+    """A run directory whose quarantined records alone are re-run, re-read from the current dataset with
+    the current config; the default run_name is then `<that run's name>-requeue`."""
+    check: Any = None
+    """With requeue_from: only the records quarantined under these checks (a list, or names joined by commas)."""
 
     def __post_init__(self) -> None:
         if not self.run_name or "/" in self.run_name or self.run_name in (".", ".."):
             raise ConfigError(f"run_name={self.run_name!r} must be a plain folder name")
+        self.check = _check_names(self.check)
+        if self.check is not None and self.requeue_from is None:
+            raise ConfigError("check=... selects quarantined records to requeue; it needs requeue_from=<run dir>")
+
+
+def _check_names(value) -> list[str] | None:
+    """`check=a,b` and `check=[a,b]` alike, each a name of the check catalogue."""
+    if value is None:
+        return None
+    names = [name.strip() for name in (value.split(",") if isinstance(value, str) else value) if name.strip()]
+    unknown = [name for name in names if name not in CATALOGUE]
+    if unknown or not names:
+        raise ConfigError(f"check={value!r}: {', '.join(unknown) or 'no check named'} is not a check "
+                          f"(known: {', '.join(CATALOGUE)})")
+    return names
+
+
+def default_run_name(requeue_from: str | None, default: str) -> str:
+    """run_name's default: `<old run>-requeue` for a requeue, so it never writes into the run it reads."""
+    return f"{Path(requeue_from).name}-requeue" if requeue_from else default
 
 
 GROUPS = {
@@ -208,7 +236,8 @@ GROUPS = {
 
 
 def register_schemas() -> None:
-    """Register the schemas so that conf/*.yaml can name them in their defaults lists."""
+    """Register the schemas (so that conf/*.yaml can name them in their defaults lists) and run_name's resolver."""
+    OmegaConf.register_new_resolver("batchvlm.default_run_name", default_run_name, replace=True)
     store = ConfigStore.instance()
     store.store(name="embed_schema", node=JobConfig)
     for group, schema in GROUPS.items():

@@ -29,6 +29,7 @@ from batchvlm.families import load_family
 from batchvlm.preprocess import make_preprocessor, pack
 from batchvlm.records import (EncodedRecord, Failure, PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd,
                               WorkUnit)
+from batchvlm.requeue import RequeueSource, requeue_source, write_lineage
 from batchvlm.rundir import RunDir
 from batchvlm.sink import RunSink, SinkWriter
 from batchvlm.source import Source
@@ -156,7 +157,7 @@ class Job:
         self.job = job
         self.ranks, self.device = init_ranks(job.model.device)
         self.family = load_family(job.model)
-        self.source = Source(job.dataset)
+        self.source = requeue_source(job, run_dir) if job.requeue_from else Source(job.dataset)
         encoder = self.family.load_encoder(self.device, EMBED_DTYPES[job.model.dtype])
         self.embed_dtype = EMBED_DTYPES[job.output.embed_dtype]
         self.run = RunDir(run_dir, job, self.family, encoder, self.ranks)
@@ -173,6 +174,8 @@ class Job:
         """Rank 0 fixes the unit plan and clears what a crashed attempt left; the others wait for it."""
         if self.ranks.is_main:
             plan_units(self.run.path / "units.json", self.source, self.family, self.job.decode)
+            if isinstance(self.source, RequeueSource):
+                write_lineage(self.run.path, self.source)
             removed = self.sink.remove_orphans()
             if removed:
                 log.info("removed %d files of an earlier attempt that no manifest lists", len(removed))

@@ -1,0 +1,219 @@
+"""The failure report of a run: what was quarantined, why, and for a requeue run what the requeue fixed.
+
+The quarantine shards that the manifests list are streamed batch by batch without their image
+bytes; only counts, and the first `max_cards_per_check` rows of each check, are kept, so time and
+memory stay flat in the size of the quarantine. The images of the kept rows are read in a second
+pass, shard by shard, and turned into thumbnails (batchvlm.thumbnails). `python jobs/report.py`
+prints `summary_text` and writes `report_html.render` to `<run>/report/index.html`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from omegaconf import OmegaConf
+
+from batchvlm.assemble import QUARANTINE_SCHEMA
+from batchvlm.config import DecodeConfig, ModelConfig
+from batchvlm.reader import committed_shards
+from batchvlm.requeue import read_lineage
+from batchvlm.thumbnails import Thumbnail, Thumbnailer
+
+log = logging.getLogger("batchvlm")
+
+ROW_COLUMNS = [name for name in QUARANTINE_SCHEMA.names if name != "image_bytes"]
+BATCH_ROWS = 8192
+TOP_MESSAGES = 10
+
+
+class ReportError(ValueError):
+    """The run directory cannot be reported on; the message says why."""
+
+
+@dataclass
+class Card:
+    """One quarantined record shown in full: its quarantine row (images aside) and their thumbnails."""
+
+    row: dict
+    shard: Path
+    index: int  # row in the shard, to find its image bytes in the second pass
+    thumbnails: list[Thumbnail] = field(default_factory=list)
+
+
+@dataclass
+class RequeueOutcome:
+    """For a requeue run: where each requeued record ended up."""
+
+    requeue_from: str
+    fixed: list[dict]  # lineage entries now in data/
+    still_quarantined: list[dict]  # lineage entries with "now_check" set
+    not_found: list[dict]
+
+
+@dataclass
+class Report:
+    run_dir: Path
+    complete: bool
+    records_in: int
+    written: int
+    quarantined: int  # counted in the quarantine shards themselves
+    fallbacks: int
+    max_cards_per_check: int
+    by_check: Counter = field(default_factory=Counter)
+    by_stage: Counter = field(default_factory=Counter)
+    by_source: Counter = field(default_factory=Counter)
+    messages: Counter = field(default_factory=Counter)  # (check, message with numbers as '#') -> records
+    cards: dict[str, list[Card]] = field(default_factory=dict)
+    requeue: RequeueOutcome | None = None
+    placeholder: str = "<image>"
+
+    def cards_not_shown(self, check: str) -> int:
+        return self.by_check[check] - len(self.cards.get(check, []))
+
+
+def read_manifests(run_dir: Path) -> list[dict]:
+    if not (run_dir / "manifest").is_dir():
+        raise ReportError(f"run_dir={str(run_dir)!r} is not a batchvlm run directory (no manifest/ folder)")
+    return [json.loads(path.read_text()) for path in sorted((run_dir / "manifest").glob("*.json"))]
+
+
+def build_report(run_dir: Path, max_cards_per_check: int = 50, thumbnails: bool = True) -> Report:
+    manifests = read_manifests(run_dir)
+    success = _read_json(run_dir / "_SUCCESS")
+    report = Report(run_dir=run_dir, complete=success is not None,
+                    records_in=sum(m["records_in"] for m in manifests), written=sum(m["written"] for m in manifests),
+                    quarantined=0, fallbacks=_fallbacks(success, manifests), max_cards_per_check=max_cards_per_check)
+    config = _run_config(run_dir)
+    report.placeholder = config.get("dataset", {}).get("placeholder", report.placeholder)
+    for shard in committed_shards(run_dir, "quarantine"):
+        _scan_shard(report, shard)
+    if thumbnails:
+        _attach_thumbnails(report, config)
+    if (lineage := read_lineage(run_dir)) is not None:
+        report.requeue = _requeue_outcome(run_dir, lineage)
+    return report
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _fallbacks(success: dict | None, manifests: list[dict]) -> int:
+    """Fallbacks the preprocessing took: `_SUCCESS`'s total, else the manifests' sum, else 0."""
+    def count(value) -> int:
+        return sum(value.values()) if isinstance(value, dict) else int(value or 0)
+
+    if success is not None and "fallbacks" in success:
+        return count(success["fallbacks"])
+    return sum(count(manifest.get("fallbacks")) for manifest in manifests)
+
+
+def _run_config(run_dir: Path) -> dict:
+    path = run_dir / "config.yaml"
+    return OmegaConf.to_container(OmegaConf.load(path)) if path.exists() else {}
+
+
+def _scan_shard(report: Report, shard: Path) -> None:
+    """Count one shard batch by batch, and keep the rows that still fit under their check's card cap."""
+    offset = 0
+    for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=ROW_COLUMNS):
+        report.quarantined += batch.num_rows
+        for counter, column in ((report.by_check, "check"), (report.by_stage, "stage"), (report.by_source, "source")):
+            counter.update(_value_counts(batch.column(column)))
+        # sizes and counts differ in every message of a kind: count the kinds, with numbers as '#'
+        kinds = pc.replace_substring_regex(pc.fill_null(batch.column("message"), ""), r"\d+", "#")
+        pairs = pc.binary_join_element_wise(batch.column("check"), kinds, "\x00")
+        report.messages.update({tuple(key.split("\x00", 1)): n for key, n in _value_counts(pairs).items()})
+        shown = Counter({check: len(cards) for check, cards in report.cards.items()})
+        chosen = []
+        for index, check in enumerate(batch.column("check").to_pylist()):
+            if shown[check] < report.max_cards_per_check:
+                shown[check] += 1
+                chosen.append(index)
+        for index, row in zip(chosen, batch.take(chosen).to_pylist() if chosen else []):
+            report.cards.setdefault(row["check"], []).append(Card(row, shard, offset + index))
+        offset += batch.num_rows
+
+
+def _value_counts(column) -> dict:
+    return {item["values"].as_py(): item["counts"].as_py() for item in pc.value_counts(column)}
+
+
+def _attach_thumbnails(report: Report, config: dict) -> None:
+    cards_by_shard: dict[Path, list[Card]] = {}
+    for cards in report.cards.values():
+        for card in cards:
+            cards_by_shard.setdefault(card.shard, []).append(card)
+    if not cards_by_shard:
+        return
+    thumbnailer = Thumbnailer(DecodeConfig(**config.get("decode", {})), _planner(config))
+    try:
+        for shard, cards in cards_by_shard.items():
+            wanted = {card.index: card for card in cards}
+            offset = 0
+            for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=["image_bytes"]):
+                here = [index for index in wanted if offset <= index < offset + batch.num_rows]
+                images_here = batch.column("image_bytes").take([i - offset for i in here]).to_pylist() if here else []
+                for index, images in zip(here, images_here):
+                    card = wanted[index]
+                    paths = card.row["image_paths"] or []
+                    card.thumbnails = [thumbnailer(data, paths[i] if i < len(paths) else None, i, card.row)
+                                       for i, data in enumerate(images or [])]
+                offset += batch.num_rows
+    finally:
+        thumbnailer.close()
+
+
+def _planner(config: dict):
+    """The run's family plan (grid and tokens per image), when its family and checkpoint load here."""
+    if "model" not in config:
+        return None
+    try:
+        from batchvlm.families import load_family
+
+        return load_family(ModelConfig(**config["model"])).plan
+    except Exception as error:  # a checkpoint on another machine must not stop the report
+        log.warning("grids not shown: the run's model does not load here (%s)", error)
+        return None
+
+
+def _ids_in(run_dir: Path, kind: str, column: str) -> dict[str, str]:
+    found = {}
+    for shard in committed_shards(run_dir, kind):
+        for batch in pq.ParquetFile(shard).iter_batches(columns=["id", column]):
+            found.update(zip(batch.column("id").to_pylist(), batch.column(column).to_pylist()))
+    return found
+
+
+def _requeue_outcome(run_dir: Path, lineage: dict) -> RequeueOutcome:
+    written = _ids_in(run_dir, "data", "source")
+    quarantined = _ids_in(run_dir, "quarantine", "check")
+    fixed = [entry for entry in lineage["requeued"] if entry["id"] in written]
+    still = [{**entry, "now_check": quarantined.get(entry["id"], "not committed yet")}
+             for entry in lineage["requeued"] if entry["id"] not in written]
+    return RequeueOutcome(lineage["requeue_from"], fixed, still, lineage["not_found"])
+
+
+def summary_text(report: Report) -> str:
+    lines = [f"run: {report.run_dir}" + ("" if report.complete else "  (NOT COMPLETE: some units not committed)"),
+             f"records in: {report.records_in}  written: {report.written}  quarantined: {report.quarantined}  "
+             f"fallbacks: {report.fallbacks}"]
+    for title, counter in (("by check", report.by_check), ("by stage", report.by_stage),
+                           ("by source file", report.by_source)):
+        lines.append(f"{title}:")
+        lines += [f"  {count:>8}  {key}" for key, count in counter.most_common()]
+    lines.append("most frequent messages:")
+    lines += [f"  {count:>8}  [{check}] {message}" for (check, message), count in
+              report.messages.most_common(TOP_MESSAGES)]
+    if report.requeue is not None:
+        outcome = report.requeue
+        lines.append(f"requeued from {outcome.requeue_from}: "
+                     f"{len(outcome.fixed) + len(outcome.still_quarantined)} records, fixed: {len(outcome.fixed)}  "
+                     f"still quarantined: {len(outcome.still_quarantined)}  not found: {len(outcome.not_found)}")
+    return "\n".join(lines)

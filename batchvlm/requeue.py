@@ -1,0 +1,171 @@
+"""Requeue: run only the quarantined records of an earlier run again, read afresh from the current dataset.
+
+The earlier run's quarantine shards (those its manifests list) name each record by input file, row
+and id. Each record is found again in the dataset of the current config, by file and row where the id
+there still matches, else by id, so a text fixed in the dataset file is what runs now. The rows found
+become work units of their own, named after the rows chosen, so a requeue run resumes and commits
+exactly once like any run. `lineage.json` in the new run says where each record came from, under which
+check, and which records could no longer be found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from batchvlm.config import ConfigError, DatasetConfig, JobConfig
+from batchvlm.reader import committed_shards
+from batchvlm.records import WorkUnit
+from batchvlm.sink import durable_write_json
+from batchvlm.source import Source
+
+log = logging.getLogger("batchvlm")
+
+LINEAGE_FILE = "lineage.json"
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """Where an earlier run found a record, and the check it failed."""
+
+    id: str
+    source: str
+    row: int
+    check: str
+    stage: str
+
+
+@dataclass(frozen=True)
+class Located:
+    """A quarantined record found again: the input (by name) and row it is read from now."""
+
+    was: Quarantined
+    input: str
+    row: int
+    matched_by: str  # "row": same file and row, same id; "id": the id found elsewhere in the dataset
+
+
+def quarantined_records(run_dir: Path, checks: list[str] | None) -> list[Quarantined]:
+    """The quarantined records of a run (only those of `checks`, if given), streamed from its shards."""
+    if not (run_dir / "manifest").is_dir():
+        raise ConfigError(f"requeue_from={str(run_dir)!r} is not a batchvlm run directory (no manifest/ folder)")
+    records = []
+    for shard in committed_shards(run_dir, "quarantine"):
+        for batch in pq.ParquetFile(shard).iter_batches(columns=["id", "source", "row", "check", "stage"]):
+            records += [Quarantined(**row) for row in batch.to_pylist() if checks is None or row["check"] in checks]
+    return records
+
+
+def _ids_of(source: Source, name: str) -> list[str | None]:
+    """The id of every row of one input, as the job reads it (None where the id is empty)."""
+    item = source.inputs[name]
+    if source.cfg.id_column in item.dataset.column_names:  # one column, not the images
+        return [None if value is None or str(value) == "" else str(value) for value in item.dataset[source.cfg.id_column]]
+    whole = WorkUnit(name, name, 0, len(item.dataset))
+    return [record.id for record in source.records(whole)]
+
+
+def locate(source: Source, wanted: list[Quarantined]) -> tuple[list[Located], list[Quarantined]]:
+    """Find each wanted record in the current dataset: by file and row with the same id, else by id."""
+    by_location = {os.path.realpath(item.location): name for name, item in source.inputs.items()}
+    ids = {name: _ids_of(source, name) for name in source.inputs}
+    by_id: dict[str, tuple[str, int]] = {}
+    for name, column in ids.items():
+        for row, record_id in enumerate(column):
+            by_id.setdefault(record_id, (name, row))
+    found, missing, taken = [], [], set()
+    for record in wanted:
+        name = by_location.get(os.path.realpath(record.source))
+        same_row = name is not None and record.row < len(ids[name]) and (
+            ids[name][record.row] == record.id
+            or record.check == "source.missing_id")  # it had no id to compare: the row is all there is
+        place = ((name, record.row), "row") if same_row else (by_id.get(record.id), "id")
+        if place[0] is None or place[0] in taken:
+            missing.append(record)
+            continue
+        taken.add(place[0])
+        found.append(Located(record, place[0][0], place[0][1], place[1]))
+    return found, missing
+
+
+class RequeueSource(Source):
+    """The current dataset narrowed to the rows that an earlier run quarantined, in input order.
+
+    Records keep their input file, row and id; units are runs of `dataset.unit_size` chosen rows whose
+    ids carry a digest of the rows, so a changed selection can never resume into the old plan.
+    """
+
+    def __init__(self, cfg: DatasetConfig, run_dir: Path, checks: list[str] | None):
+        super().__init__(cfg)  # duplicates are found over the whole dataset, not just the chosen rows
+        self.from_run, self.checks = run_dir.resolve(), checks
+        wanted = quarantined_records(run_dir, checks)
+        if not wanted:
+            raise ConfigError(f"nothing to requeue: {run_dir} has no quarantined records"
+                              + (f" under check={','.join(checks)}" if checks else ""))
+        self.found, self.not_found = locate(self, wanted)
+        if not self.found:
+            raise ConfigError(f"none of the {len(wanted)} quarantined records of {run_dir} is in the current dataset "
+                              f"(dataset.kind={cfg.kind}, dataset.path={cfg.path}); requeue with the dataset "
+                              f"overrides of the original run (see {run_dir / 'config.yaml'})")
+        self.rows: dict[str, list[int]] = {}
+        for located in self.found:
+            self.rows.setdefault(located.input, []).append(located.row)
+        for name, rows in self.rows.items():
+            rows.sort()
+            self.inputs[name].dataset = self.inputs[name].dataset.select(rows)
+
+    def units(self) -> list[WorkUnit]:
+        size = self.cfg.unit_size
+        units = []
+        for name, rows in self.rows.items():
+            digest = hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:8]
+            units += [WorkUnit(f"{name}-requeue-{digest}-{start:08d}-{min(start + size, len(rows)):08d}", name, start,
+                               min(start + size, len(rows))) for start in range(0, len(rows), size)]
+        return units
+
+    def records(self, unit: WorkUnit):
+        rows = self.rows[unit.source]
+        for record in super().records(unit):
+            record.row = rows[record.row]  # the row in the input file, as the first run knew it
+            yield record
+
+    def lineage(self) -> dict:
+        return {
+            "requeue_from": str(self.from_run),
+            "checks": self.checks,
+            "requeued": [{"id": located.was.id, "check": located.was.check, "stage": located.was.stage,
+                          "from_source": located.was.source, "from_row": located.was.row,
+                          "source": self.inputs[located.input].location, "row": located.row,
+                          "matched_by": located.matched_by} for located in self.found],
+            "not_found": [asdict(record) for record in self.not_found],
+        }
+
+
+def requeue_source(job: JobConfig, run_dir: Path) -> RequeueSource:
+    """The source of a requeue run; refuses to write the new run into the run it reads."""
+    from_run = Path(job.requeue_from)
+    if from_run.resolve() == run_dir.resolve():
+        raise ConfigError(f"requeue_from={job.requeue_from!r} is the run directory of this job; "
+                          "give the requeue another run_name=...")
+    source = RequeueSource(job.dataset, from_run, job.check)
+    log.info("requeue of %s: %d quarantined records found in the current dataset, %d not found", from_run,
+             len(source.found), len(source.not_found))
+    for record in source.not_found:
+        log.warning("not requeued: %s (%s, row %d, %s) is no longer in the dataset", record.id, record.source,
+                    record.row, record.check)
+    return source
+
+
+def write_lineage(run_dir: Path, source: RequeueSource) -> None:
+    durable_write_json(run_dir / LINEAGE_FILE, source.lineage())
+
+
+def read_lineage(run_dir: Path) -> dict | None:
+    path = run_dir / LINEAGE_FILE
+    return json.loads(path.read_text()) if path.exists() else None

@@ -1,0 +1,35 @@
+"""`python jobs/report.py run_dir=outputs/<run>`: the failure summary in the terminal and
+`<run>/report/index.html`, one self-contained page (see README.md, "Reviewing failures")."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from batchvlm.report import ReportError, build_report, summary_text
+from batchvlm.report_html import render
+
+
+@hydra.main(config_path="../conf", config_name="report", version_base=None)
+def main(cfg: DictConfig) -> None:
+    if cfg.max_cards_per_check < 0:
+        print(f"error: max_cards_per_check={cfg.max_cards_per_check} must be >= 0", file=sys.stderr)
+        sys.exit(2)
+    run_dir = Path(cfg.run_dir)
+    try:
+        report = build_report(run_dir, cfg.max_cards_per_check)
+    except ReportError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    page = run_dir / "report" / "index.html"
+    page.parent.mkdir(exist_ok=True)
+    page.write_text(render(report), encoding="utf-8")
+    print(summary_text(report))
+    print(f"page: {page}")
+
+
+if __name__ == "__main__":
+    main()
