@@ -6,6 +6,7 @@ import pyarrow as pa
 import torch
 
 from batchvlm.checks import require
+from batchvlm.encode import EXTRA_OUTPUTS
 from batchvlm.records import EncodedRecord, QuarantinedRecord, SourceRecord
 
 EMBED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -27,6 +28,12 @@ DATA_SCHEMA = pa.schema([
     ("image_num_tokens", pa.list_(pa.int32())),
     ("num_image_tokens", pa.int32()),
     ("image_embeds", pa.large_binary()),
+    # Null where the family has no such output (see encode.EXTRA_OUTPUTS and Family.positions).
+    ("tower_embeds", pa.large_binary()),
+    ("pooled_embeds", pa.large_binary()),
+    ("deepstack_embeds", pa.large_binary()),
+    ("position_ids", pa.list_(pa.list_(pa.int32()), 3)),
+    ("rope_delta", pa.int32()),
 ])
 
 QUARANTINE_SCHEMA = pa.schema([
@@ -60,7 +67,7 @@ def embed_bytes(embeds: list[torch.Tensor], dtype: torch.dtype, hidden_size: int
     return data
 
 
-def data_row(encoded: EncodedRecord, dtype: torch.dtype, hidden_size: int) -> dict:
+def data_row(encoded: EncodedRecord, dtype: torch.dtype, hidden_sizes: dict[str, int]) -> dict:
     record = encoded.prepared
     layout = record.layout
     require(len(layout.token_tags) == len(layout.input_ids), "assemble.token_tags",
@@ -81,7 +88,11 @@ def data_row(encoded: EncodedRecord, dtype: torch.dtype, hidden_size: int) -> di
         "image_sha256": [image.sha256 for image in record.images],
         "image_num_tokens": [plan.num_tokens for plan in plans],
         "num_image_tokens": sum(plan.num_tokens for plan in plans),
-        "image_embeds": embed_bytes(encoded.image_embeds, dtype, hidden_size),
+        "image_embeds": embed_bytes(encoded.image_embeds, dtype, hidden_sizes["image_embeds"]),
+        **{name: embed_bytes(encoded.extras[name], dtype, hidden_sizes[name]) if name in encoded.extras else None
+           for name in EXTRA_OUTPUTS},
+        "position_ids": layout.position_ids.tolist() if layout.position_ids is not None else None,
+        "rope_delta": layout.rope_delta,
     }
 
 

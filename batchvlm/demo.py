@@ -20,6 +20,8 @@ from batchvlm.config import ModelConfig
 DEMO_VERSION = "v1"
 MEDIA_TOKENS = ["<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
                 "<|kimi_k25_video_placeholder|>"]
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+SIGLIP_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
 
 
 def home() -> Path:
@@ -109,7 +111,7 @@ def demo_dataset() -> Path:
 
 
 # -- tiny checkpoints --------------------------------------------------------------------------
-def build_tokenizer(texts: list[str]):
+def build_tokenizer(texts: list[str], media_tokens: list[str]):
     """A small byte-level BPE with the family's special tokens, trained on the demo captions."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -117,12 +119,12 @@ def build_tokenizer(texts: list[str]):
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    specials = ["[PAD]", "[BOS]", "[EOS]"] + MEDIA_TOKENS
+    specials = ["[PAD]", "[BOS]", "[EOS]"] + media_tokens
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     core.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", bos_token="[BOS]",
-                                   eos_token="[EOS]", additional_special_tokens=MEDIA_TOKENS)
+                                   eos_token="[EOS]", additional_special_tokens=media_tokens)
 
 
 def _caption_corpus() -> list[str]:
@@ -134,7 +136,7 @@ def _write_kimi_k25(folder: Path) -> None:
     import torch
     from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration, Kimi_K25ImageProcessor
 
-    tokenizer = build_tokenizer(_caption_corpus())
+    tokenizer = build_tokenizer(_caption_corpus(), MEDIA_TOKENS)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in MEDIA_TOKENS}
     config = Kimi_K25Config(
         text_config=dict(model_type="deepseek_v3", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
@@ -156,7 +158,43 @@ def _write_kimi_k25(folder: Path) -> None:
                            size={"max_height": 512, "max_width": 512}).save_pretrained(folder)
 
 
-TINY_CHECKPOINTS = {"kimi_k25": _write_kimi_k25}
+def _write_qwen2_vl(folder: Path) -> None:
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    tokenizer = build_tokenizer(_caption_corpus(), QWEN_TOKENS)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_TOKENS}
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, embed_dim=32, num_heads=2, hidden_size=64, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).eval().save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    # A small max_pixels keeps the demo fast on a CPU and sends its larger photos down the shrinking branch.
+    Qwen2VLImageProcessor(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 256}).save_pretrained(folder)
+
+
+def _write_siglip2(folder: Path) -> None:
+    import torch
+    from transformers import Siglip2ImageProcessor, Siglip2VisionConfig, Siglip2VisionModel
+
+    tokenizer = build_tokenizer(_caption_corpus(), SIGLIP_TOKENS)
+    config = Siglip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 patch_size=16, num_patches=256, vision_use_head=True)
+    torch.manual_seed(0)
+    Siglip2VisionModel(config).eval().save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    Siglip2ImageProcessor(patch_size=16, max_num_patches=256).save_pretrained(folder)
+
+
+TINY_CHECKPOINTS = {"kimi_k25": _write_kimi_k25, "qwen2_vl": _write_qwen2_vl, "siglip2": _write_siglip2}
 
 
 def tiny_checkpoint(family: str) -> Path:

@@ -5,7 +5,18 @@ from __future__ import annotations
 import torch
 
 from batchvlm.checks import CheckFailed, require
-from batchvlm.records import EncodedRecord, PackedBatch
+from batchvlm.records import EncodedRecord, ImagePlan, PackedBatch
+
+EXTRA_OUTPUTS = {
+    "tower_embeds": "the tower's features before the projector, grouped per LLM token (model.embedding=both)",
+    "pooled_embeds": "one pooled vector per image (SigLIP2's attention-pooling head)",
+    "deepstack_embeds": "Qwen3-VL deepstack features per LLM token, the layers concatenated along hidden",
+}
+"""Outputs an encoder may return beside `image_embeds`; each is stored in its own column."""
+
+
+def expected_rows(name: str, plan: ImagePlan) -> int:
+    return 1 if name == "pooled_embeds" else plan.num_tokens
 
 
 def cu_seqlens_of(grid_thw: torch.Tensor) -> torch.Tensor:
@@ -25,30 +36,33 @@ def check_packing(batch: PackedBatch) -> None:
 
 def encode_batch(encoder, batch: PackedBatch) -> list[EncodedRecord]:
     check_packing(batch)
-    outputs = encoder(batch.pixel_values, batch.grid_thw)
+    outputs = encoder(batch.pixel_values, batch.grid_thw)  # {output name: one tensor per image}
     encoded, cursor = [], 0
     for record in batch.records:
-        embeds = outputs[cursor:cursor + len(record.plans)]
+        mine = {name: tensors[cursor:cursor + len(record.plans)] for name, tensors in outputs.items()}
         cursor += len(record.plans)
         try:
-            check_outputs(record.plans, embeds, encoder.hidden_size)
+            for name, tensors in mine.items():
+                check_outputs(name, record.plans, tensors, encoder.hidden_sizes[name])
         except CheckFailed as failure:
             failure.record = record
             raise
-        encoded.append(EncodedRecord(prepared=record, image_embeds=embeds))
-    require(cursor == len(outputs), "encode.output_tokens", "the tower returned a different number of images",
-            expected=cursor, observed=len(outputs))
+        embeds = mine.pop("image_embeds")
+        encoded.append(EncodedRecord(prepared=record, image_embeds=embeds, extras=mine))
+    for name, tensors in outputs.items():
+        require(cursor == len(tensors), "encode.output_tokens", f"the tower returned {name} for a different number "
+                "of images", expected=cursor, observed=len(tensors))
     return encoded
 
 
-def check_outputs(plans, embeds: list[torch.Tensor], hidden_size: int) -> None:
-    require(len(embeds) == len(plans), "encode.output_tokens", "the tower returned a different number of images",
-            expected=len(plans), observed=len(embeds))
+def check_outputs(name: str, plans: list[ImagePlan], embeds: list[torch.Tensor], hidden_size: int) -> None:
+    require(len(embeds) == len(plans), "encode.output_tokens", f"the tower returned {name} for a different number "
+            "of images", expected=len(plans), observed=len(embeds))
     for index, (plan, embed) in enumerate(zip(plans, embeds)):
-        require(tuple(embed.shape) == (plan.num_tokens, hidden_size), "encode.output_tokens",
-                f"image {index}: the tower produced {tuple(embed.shape)}, the plan expects "
-                f"({plan.num_tokens}, {hidden_size})", expected=(plan.num_tokens, hidden_size),
-                observed=tuple(embed.shape), image_index=index)
+        shape = (expected_rows(name, plan), hidden_size)
+        require(tuple(embed.shape) == shape, "encode.output_tokens",
+                f"image {index}: the tower produced {name} of shape {tuple(embed.shape)}, the plan expects {shape}",
+                expected=shape, observed=tuple(embed.shape), image_index=index)
         finite = torch.isfinite(embed)
-        require(bool(finite.all()), "encode.finite", f"image {index}: {int((~finite).sum())} NaN/Inf values",
-                expected="all finite", observed=f"{int((~finite).sum())} non-finite", image_index=index)
+        require(bool(finite.all()), "encode.finite", f"image {index}: {int((~finite).sum())} NaN/Inf values in "
+                f"{name}", expected="all finite", observed=f"{int((~finite).sum())} non-finite", image_index=index)

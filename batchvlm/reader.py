@@ -12,6 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from batchvlm.encode import EXTRA_OUTPUTS
+
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -23,6 +25,9 @@ class RecordTensors:
     grid_thw: torch.Tensor  # [n_images, 3] int64
     image_spans: torch.Tensor  # [n_images, 2] int64: (start, length)
     token_tags: torch.Tensor  # [seq] int8
+    extras: dict[str, torch.Tensor]  # tower_embeds / deepstack_embeds [n_tokens, h], pooled_embeds [n_images, h]
+    position_ids: torch.Tensor | None  # [3, seq] int64 M-RoPE positions (Qwen), else None
+    rope_delta: int | None
 
     def image_token_positions(self) -> torch.Tensor:
         """Sequence positions of the image tokens, in the order of the rows of image_embeds."""
@@ -33,6 +38,22 @@ class RecordTensors:
 def embedding_layout(schema: pa.Schema) -> tuple[torch.dtype, int]:
     meta = schema.metadata or {}
     return _DTYPES[meta[b"batchvlm.embed_dtype"].decode()], int(meta[b"batchvlm.hidden_size"])
+
+
+def _hidden_size(schema: pa.Schema, name: str) -> int | None:
+    value = (schema.metadata or {}).get(f"batchvlm.hidden_size.{name}".encode())
+    return int(value) if value is not None else None
+
+
+def _embeddings(table: pa.Table, name: str, index: int, dtype: torch.dtype, hidden: int) -> torch.Tensor:
+    """One row's embedding column as a [rows, hidden] view on the Arrow buffer (no copy)."""
+    blob = _value_buffer(table.column(name), index)
+    if blob.size == 0:
+        return torch.zeros((0, hidden), dtype=dtype)
+    with warnings.catch_warnings():
+        # Arrow buffers are read-only; the tensor is a view on them, which is the point.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(memoryview(blob), dtype=dtype).view(-1, hidden)
 
 
 def _value_buffer(column: pa.ChunkedArray, index: int) -> pa.Buffer:
@@ -50,22 +71,21 @@ def tensors_of(table: pa.Table, index: int) -> RecordTensors:
     """Row `index` of a data shard as tensors; image_embeds is a view on the Arrow buffer."""
     dtype, hidden = embedding_layout(table.schema)
     column = lambda name: table.column(name)[index]  # noqa: E731
-    blob = _value_buffer(table.column("image_embeds"), index)
-    if blob.size == 0:
-        embeds = torch.zeros((0, hidden), dtype=dtype)
-    else:
-        with warnings.catch_warnings():
-            # Arrow buffers are read-only; the tensor is a view on them, which is the point.
-            warnings.simplefilter("ignore", UserWarning)
-            embeds = torch.frombuffer(memoryview(blob), dtype=dtype).view(-1, hidden)
+    extras = {name: _embeddings(table, name, index, dtype, size) for name in EXTRA_OUTPUTS
+              if name in table.column_names and column(name).is_valid
+              and (size := _hidden_size(table.schema, name)) is not None}
+    positions = column("position_ids").as_py() if "position_ids" in table.column_names else None
     spans = [(s["start"], s["length"]) for s in column("image_spans").as_py()]
     return RecordTensors(
         id=column("id").as_py(),
         input_ids=torch.tensor(column("input_ids").as_py(), dtype=torch.int64),
-        image_embeds=embeds,
+        image_embeds=_embeddings(table, "image_embeds", index, dtype, hidden),
         grid_thw=torch.tensor(column("grid_thw").as_py(), dtype=torch.int64).reshape(-1, 3),
         image_spans=torch.tensor(spans, dtype=torch.int64).reshape(-1, 2),
         token_tags=torch.tensor(column("token_tags").as_py(), dtype=torch.int8),
+        extras=extras,
+        position_ids=torch.tensor(positions, dtype=torch.int64) if positions is not None else None,
+        rope_delta=column("rope_delta").as_py() if "rope_delta" in table.column_names else None,
     )
 
 

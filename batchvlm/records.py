@@ -84,6 +84,8 @@ class TokenLayout:
     input_ids: list[int]
     image_spans: list[tuple[int, int]]  # (start, length) per image, in image order
     token_tags: list[int]
+    position_ids: np.ndarray | None = None  # [3, seq] M-RoPE positions, for families that use them
+    rope_delta: int | None = None  # max position + 1 - seq: where decoding continues
 
 
 @dataclass
@@ -104,6 +106,8 @@ class PreparedRecord:
 class EncodedRecord:
     prepared: PreparedRecord
     image_embeds: list[torch.Tensor]  # one [num_tokens_i, hidden] tensor per image
+    extras: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    """Further outputs per image where the family has them (see encode.EXTRA_OUTPUTS)."""
 
 
 @dataclass

@@ -62,3 +62,17 @@ def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family) ->
                 f"span of image {index} has {length} tokens, its plan has {plan.num_tokens}",
                 expected=plan.num_tokens, observed=length, image_index=index)
     return TokenLayout(input_ids=input_ids, image_spans=spans, token_tags=tags)
+
+
+def attach_positions(layout: TokenLayout, plans: list[ImagePlan], family) -> None:
+    """The family's position ids (M-RoPE), checked against the sequence they must cover."""
+    found = family.positions(layout, plans)
+    if found is None:
+        return
+    positions, delta = found
+    seq = len(layout.input_ids)
+    require(positions.shape == (3, seq), "text.position_ids", f"position ids of shape {positions.shape} for a "
+            f"sequence of {seq} tokens", expected=(3, seq), observed=positions.shape)
+    require(delta == int(positions.max()) + 1 - seq, "text.position_ids", "rope delta must be max position + 1 - "
+            "sequence length", expected=int(positions.max()) + 1 - seq, observed=delta)
+    layout.position_ids, layout.rope_delta = positions, delta

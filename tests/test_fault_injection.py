@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from batchvlm.config import ChecksConfig, JobConfig, ModelConfig, OutputConfig, RuntimeConfig
+from batchvlm.config import ChecksConfig, JobConfig, ModelConfig, OutputConfig, PreprocessConfig, RuntimeConfig
 from batchvlm.driver import Job, JobAborted
 
 TARGET = "rocket_strip"  # shares a packed batch with other records; its grid (1, 6, 46) is unique in the demo
@@ -21,8 +21,11 @@ TARGET_GRID = (1, 6, 46)
 
 
 def job_config(root: Path, name: str, **model) -> JobConfig:
+    # fallback=quarantine: the planted preprocess faults must reach quarantine, not the CPU fallback
+    # (tests/test_preprocess_fallback.py covers that path).
     return JobConfig(run_name=name, model=ModelConfig(**model), output=OutputConfig(root=str(root)),
-                     runtime=RuntimeConfig(num_workers=0, progress=False), checks=ChecksConfig(max_quarantine_fraction=1))
+                     runtime=RuntimeConfig(num_workers=0, progress=False), checks=ChecksConfig(max_quarantine_fraction=1),
+                     preprocess=PreprocessConfig(fallback="quarantine"))
 
 
 def rows_of(run_dir: Path, kind: str) -> dict[str, dict]:
@@ -89,9 +92,10 @@ class EncoderPlant(Wrapped):
 
     def __call__(self, pixel_values, grid_thw):
         outputs = self.inner(pixel_values, grid_thw)
+        embeds = outputs["image_embeds"]
         for index, grid in enumerate(grid_thw.tolist()):
             if tuple(grid) == TARGET_GRID:
-                outputs[index] = self.change(outputs[index])
+                embeds[index] = self.change(embeds[index])
         return outputs
 
 

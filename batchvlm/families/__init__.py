@@ -5,7 +5,10 @@ Adding a family means adding one module here, one entry in `FAMILIES` and one co
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -13,14 +16,16 @@ import torch
 
 from batchvlm.config import ConfigError, ModelConfig
 from batchvlm.layouts import PatchLayout
-from batchvlm.records import ImagePlan
+from batchvlm.records import ImagePlan, TokenLayout
 
 
 class Encoder(Protocol):
-    hidden_size: int
+    hidden_size: int  # of image_embeds
+    hidden_sizes: dict[str, int]  # of every output it returns
 
-    def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-        """Run the tower on a packed batch; return one [num_tokens_i, hidden] tensor per image."""
+    def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        """Run the tower on a packed batch; return per output name (`image_embeds` and any of
+        encode.EXTRA_OUTPUTS) one tensor per image: [num_tokens_i, hidden], pooled ones [1, hidden]."""
 
 
 class Family(Protocol):
@@ -52,11 +57,89 @@ class Family(Protocol):
     def load_encoder(self, device: torch.device, dtype: torch.dtype) -> Encoder:
         """The tower (and projector where the checkpoint has one) from the local checkpoint."""
 
+    def positions(self, layout: TokenLayout, plans: list[ImagePlan]) -> tuple[np.ndarray, int] | None:
+        """Position ids [3, seq] and rope delta where the family's LLM uses M-RoPE; None otherwise."""
+
     def fingerprint(self) -> dict:
         """Everything about the family's processing that changes the output."""
 
 
-FAMILIES = {"kimi_k25": "batchvlm.families.kimi_k25"}
+FAMILIES = {"kimi_k25": "batchvlm.families.kimi_k25", "qwen2_vl": "batchvlm.families.qwen2_vl",
+            "siglip2": "batchvlm.families.siglip2"}
+
+
+class PatchFamily:
+    """What every family does the same way, given its `layout` and `tokenizer`."""
+
+    layout: PatchLayout
+    tokenizer: object
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def patchify(self, image: torch.Tensor) -> torch.Tensor:
+        return self.layout.patchify(image)
+
+    def grid_of(self, image: torch.Tensor) -> tuple[int, int, int]:
+        _, h, w = image.shape
+        p = self.layout.patch_size
+        # True division: a size that is not a whole number of patches shows up as a fraction.
+        return (1, h / p, w / p)
+
+    def positions(self, layout: TokenLayout, plans: list[ImagePlan]) -> tuple[np.ndarray, int] | None:
+        return None
+
+
+def token_id(tokenizer, token: str, family: str) -> int:
+    found = tokenizer.convert_tokens_to_ids(token)
+    if found is None or found == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(found) != token:
+        raise ConfigError(f"the tokenizer has no {token} token; {family} needs it (model.tokenizer_path)")
+    return found
+
+
+def tokenizer_digest(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def choose_projector(embedding: str, projector: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The projector to run for model.embedding: auto uses it where the checkpoint has one."""
+    if embedding == "tower":
+        return None
+    if projector is None and embedding in ("projector", "both"):
+        raise ConfigError(f"model.embedding={embedding} but the checkpoint has no projector; "
+                          "use model.embedding=tower (or auto)")
+    return projector
+
+
+def load_submodule(checkpoint: Path, module_class, config, prefixes: tuple[str, ...], dtype: torch.dtype,
+                   attn_implementation: str) -> torch.nn.Module:
+    """Build one part of a checkpoint (the vision tower) from its sub-config and read only its weights.
+
+    The language model of a VLM checkpoint is most of its bytes; only the shards that hold the part's
+    tensors are opened, and only those tensors are read.
+    """
+    from safetensors import safe_open
+
+    module = module_class._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    index = checkpoint / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted({shard for key, shard in weight_map.items() if key.startswith(prefixes)})
+    else:
+        shards = ["model.safetensors"]
+    state = {}
+    for shard in shards:
+        with safe_open(checkpoint / shard, framework="pt") as tensors:
+            for key in tensors.keys():
+                prefix = next((p for p in prefixes if key.startswith(p)), None)
+                if prefix is not None:
+                    state[key[len(prefix):]] = tensors.get_tensor(key)
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected or not state:
+        raise ConfigError(f"{checkpoint}: the weights under {' or '.join(prefixes)} do not fit "
+                          f"{module_class.__name__} (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return module.to(dtype)
 
 
 def load_family(model: ModelConfig) -> Family:

@@ -8,7 +8,6 @@ merge*patch. Patches (N, C, p, p) in raster order; the tower merges 2x2 itself. 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.families import PatchFamily, choose_projector, token_id, tokenizer_digest
 from batchvlm.layouts import RASTER_CHW, PatchLayout
 from batchvlm.records import ImagePlan
 from batchvlm.tokens import FRAME, IMAGE
@@ -93,26 +93,33 @@ def navit_plan(height: int, width: int, params: KimiProcessorParams) -> ImagePla
 class KimiEncoder(torch.nn.Module):
     """MoonViT tower (+ projector): packed (N, C, p, p) patches and grids in, per-image tokens out."""
 
-    def __init__(self, tower: torch.nn.Module, projector: torch.nn.Module | None, merge_size: int):
+    def __init__(self, tower: torch.nn.Module, projector: torch.nn.Module | None, merge_size: int, keep_tower: bool):
         super().__init__()
         self.tower = tower
         self.projector = projector
         self.merge_area = merge_size * merge_size
-        self.hidden_size = (projector.out_proj.out_features if projector is not None
-                            else tower.config.hidden_size * self.merge_area)
+        self.keep_tower = keep_tower
+        tower_size = tower.config.hidden_size * self.merge_area
+        self.hidden_sizes = {"image_embeds": projector.out_proj.out_features if projector is not None else tower_size}
+        if keep_tower:
+            self.hidden_sizes["tower_embeds"] = tower_size
+        self.hidden_size = self.hidden_sizes["image_embeds"]
 
     @torch.inference_mode()
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         merged = self.tower(pixel_values, grid_thw=grid_thw).pooler_output  # [tokens, m*m, D]
-        if self.projector is not None:
-            tokens = self.projector(merged).squeeze(1)
-        else:
-            tokens = merged.reshape(merged.shape[0], -1)
+        tower_tokens = merged.reshape(merged.shape[0], -1)
         sizes = (grid_thw[:, 1] * grid_thw[:, 2] // self.merge_area).tolist()
-        return list(torch.split(tokens, sizes))
+        split = lambda tokens: list(torch.split(tokens, sizes))  # noqa: E731
+        if self.projector is None:
+            return {"image_embeds": split(tower_tokens)}
+        outputs = {"image_embeds": split(self.projector(merged).squeeze(1))}
+        if self.keep_tower:
+            outputs["tower_embeds"] = split(tower_tokens)
+        return outputs
 
 
-class KimiK25:
+class KimiK25(PatchFamily):
     name = "kimi_k25"
     resample = "bicubic"
 
@@ -126,17 +133,14 @@ class KimiK25:
         self.attn_implementation = attn_implementation
         self.image_mean = params.image_mean
         self.image_std = params.image_std
-        self.image_token_id = _token_id(tokenizer, IMAGE_TOKEN)
+        self.image_token_id = token_id(tokenizer, IMAGE_TOKEN, "kimi_k25")
         self.layout = PatchLayout(RASTER_CHW, params.patch_size, params.merge_size)
         if framing == "k3":
-            self.frame_ids = [_token_id(tokenizer, token) for token in FRAME_TOKENS]
+            self.frame_ids = [token_id(tokenizer, token, "kimi_k25") for token in FRAME_TOKENS]
 
     # -- plan and layout ------------------------------------------------------------------------
     def plan(self, height: int, width: int) -> ImagePlan:
         return navit_plan(height, width, self.params)
-
-    def encode_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
     def expand_image(self, plan: ImagePlan) -> tuple[list[int], list[int]]:
         pads = [self.image_token_id] * plan.num_tokens
@@ -149,15 +153,6 @@ class KimiK25:
         return head + pads + [end], [FRAME] * len(head) + [IMAGE] * len(pads) + [FRAME]
 
     # -- pixels ---------------------------------------------------------------------------------
-    def patchify(self, image: torch.Tensor) -> torch.Tensor:
-        return self.layout.patchify(image)
-
-    def grid_of(self, image: torch.Tensor) -> tuple[int, int, int]:
-        _, h, w = image.shape
-        p = self.params.patch_size
-        # True division: a size that is not a whole number of patches shows up as a fraction.
-        return (1, h / p, w / p)
-
     def reference_processor(self):
         from transformers import Kimi_K25ImageProcessor
 
@@ -190,27 +185,12 @@ class KimiK25:
         else:
             raise ConfigError(f"model.path={self.checkpoint} holds a {config.model_type!r} checkpoint, "
                               "not kimi_k25 or kimi_k25_vision")
-        if self.embedding == "tower":
-            projector = None
-        elif projector is None:
-            raise ConfigError("model.embedding=projector but the checkpoint has no projector; use model.embedding=tower")
-        return KimiEncoder(tower, projector, self.params.merge_size).to(device).eval()
+        projector = choose_projector(self.embedding, projector)
+        return KimiEncoder(tower, projector, self.params.merge_size, self.embedding == "both").to(device).eval()
 
     def fingerprint(self) -> dict:
         return {"family": self.name, "processor": dataclasses.asdict(self.params), "framing": self.framing,
-                "embedding": self.embedding, "tokenizer": _tokenizer_digest(self.tokenizer)}
-
-
-def _token_id(tokenizer, token: str) -> int:
-    token_id = tokenizer.convert_tokens_to_ids(token)
-    if token_id is None or token_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(token_id) != token:
-        raise ConfigError(f"the tokenizer has no {token} token; kimi_k25 needs it (model.tokenizer_path)")
-    return token_id
-
-
-def _tokenizer_digest(tokenizer) -> str:
-    vocab = sorted(tokenizer.get_vocab().items())
-    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+                "embedding": self.embedding, "tokenizer": tokenizer_digest(self.tokenizer)}
 
 
 def from_config(model: ModelConfig) -> KimiK25:

@@ -1,0 +1,252 @@
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: shared/reference/families.md section 2.
+
+The three generations differ only in parameters read from the checkpoint: patch size (14, 14, 16),
+normalization (CLIP, CLIP, 0.5), window attention (2.5, inside the tower) and deepstack features
+(3). Resize: `smart_resize` to multiples of p*m within [min_pixels, max_pixels]; a still image is one
+frame repeated temporal_patch_size times; rows in merge-window order (layouts.MERGE_WINDOW). Prompt:
+`<|vision_start|>` + `<|image_pad|>` * (h*w/m^2) + `<|vision_end|>`, with M-RoPE positions per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from batchvlm.checks import require
+from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.families import PatchFamily, load_submodule, token_id, tokenizer_digest
+from batchvlm.layouts import MERGE_WINDOW, PatchLayout
+from batchvlm.records import ImagePlan, TokenLayout
+from batchvlm.tokens import FRAME, IMAGE
+
+IMAGE_TOKEN = "<|image_pad|>"
+FRAME_TOKENS = ("<|vision_start|>", "<|vision_end|>")
+MAX_ASPECT_RATIO = 200
+
+VERSIONS = {
+    # model_type: (modeling module, vision tower class)
+    "qwen2_vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
+    "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
+    "qwen3_vl": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel"),
+}
+
+
+@dataclass(frozen=True)
+class QwenProcessorParams:
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    image_mean: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
+    image_std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
+
+    @classmethod
+    def from_checkpoint(cls, path: Path, overrides: dict) -> "QwenProcessorParams":
+        values = _read_processor_config(path)
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in overrides:
+            if key not in known:
+                raise ConfigError(f"model.processor.{key} is not a qwen2_vl processor parameter "
+                                  f"(known: {', '.join(sorted(known))})")
+        values.update(overrides)
+        params = cls(**{k: tuple(v) if k.startswith("image_") else int(v) for k, v in values.items()})
+        if params.min_pixels > params.max_pixels:
+            raise ConfigError(f"model.processor: min_pixels={params.min_pixels} > max_pixels={params.max_pixels}")
+        if any(s == 0 for s in params.image_std):
+            raise ConfigError("model.processor.image_std: image normalization standard deviation must be nonzero")
+        return params
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+
+def _read_processor_config(path: Path) -> dict:
+    file = path / "preprocessor_config.json"
+    if not file.exists():
+        return {}
+    raw = json.loads(file.read_text())
+    keys = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels", "image_mean", "image_std")
+    values = {k: raw[k] for k in keys if raw.get(k) is not None}
+    # In the HF size dict, shortest_edge is min_pixels and longest_edge is max_pixels (areas, not edges).
+    size = raw.get("size") or {}
+    if "shortest_edge" in size:
+        values.setdefault("min_pixels", size["shortest_edge"])
+    if "longest_edge" in size:
+        values.setdefault("max_pixels", size["longest_edge"])
+    return values
+
+
+def smart_resize(height: int, width: int, params: QwenProcessorParams) -> tuple[int, int]:
+    """The processor's rule, pinned to transformers 5.24: half-even rounding, max(factor, .) only when shrinking."""
+    factor = params.factor
+    ratio = max(height, width) / min(height, width)
+    require(ratio <= MAX_ASPECT_RATIO, "plan.size_rule", f"aspect ratio {ratio:.1f} is over the "
+            f"{MAX_ASPECT_RATIO} that Qwen's processor accepts", expected=f"<= {MAX_ASPECT_RATIO}",
+            observed=f"{ratio:.1f} ({width}x{height})")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > params.max_pixels:
+        beta = math.sqrt(height * width / params.max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < params.min_pixels:
+        beta = math.sqrt(params.min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def qwen_plan(height: int, width: int, params: QwenProcessorParams) -> ImagePlan:
+    resized = smart_resize(height, width, params)
+    p, m = params.patch_size, params.merge_size
+    grid = (1, resized[0] // p, resized[1] // p)  # t = 1 frame / temporal_patch_size, rounded up
+    return ImagePlan(original=(height, width), resized=resized, padded=resized, grid_thw=grid,
+                     num_tokens=grid[1] * grid[2] // (m * m))
+
+
+def mrope_positions(seq_len: int, spans: list[tuple[int, int]], plans: list[ImagePlan],
+                    merge_size: int) -> tuple[np.ndarray, int]:
+    """M-RoPE (3, seq) position ids and delta, as HF `get_rope_index` computes them for still images.
+
+    Text advances all three axes by one per token; an image's tokens get (next, next + row, next + column)
+    over its LLM grid, and the next text starts after the image's largest position.
+    """
+    pieces, next_pos, cursor = [], 0, 0
+    for (start, length), plan in zip(spans, plans):
+        pieces.append(np.broadcast_to(np.arange(start - cursor) + next_pos, (3, start - cursor)))
+        next_pos += start - cursor
+        _, h, w = plan.grid_thw
+        rows, cols = np.meshgrid(np.arange(h // merge_size), np.arange(w // merge_size), indexing="ij")
+        image = np.stack([np.zeros(rows.size, dtype=np.int64), rows.ravel(), cols.ravel()]) + next_pos
+        pieces.append(image)
+        next_pos = int(image.max()) + 1
+        cursor = start + length
+    pieces.append(np.broadcast_to(np.arange(seq_len - cursor) + next_pos, (3, seq_len - cursor)))
+    positions = np.concatenate(pieces, axis=1).astype(np.int64)
+    return positions, int(positions.max(initial=-1)) + 1 - seq_len
+
+
+class QwenEncoder(torch.nn.Module):
+    """The vision tower with its merger: packed merge-window rows and grids in, per-image tokens out."""
+
+    def __init__(self, tower: torch.nn.Module, embedding: str, merge_size: int):
+        super().__init__()
+        self.tower = tower
+        self.embedding = embedding
+        self.merge_area = merge_size * merge_size
+        merged = [m for m in tower.merger.modules() if isinstance(m, torch.nn.Linear)][-1].out_features
+        tower_size = tower.patch_embed.proj.out_channels * self.merge_area
+        self.hidden_sizes = {"image_embeds": tower_size if embedding == "tower" else merged}
+        if embedding == "both":
+            self.hidden_sizes["tower_embeds"] = tower_size
+        self.deepstack_layers = len(getattr(tower.config, "deepstack_visual_indexes", None) or [])
+        if self.deepstack_layers:
+            self.hidden_sizes["deepstack_embeds"] = merged * self.deepstack_layers
+        self.hidden_size = self.hidden_sizes["image_embeds"]
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        out = self.tower(pixel_values.to(self.tower.dtype), grid_thw=grid_thw)
+        sizes = (grid_thw.prod(-1) // self.merge_area).tolist()
+        split = lambda tokens: list(torch.split(tokens, sizes))  # noqa: E731
+        # The tower's features grouped per merge window: the m*m consecutive rows the merger concatenates.
+        tower_tokens = out.last_hidden_state.reshape(-1, self.merge_area * out.last_hidden_state.shape[-1])
+        outputs = {"image_embeds": split(tower_tokens if self.embedding == "tower" else out.pooler_output)}
+        if self.embedding == "both":
+            outputs["tower_embeds"] = split(tower_tokens)
+        if self.deepstack_layers:
+            outputs["deepstack_embeds"] = split(torch.cat(list(out.deepstack_features), dim=-1))
+        return outputs
+
+
+class Qwen2VL(PatchFamily):
+    name = "qwen2_vl"
+    resample = "bicubic"
+
+    def __init__(self, checkpoint: Path, params: QwenProcessorParams, tokenizer, embedding: str,
+                 attn_implementation: str):
+        self.checkpoint = checkpoint
+        self.params = params
+        self.tokenizer = tokenizer
+        self.embedding = embedding
+        self.attn_implementation = attn_implementation
+        self.image_mean = params.image_mean
+        self.image_std = params.image_std
+        self.layout = PatchLayout(MERGE_WINDOW, params.patch_size, params.merge_size, params.temporal_patch_size)
+        self.image_token_id = token_id(tokenizer, IMAGE_TOKEN, self.name)
+        self.frame_ids = [token_id(tokenizer, token, self.name) for token in FRAME_TOKENS]
+        self.version = _model_type(checkpoint)
+
+    def plan(self, height: int, width: int) -> ImagePlan:
+        return qwen_plan(height, width, self.params)
+
+    def expand_image(self, plan: ImagePlan) -> tuple[list[int], list[int]]:
+        start, end = self.frame_ids
+        return [start] + [self.image_token_id] * plan.num_tokens + [end], [FRAME] + [IMAGE] * plan.num_tokens + [FRAME]
+
+    def positions(self, layout: TokenLayout, plans: list[ImagePlan]) -> tuple[np.ndarray, int]:
+        return mrope_positions(len(layout.input_ids), layout.image_spans, plans, self.params.merge_size)
+
+    def reference_processor(self):
+        from transformers import Qwen2VLImageProcessor
+
+        p = self.params
+        return Qwen2VLImageProcessor(
+            patch_size=p.patch_size, merge_size=p.merge_size, temporal_patch_size=p.temporal_patch_size,
+            size={"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels},
+            image_mean=list(p.image_mean), image_std=list(p.image_std))
+
+    def reference_preprocess(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        tensors = [torch.from_numpy(np.ascontiguousarray(image[..., :3])).permute(2, 0, 1) for image in images]
+        out = self.reference_processor()(images=tensors, return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
+
+    def load_encoder(self, device: torch.device, dtype: torch.dtype) -> QwenEncoder:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.checkpoint)
+        if config.image_token_id != self.image_token_id:
+            raise ConfigError(f"{self.checkpoint}: config image_token_id={config.image_token_id} but the tokenizer "
+                              f"maps {IMAGE_TOKEN} to {self.image_token_id}")
+        module, cls = VERSIONS[self.version]
+        tower_class = getattr(importlib.import_module(module), cls)
+        if self.embedding in ("tower", "both") and self.version == "qwen2_5_vl":
+            raise ConfigError("model.embedding=tower/both: Qwen2.5-VL's tower keeps its features in window order; "
+                              "batchvlm stores its merger tokens only (model.embedding=auto)")
+        embedding = "projector" if self.embedding == "auto" else self.embedding  # the merger is the projector
+        tower = load_submodule(self.checkpoint, tower_class, config.vision_config, ("model.visual.", "visual."),
+                               dtype=dtype, attn_implementation=self.attn_implementation)
+        return QwenEncoder(tower, embedding, self.params.merge_size).to(device).eval()
+
+    def fingerprint(self) -> dict:
+        return {"family": self.name, "version": self.version, "processor": dataclasses.asdict(self.params),
+                "embedding": self.embedding, "tokenizer": tokenizer_digest(self.tokenizer)}
+
+
+def _model_type(checkpoint: Path) -> str:
+    model_type = json.loads((checkpoint / "config.json").read_text()).get("model_type")
+    if model_type not in VERSIONS:
+        raise ConfigError(f"model.path={checkpoint} holds a {model_type!r} checkpoint, not one of "
+                          f"{', '.join(VERSIONS)}")
+    return model_type
+
+
+def from_config(model: ModelConfig) -> Qwen2VL:
+    from transformers import AutoTokenizer
+
+    from batchvlm.demo import resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(model)
+    params = QwenProcessorParams.from_checkpoint(checkpoint, dict(model.processor))
+    tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_path or checkpoint,
+                                              trust_remote_code=model.trust_remote_code)
+    return Qwen2VL(checkpoint, params, tokenizer, model.embedding, model.attn_implementation)

@@ -1,0 +1,195 @@
+"""SigLIP2 NaFlex: shared/reference/families.md section 3.
+
+Resize: bisect a scale so that ceil-to-patch sides fit max_num_patches (may upscale); bilinear; no
+pixel padding. Rows are raster, channels last (layouts.RASTER_HWC). The tower runs packed: no
+padding rows to max_num_patches; each image attends only to itself and gets its own resized
+positional table. Stored: the patch tokens per image (image_embeds) and the attention-pooled vector
+(pooled_embeds). Prompt: `<start_of_image>` + `<image_soft_token>` * (h*w) + `<end_of_image>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.families import PatchFamily, load_submodule, token_id, tokenizer_digest
+from batchvlm.layouts import RASTER_HWC, PatchLayout
+from batchvlm.records import ImagePlan
+from batchvlm.tokens import FRAME, IMAGE
+
+IMAGE_TOKEN = "<image_soft_token>"
+FRAME_TOKENS = ("<start_of_image>", "<end_of_image>")
+CHECKPOINTS = {"siglip2_vision_model": ("",), "siglip2": ("vision_model.",)}  # model_type: weight prefixes
+
+
+@dataclass(frozen=True)
+class SiglipProcessorParams:
+    patch_size: int = 16
+    max_num_patches: int = 256
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    @classmethod
+    def from_checkpoint(cls, path: Path, overrides: dict) -> "SiglipProcessorParams":
+        file = path / "preprocessor_config.json"
+        raw = json.loads(file.read_text()) if file.exists() else {}
+        values = {f.name: raw[f.name] for f in dataclasses.fields(cls) if raw.get(f.name) is not None}
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in overrides:
+            if key not in known:
+                raise ConfigError(f"model.processor.{key} is not a siglip2 processor parameter "
+                                  f"(known: {', '.join(sorted(known))})")
+        values.update(overrides)
+        params = cls(**{k: tuple(v) if k.startswith("image_") else int(v) for k, v in values.items()})
+        if params.max_num_patches < 1:
+            raise ConfigError("model.processor.max_num_patches must be >= 1")
+        return params
+
+
+def naflex_size(height: int, width: int, patch_size: int, max_num_patches: int, eps: float = 1e-5) -> tuple[int, int]:
+    """The largest scale (bisected, up to 100x) whose ceil-to-patch sides fit the patch budget."""
+    def scaled(scale: float, size: int) -> int:
+        return max(patch_size, math.ceil(size * scale / patch_size) * patch_size)
+
+    low, high = eps / 10, 100.0
+    while high - low >= eps:
+        middle = (low + high) / 2
+        if (scaled(middle, height) / patch_size) * (scaled(middle, width) / patch_size) <= max_num_patches:
+            low = middle
+        else:
+            high = middle
+    return scaled(low, height), scaled(low, width)
+
+
+def naflex_plan(height: int, width: int, params: SiglipProcessorParams) -> ImagePlan:
+    resized = naflex_size(height, width, params.patch_size, params.max_num_patches)
+    grid = (1, resized[0] // params.patch_size, resized[1] // params.patch_size)
+    return ImagePlan(original=(height, width), resized=resized, padded=resized, grid_thw=grid,
+                     num_tokens=grid[1] * grid[2])
+
+
+class SiglipEncoder(torch.nn.Module):
+    """Siglip2VisionModel's own modules run packed: one sequence of every image's patches, attention
+    confined to each image (block-diagonal), positional table resized per image, pooling per image."""
+
+    def __init__(self, tower: torch.nn.Module):
+        super().__init__()
+        self.tower = tower
+        size = tower.config.hidden_size
+        self.hidden_sizes = {"image_embeds": size}
+        if tower.use_head:
+            self.hidden_sizes["pooled_embeds"] = size
+        self.hidden_size = size
+
+    def embed(self, pixel_values: torch.Tensor, shapes: list[tuple[int, int]]) -> torch.Tensor:
+        embeddings = self.tower.embeddings
+        patches = embeddings.patch_embedding(pixel_values.to(embeddings.patch_embedding.weight.dtype))
+        side = embeddings.position_embedding_size
+        table = embeddings.position_embedding.weight.reshape(side, side, -1)
+        positions = [embeddings.resize_positional_embeddings(table, torch.tensor([shape]), shape[0] * shape[1])[0]
+                     for shape in shapes]
+        return patches + torch.cat(positions)
+
+    def attention_mask(self, lengths: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        owner = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+        same_image = (owner[:, None] == owner[None, :])[None, None]
+        if self.tower.config._attn_implementation == "sdpa":
+            return same_image
+        return torch.zeros(same_image.shape, dtype=dtype, device=device).masked_fill(~same_image, torch.finfo(dtype).min)
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        shapes = [(int(h), int(w)) for _, h, w in grid_thw.tolist()]
+        lengths = [h * w for h, w in shapes]
+        hidden = self.embed(pixel_values, shapes)[None]
+        mask = self.attention_mask(lengths, hidden.dtype, hidden.device)
+        hidden = self.tower.encoder(inputs_embeds=hidden, attention_mask=mask).last_hidden_state
+        tokens = list(torch.split(self.tower.post_layernorm(hidden)[0], lengths))
+        outputs = {"image_embeds": tokens}
+        if self.tower.use_head:
+            outputs["pooled_embeds"] = [self.tower.head(image[None]) for image in tokens]  # [1, hidden] each
+        return outputs
+
+
+class Siglip2(PatchFamily):
+    name = "siglip2"
+    resample = "bilinear"
+
+    def __init__(self, checkpoint: Path, params: SiglipProcessorParams, tokenizer, embedding: str,
+                 attn_implementation: str):
+        if embedding in ("projector", "both"):
+            raise ConfigError(f"model.embedding={embedding}: siglip2 has no projector; it stores the tower's patch "
+                              "tokens and the pooled embedding (model.embedding=auto or tower)")
+        if attn_implementation == "flash_attention_2":
+            raise ConfigError("model.attn_implementation=flash_attention_2 is not wired for siglip2's packed forward "
+                              "(it takes a block-diagonal mask); use sdpa")
+        self.checkpoint = checkpoint
+        self.params = params
+        self.tokenizer = tokenizer
+        self.embedding = embedding
+        self.attn_implementation = attn_implementation
+        self.image_mean = params.image_mean
+        self.image_std = params.image_std
+        self.layout = PatchLayout(RASTER_HWC, params.patch_size)
+        self.image_token_id = token_id(tokenizer, IMAGE_TOKEN, self.name)
+        self.frame_ids = [token_id(tokenizer, token, self.name) for token in FRAME_TOKENS]
+
+    def plan(self, height: int, width: int) -> ImagePlan:
+        return naflex_plan(height, width, self.params)
+
+    def expand_image(self, plan: ImagePlan) -> tuple[list[int], list[int]]:
+        start, end = self.frame_ids
+        return [start] + [self.image_token_id] * plan.num_tokens + [end], [FRAME] + [IMAGE] * plan.num_tokens + [FRAME]
+
+    def reference_processor(self):
+        from transformers import Siglip2ImageProcessor
+
+        p = self.params
+        return Siglip2ImageProcessor(patch_size=p.patch_size, max_num_patches=p.max_num_patches,
+                                     image_mean=list(p.image_mean), image_std=list(p.image_std))
+
+    def reference_preprocess(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The processor's padded output, cut back to each image's real rows (the packed layout)."""
+        tensors = [torch.from_numpy(np.ascontiguousarray(image[..., :3])).permute(2, 0, 1) for image in images]
+        out = self.reference_processor()(images=tensors, return_tensors="pt")
+        rows = [values[:int(h) * int(w)] for values, (h, w) in zip(out["pixel_values"], out["spatial_shapes"])]
+        grids = torch.cat([torch.ones(len(rows), 1, dtype=torch.int64), out["spatial_shapes"].long()], dim=1)
+        return torch.cat(rows), grids
+
+    def load_encoder(self, device: torch.device, dtype: torch.dtype) -> SiglipEncoder:
+        from transformers import AutoConfig, Siglip2VisionModel
+
+        config = AutoConfig.from_pretrained(self.checkpoint)
+        if config.model_type not in CHECKPOINTS:
+            raise ConfigError(f"model.path={self.checkpoint} holds a {config.model_type!r} checkpoint, not "
+                              f"{' or '.join(CHECKPOINTS)}")
+        vision_config = config.vision_config if config.model_type == "siglip2" else config
+        if vision_config.patch_size != self.params.patch_size:
+            raise ConfigError(f"{self.checkpoint}: the tower's patch_size={vision_config.patch_size} but the processor's "
+                              f"is {self.params.patch_size}")
+        tower = load_submodule(self.checkpoint, Siglip2VisionModel, vision_config, CHECKPOINTS[config.model_type],
+                               dtype=dtype, attn_implementation=self.attn_implementation)
+        return SiglipEncoder(tower).to(device).eval()
+
+    def fingerprint(self) -> dict:
+        return {"family": self.name, "processor": dataclasses.asdict(self.params), "embedding": self.embedding,
+                "tokenizer": tokenizer_digest(self.tokenizer)}
+
+
+def from_config(model: ModelConfig) -> Siglip2:
+    from transformers import AutoTokenizer
+
+    from batchvlm.demo import resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(model)
+    params = SiglipProcessorParams.from_checkpoint(checkpoint, dict(model.processor))
+    tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_path or checkpoint,
+                                              trust_remote_code=model.trust_remote_code)
+    return Siglip2(checkpoint, params, tokenizer, model.embedding, model.attn_implementation)

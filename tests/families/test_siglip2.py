@@ -1,0 +1,70 @@
+"""siglip2 (NaFlex) against the reference's worked examples and HF's padded forward, image by image."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Siglip2VisionModel
+
+from photos import demo_images, photo_of_size
+
+from batchvlm.config import ModelConfig
+from batchvlm.families import load_family
+from batchvlm.families.siglip2 import naflex_size
+from batchvlm.preprocess import TorchPreprocessor
+from batchvlm.records import DecodedImage
+
+
+@pytest.fixture(scope="module")
+def siglip():
+    return load_family(ModelConfig(family="siglip2"))
+
+
+@pytest.mark.parametrize("width,height,budget,size", [
+    (1920, 1080, 256, (192, 336)),
+    (64, 64, 256, (256, 256)),  # a 4x upscale
+    (1920, 1080, 1024, (384, 672)),
+])
+def test_naflex_size_matches_the_worked_examples(width, height, budget, size):
+    assert naflex_size(height, width, 16, budget) == size
+
+
+def packed_rows(siglip, photos):
+    preprocessor = TorchPreprocessor(siglip, torch.device("cpu"), "black")
+    rows, grids = [], []
+    for pixels in photos:
+        image = DecodedImage(pixels[..., :3].copy(), "PNG", "")
+        image_rows, _ = preprocessor.image_rows(image, plan := siglip.plan(image.height, image.width))
+        rows.append(image_rows)
+        grids.append(plan.grid_thw)
+    return rows, grids
+
+
+def test_packed_forward_equals_the_hf_padded_forward_on_each_image_alone(siglip):
+    """Patch tokens and pooled vectors (fp32) of a packed batch of very different sizes."""
+    reference = Siglip2VisionModel.from_pretrained(siglip.checkpoint, dtype=torch.float32).eval()
+    encoder = siglip.load_encoder(torch.device("cpu"), torch.float32)
+    photos = [p for _, p in demo_images()[:6]] + [photo_of_size(30, 4000), photo_of_size(1, 1)]
+    rows, grids = packed_rows(siglip, photos)
+    packed = encoder(torch.cat(rows), torch.tensor(grids))
+    budget = siglip.params.max_num_patches
+    with torch.inference_mode():
+        for index, (image_rows, (_, h, w)) in enumerate(zip(rows, grids)):
+            padded = torch.zeros(1, budget, image_rows.shape[1])
+            padded[0, :h * w] = image_rows
+            mask = (torch.arange(budget) < h * w)[None].long()
+            alone = reference(pixel_values=padded, pixel_attention_mask=mask, spatial_shapes=torch.tensor([[h, w]]))
+            tokens = packed["image_embeds"][index]
+            assert tokens.shape == (h * w, encoder.hidden_size)
+            assert torch.allclose(tokens, alone.last_hidden_state[0, :h * w], rtol=1e-4, atol=1e-5)
+            assert torch.allclose(packed["pooled_embeds"][index], alone.pooler_output, rtol=1e-4, atol=1e-5)
+
+
+def test_packing_processes_only_real_patches_where_the_processor_pads(siglip):
+    """Packing efficiency on the demo photos: real patches / patches the tower processes."""
+    photos = [p for _, p in demo_images()]
+    _, grids = packed_rows(siglip, photos)
+    real = sum(h * w for _, h, w in grids)
+    padded = len(grids) * siglip.params.max_num_patches
+    print(f"siglip2 demo: packed efficiency 1.000, HF padded {real / padded:.3f} ({real} of {padded} patches)")
+    assert real / padded < 1.0
