@@ -56,3 +56,25 @@ def test_unknown_processor_parameter_is_refused():
 
     with pytest.raises(ConfigError, match="model.processor.max_pixels"):
         load_family(ModelConfig(processor={"max_pixels": 5}))
+
+
+@pytest.mark.parametrize("family,overrides,key", [
+    ("siglip2", {"embedding": "projector"}, "model.embedding"),
+    ("qwen2_vl", {"processor": {"min_pixels": 10**9}}, "min_pixels"),
+    ("qwen2_vl", {"processor": {"max_num_patches": 5}}, "model.processor.max_num_patches"),
+    ("siglip2", {"attn_implementation": "flash_attention_2"}, "model.attn_implementation"),
+])
+def test_a_family_refuses_settings_it_cannot_honour(family, overrides, key):
+    from batchvlm.config import ModelConfig
+    from batchvlm.families import load_family
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_family(ModelConfig(family=family, **overrides))
+
+
+def test_an_unknown_family_is_refused_naming_the_key():
+    from batchvlm.config import ModelConfig
+    from batchvlm.families import load_family
+
+    with pytest.raises(ConfigError, match="model.family='clip'"):
+        load_family(ModelConfig(family="clip"))

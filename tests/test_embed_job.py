@@ -97,3 +97,16 @@ def test_missing_column_fails_naming_the_config_key(tmp_path):
     result = run_embed(f"output.root={tmp_path}", "dataset.text_column=caption")
     assert result.returncode != 0
     assert "dataset.text_column" in result.stderr + result.stdout
+
+
+def test_a_siglip2_job_stores_patch_tokens_and_one_pooled_vector_per_image(tmp_path):
+    from batchvlm.reader import read_run
+
+    result = run_embed(f"output.root={tmp_path}", "run_name=s", "model=siglip2_tiny")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [r for r in read_run(tmp_path / "s") if len(r.grid_thw)]
+    assert len(records) >= 15
+    for record in records:
+        assert record.image_embeds.shape[0] == int(record.grid_thw.prod(-1).sum())
+        assert record.extras["pooled_embeds"].shape == (len(record.grid_thw), record.image_embeds.shape[1])
+        assert record.position_ids is None

@@ -56,3 +56,30 @@ def test_missing_placeholders_follow_the_policy():
     assert caught.value.check == "text.placeholder_count"
     with pytest.raises(CheckFailed):
         place_images("<image> <image>", "<image>", 1, "prepend")
+
+
+class _ShiftedPositions:
+    """A family whose M-RoPE positions lose their last token, or whose delta is off by one."""
+
+    def __init__(self, inner, drop_last: bool):
+        self.inner, self.drop_last = inner, drop_last
+
+    def positions(self, layout, plans):
+        positions, delta = self.inner.positions(layout, plans)
+        return (positions[:, :-1], delta) if self.drop_last else (positions, delta + 1)
+
+
+@pytest.mark.parametrize("drop_last", [True, False], ids=["short", "delta"])
+def test_position_ids_that_do_not_fit_the_sequence_are_caught(drop_last):
+    from batchvlm.config import ModelConfig
+    from batchvlm.families import load_family
+    from batchvlm.tokens import attach_positions
+
+    qwen = load_family(ModelConfig(family="qwen2_vl"))
+    plans = [qwen.plan(100, 150), qwen.plan(56, 56)]
+    layout = build_layout("a <image> b <image>", "<image>", plans, qwen)
+    attach_positions(layout, plans, qwen)
+    assert layout.position_ids.shape == (3, len(layout.input_ids))
+    with pytest.raises(CheckFailed) as caught:
+        attach_positions(layout, plans, _ShiftedPositions(qwen, drop_last))
+    assert caught.value.check == "text.position_ids"

@@ -68,3 +68,4 @@ def test_packing_processes_only_real_patches_where_the_processor_pads(siglip):
     padded = len(grids) * siglip.params.max_num_patches
     print(f"siglip2 demo: packed efficiency 1.000, HF padded {real / padded:.3f} ({real} of {padded} patches)")
     assert real / padded < 1.0
+
