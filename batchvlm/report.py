@@ -63,7 +63,7 @@ class Report:
     records_in: int
     written: int
     quarantined: int  # counted in the quarantine shards themselves
-    fallbacks: int
+    fallbacks: Counter  # check whose failure the preprocessing fell back on -> images ("" when not broken down)
     max_cards_per_check: int
     by_check: Counter = field(default_factory=Counter)
     by_stage: Counter = field(default_factory=Counter)
@@ -104,14 +104,14 @@ def _read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _fallbacks(success: dict | None, manifests: list[dict]) -> int:
-    """Fallbacks the preprocessing took: `_SUCCESS`'s total, else the manifests' sum, else 0."""
-    def count(value) -> int:
-        return sum(value.values()) if isinstance(value, dict) else int(value or 0)
+def _fallbacks(success: dict | None, manifests: list[dict]) -> Counter:
+    """Fallbacks the preprocessing took, by check: `_SUCCESS`'s, else the manifests' sum, else none."""
+    def by_check(value) -> Counter:
+        return Counter(value) if isinstance(value, dict) else Counter({"": int(value or 0)})
 
     if success is not None and "fallbacks" in success:
-        return count(success["fallbacks"])
-    return sum(count(manifest.get("fallbacks")) for manifest in manifests)
+        return +by_check(success["fallbacks"])
+    return +sum((by_check(manifest.get("fallbacks")) for manifest in manifests), Counter())
 
 
 def _run_config(run_dir: Path) -> dict:
@@ -175,7 +175,7 @@ def _planner(config: dict):
     if "model" not in config:
         return None
     try:
-        from batchvlm.families import load_family
+        from batchvlm.families import load_family  # transformers loads only when there are cards to draw
 
         return load_family(ModelConfig(**config["model"])).plan
     except Exception as error:  # a checkpoint on another machine must not stop the report
@@ -183,7 +183,8 @@ def _planner(config: dict):
         return None
 
 
-def _ids_in(run_dir: Path, kind: str, column: str) -> dict[str, str]:
+def _column_by_id(run_dir: Path, kind: str, column: str) -> dict[str, str]:
+    """id -> one column's value, over the committed shards of `kind` (data or quarantine)."""
     found = {}
     for shard in committed_shards(run_dir, kind):
         for batch in pq.ParquetFile(shard).iter_batches(columns=["id", column]):
@@ -192,8 +193,8 @@ def _ids_in(run_dir: Path, kind: str, column: str) -> dict[str, str]:
 
 
 def _requeue_outcome(run_dir: Path, lineage: dict) -> RequeueOutcome:
-    written = _ids_in(run_dir, "data", "source")
-    quarantined = _ids_in(run_dir, "quarantine", "check")
+    written = _column_by_id(run_dir, "data", "source")
+    quarantined = _column_by_id(run_dir, "quarantine", "check")
     fixed = [entry for entry in lineage["requeued"] if entry["id"] in written]
     still = [{**entry, "now_check": quarantined.get(entry["id"], "not committed yet")}
              for entry in lineage["requeued"] if entry["id"] not in written]
@@ -203,7 +204,8 @@ def _requeue_outcome(run_dir: Path, lineage: dict) -> RequeueOutcome:
 def summary_text(report: Report) -> str:
     lines = [f"run: {report.run_dir}" + ("" if report.complete else "  (NOT COMPLETE: some units not committed)"),
              f"records in: {report.records_in}  written: {report.written}  quarantined: {report.quarantined}  "
-             f"fallbacks: {report.fallbacks}"]
+             f"fallbacks: {report.fallbacks.total()}"]
+    lines += [f"  {count:>8}  fell back on {check}" for check, count in report.fallbacks.most_common() if check]
     for title, counter in (("by check", report.by_check), ("by stage", report.by_stage),
                            ("by source file", report.by_source)):
         lines.append(f"{title}:")

@@ -90,7 +90,7 @@ def render(report: Report) -> str:
 def _totals(report: Report) -> str:
     share = f"{report.quarantined / report.records_in:.1%}" if report.records_in else "0%"
     tiles = [("records in", report.records_in, ""), ("written", report.written, ""),
-             (f"quarantined ({share})", report.quarantined, "bad"), ("fallbacks taken", report.fallbacks, "")]
+             (f"quarantined ({share})", report.quarantined, "bad"), ("fallbacks taken", report.fallbacks.total(), "")]
     return '<section class="totals">' + "".join(
         f'<div class="tile {kind}"><b>{value:,}</b>{escape(label)}</div>' for label, value, kind in tiles) + "</section>"
 

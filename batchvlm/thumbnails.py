@@ -63,7 +63,10 @@ class Thumbnailer:
     def _plan_facts(self, height: int, width: int) -> dict[str, str]:
         if self.planner is None:
             return {}
-        plan = self.planner(height, width)
+        try:
+            plan = self.planner(height, width)
+        except CheckFailed as refused:  # e.g. an aspect ratio the family refuses: that is the fact to show
+            return {"plan": f"[{refused.check}] {refused.message}"}
         return {"resized": f"{plan.resized[1]}x{plan.resized[0]}", "grid_thw": "x".join(map(str, plan.grid_thw)),
                 "tokens": str(plan.num_tokens)}
 

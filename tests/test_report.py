@@ -105,6 +105,7 @@ def test_report_of_a_folder_that_is_no_run_fails_with_exit_2(tmp_path):
 
 
 def _chromium_page(playwright):
+    """A page in Debian's chromium; missing, the test fails (CI installs it) rather than skip unseen."""
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.fail("Debian's chromium is not installed: run `apt-get install -y chromium` (.ci/run does it)")
@@ -113,10 +114,13 @@ def _chromium_page(playwright):
 
 
 def test_page_in_headless_chromium_shows_thumbnails_and_filters_by_check(demo_report):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("playwright is missing: pip install -e '.[dev]'")
     run_dir, _ = demo_report
     ARTIFACTS.mkdir(exist_ok=True)
-    with sync_api.sync_playwright() as playwright:
+    with sync_playwright() as playwright:
         browser, page = _chromium_page(playwright)
         errors = []
         page.on("pageerror", lambda error: errors.append(str(error)))
@@ -172,7 +176,7 @@ def _synthetic_run(run_dir: Path, shards: int, rows_per_shard: int, checks: list
         manifest = {"unit": unit, "records_in": rows_per_shard, "written": 0, "quarantined": rows_per_shard,
                     "files": {"quarantine": {"path": f"quarantine/{unit}.parquet"}}}
         (run_dir / "manifest" / f"{unit}.json").write_text(json.dumps(manifest))
-    (run_dir / "_SUCCESS").write_text(json.dumps({"fallbacks": 7}))
+    (run_dir / "_SUCCESS").write_text(json.dumps({"fallbacks": {"preprocess.grid_match": 7}}))
 
 
 def test_report_of_100k_quarantined_rows_caps_cards_per_check_and_counts_every_row(tmp_path):
@@ -183,14 +187,14 @@ def test_report_of_100k_quarantined_rows_caps_cards_per_check_and_counts_every_r
     page = render(report)
     seconds = time.perf_counter() - started
     print(f"report of 100k quarantined rows: {seconds:.2f} s, page {len(page) / 1e6:.2f} MB")
-    assert report.quarantined == 100_000 and report.fallbacks == 7
+    assert report.quarantined == 100_000 and report.fallbacks == {"preprocess.grid_match": 7}
     assert report.by_check == {check: 20_000 for check in checks}
     assert {check: len(cards) for check, cards in report.cards.items()} == {check: 20 for check in checks}
     assert page.count('<article class="card"') == 100
     assert page.count("19,980 more records quarantined under") == len(checks)
     thumbnails = [t for cards in report.cards.values() for card in cards for t in card.thumbnails]
     assert sum(t.data_uri is not None for t in thumbnails) == 80  # the decode.timeout images are never decoded
-    assert "fallbacks: 7" in summary_text(report)
+    assert "fallbacks: 7\n" in summary_text(report) and "7  fell back on preprocess.grid_match" in summary_text(report)
 
 
 # -- requeue -----------------------------------------------------------------------------------
