@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -26,7 +26,7 @@ from batchvlm.distributed import Coordinator, init_ranks
 from batchvlm.encode import encode_batch
 from batchvlm.faults import crash_point
 from batchvlm.families import load_family
-from batchvlm.preprocess import make_preprocessor, pack
+from batchvlm.preprocess import PreprocessGuard, make_preprocessor, merged_stats, pack, resolve_backend
 from batchvlm.records import (EncodedRecord, Failure, PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd,
                               WorkUnit)
 from batchvlm.requeue import RequeueSource, requeue_source, write_lineage
@@ -126,6 +126,7 @@ class TokenBudgetBatcher:
 class Device:
     preprocessor: object
     encoder: object
+    guard: PreprocessGuard = field(default_factory=PreprocessGuard)
 
     def encode(self, records: list[PreparedRecord]) -> tuple[list[EncodedRecord], list[QuarantinedRecord]]:
         """Encode a batch; pin every failure on the record that caused it and encode the rest unchanged."""
@@ -133,7 +134,7 @@ class Device:
             return [], []
         crash_point("encode")
         try:
-            return encode_batch(self.encoder, pack(records, self.preprocessor)), []
+            return encode_batch(self.encoder, pack(records, self.preprocessor, self.guard)), []
         except CheckFailed as failure:
             if failure.record is not None:
                 rest = [record for record in records if record is not failure.record]
@@ -156,6 +157,8 @@ class Job:
     def __init__(self, job: JobConfig, run_dir: Path):
         self.job = job
         self.ranks, self.device = init_ranks(job.model.device)
+        # The fingerprint and config.yaml name the backend that runs, not `auto`: backends differ by a level.
+        job.preprocess.backend = resolve_backend(job.preprocess.backend, self.device)
         self.family = load_family(job.model)
         self.source = requeue_source(job, run_dir) if job.requeue_from else Source(job.dataset)
         encoder = self.family.load_encoder(self.device, EMBED_DTYPES[job.model.dtype])
@@ -165,7 +168,8 @@ class Job:
                             self.ranks.rank)
         self.hidden_size = encoder.hidden_size
         self.on_device = Device(make_preprocessor(job.preprocess.backend, self.family, self.device,
-                                                  job.preprocess.background), encoder)
+                                                  job.preprocess.background), encoder,
+                                PreprocessGuard.from_config(job.preprocess, self.family, job.preprocess.background))
         self.seen = 0
         self.quarantined = 0
         self.image_tokens = 0
@@ -213,7 +217,8 @@ class Job:
                     self._emit(writer, progress, units_by_id, *self.on_device.encode(batch))
             self._emit(writer, progress, units_by_id, *self.on_device.encode(batcher.flush()))
             writer.close()
-            self.coordinator.done({"rank": self.ranks.rank, "records": self.seen, "image_tokens": self.image_tokens})
+            self.coordinator.done({"rank": self.ranks.rank, "records": self.seen, "image_tokens": self.image_tokens,
+                                   "preprocess": self.on_device.guard.stats()})
             if not self.ranks.is_main:
                 return None
             stats = self.coordinator.wait_for_all(on_tick=lambda: self._show(progress))
@@ -222,7 +227,8 @@ class Job:
             progress.close()
             writer.close()
         return self.run.finish([entry["unit_id"] for entry in plan], time.perf_counter() - started,
-                               sum(s["records"] for s in stats), sum(s["image_tokens"] for s in stats))
+                               sum(s["records"] for s in stats), sum(s["image_tokens"] for s in stats),
+                               merged_stats([s["preprocess"] for s in stats]))
 
     def _show(self, progress) -> None:
         """Rank 0's bar shows every rank's records, read from their progress files."""
@@ -286,6 +292,8 @@ def summarize(summary: dict) -> str:
     lines.append(f"throughput: {summary['records_per_s']:.1f} records/s, {summary['tokens_per_s']:.0f} image tokens/s "
                  f"over {summary['seconds']:.1f} s")
     lines.append(f"data: {summary['run_dir']}/data  quarantine: {summary['run_dir']}/quarantine")
+    for check, count in sorted(summary.get("fallbacks", {}).items()):
+        lines.append(f"  redone on the CPU path after {check}: {count}")
     if not summary["complete"]:
         lines.append("NOT COMPLETE: some units are not committed; rerun the same command to finish")
     return "\n".join(lines)

@@ -4,6 +4,8 @@ Production code calls `fault(point)` or `crash_point(point)` at the few places a
 to break; with the variable unset (always, outside tests) they return at once.
 
 - `decode.crash=<sha256 prefix>` / `decode.hang=<sha256 prefix>`: the decoder child aborts / hangs on that image.
+- `preprocess.wrong_grid=<sha256 prefix>`: the preprocessing backend pads that image one merge window too
+  wide, so it produces a wrong grid (the CPU fallback path is not affected).
 - `crash.<point>=<n>`: the process exits with status 137 (as if SIGKILLed) the n-th time it reaches <point>.
 """
 

@@ -1,89 +1,107 @@
 """Preprocessing: decoded images of many records -> one packed pixel tensor in the tower's layout.
 
-Backends: `torch` (batchvlm's own ops, on the job's device) and `reference` (the family's Hugging
-Face image processor, the oracle). Every batch is checked against the plan whichever backend ran.
+Backends (`preprocess.backend`): `triton` (kernels/pack_pixels.py: the whole batch in two launches),
+`torch` (kernels/reference.py in torch ops, on the job's device) and `reference` (the family's
+Hugging Face image processor, the oracle); `auto` is triton on CUDA, torch otherwise.
+
+Every image is checked against its plan whichever backend ran, and a deterministic sample of
+images is compared with the HF processor (parity). An image that fails is redone on the CPU path
+(`preprocess.fallback=cpu`) or its record quarantined (`quarantine`); `PreprocessGuard` counts both.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+from collections import Counter
+
 import torch
-import torch.nn.functional as F
 
 from batchvlm.checks import CheckFailed, require
+from batchvlm.faults import fault
+from batchvlm.kernels.reference import normalized_image
 from batchvlm.records import DecodedImage, ImagePlan, PackedBatch, PreparedRecord
 
-BACKGROUNDS = {"black": 0.0, "white": 255.0, "gray": 128.0}
+log = logging.getLogger("batchvlm")
 
 
-def background_image(kind: str, height: int, width: int, device: torch.device, square: int = 16,
-                     white: float = 255.0, gray: float = 200.0) -> torch.Tensor:
-    """The background that transparent pixels are composited onto (shared/reference/preprocessing.md s3)."""
-    if kind in BACKGROUNDS:
-        return torch.full((1, height, width), BACKGROUNDS[kind], device=device)
-    y = torch.arange(height, device=device)[:, None] // square
-    x = torch.arange(width, device=device)[None, :] // square
-    gray_cells = (y + x) % 2 == 1  # the top-left cell is gray
-    return torch.where(gray_cells, gray, white).to(torch.float32)[None]
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """`auto`: the Triton kernels on CUDA, torch ops elsewhere (Triton runs on CPU only interpreted)."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return backend
 
 
-def resize_image(image: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Tensor:
-    """CHW float in 0..255 -> antialiased resize with PIL's uint8 semantics.
-
-    PIL (and torch's uint8 kernel that the HF processors call) resizes width first, then height, and
-    rounds and clamps to uint8 between the two passes. One float pass instead differs by up to 9
-    levels at sharp edges; two passes with rounding in between stay within 1 level of PIL.
-    """
-    height, width = size
-    if image.shape[2] != width:
-        image = _resize_pass(image, (image.shape[1], width), mode)
-    if image.shape[1] != height:
-        image = _resize_pass(image, (height, width), mode)
-    return image
+def normalization(family, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (scale, bias) with x*scale + bias == (x/255 - mean)/std, computed in float64."""
+    mean = torch.tensor(family.image_mean, dtype=torch.float64)
+    std = torch.tensor(family.image_std, dtype=torch.float64)
+    return (1.0 / (255.0 * std)).float().to(device), (-mean / std).float().to(device)
 
 
-def _resize_pass(image: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Tensor:
-    resized = F.interpolate(image[None], size=size, mode=mode, align_corners=False, antialias=True)[0]
-    return resized.round().clamp(0, 255)
+def backend_plan(image: DecodedImage, plan: ImagePlan, layout) -> ImagePlan:
+    """The plan a backend works to: the image's own, unless a test forces a wrong grid on the backend
+    (fault `preprocess.wrong_grid=<sha256 prefix>`: one merge window wider). The CPU fallback path
+    reads the plan itself, so it stays right."""
+    target = fault("preprocess.wrong_grid")
+    if target and image.sha256.startswith(target):
+        wider = plan.padded[1] + layout.patch_size * layout.merge_size
+        return dataclasses.replace(plan, padded=(plan.padded[0], wider))
+    return plan
 
 
-def composite(image: torch.Tensor, background: str) -> torch.Tensor:
-    """RGBA -> RGB over the background, after resize so alpha is resampled like colour; floor, not round."""
-    if image.shape[0] == 3:
-        return image
-    alpha = (image[3:4] / 255.0).clamp(0, 1)
-    bg = background_image(background, image.shape[1], image.shape[2], image.device)
-    return (alpha * image[:3] + (1 - alpha) * bg).clamp(0, 255).floor()
+def _images_and_plans(records: list[PreparedRecord]) -> tuple[list[DecodedImage], list[ImagePlan]]:
+    return ([image for record in records for image in record.images],
+            [plan for record in records for plan in record.plans])
 
 
 class TorchPreprocessor:
-    """The family's pixel contract in plain torch ops: resize, composite, pad, normalize, patchify."""
+    """The family's pixel contract in plain torch ops (kernels/reference.py), image by image."""
 
     def __init__(self, family, device: torch.device, background: str):
         self.family = family
         self.device = device
         self.background = background
-        self.scale = (1.0 / (255.0 * torch.tensor(family.image_std, dtype=torch.float64))).float().view(3, 1, 1).to(device)
-        self.bias = (-torch.tensor(family.image_mean, dtype=torch.float64)
-                     / torch.tensor(family.image_std, dtype=torch.float64)).float().view(3, 1, 1).to(device)
+        self.scale, self.bias = (t.view(3, 1, 1) for t in normalization(family, device))
 
     def image_rows(self, image: DecodedImage, plan: ImagePlan) -> tuple[torch.Tensor, tuple]:
-        staged = torch.from_numpy(image.pixels).to(self.device).permute(2, 0, 1).float()
-        resized = composite(resize_image(staged, plan.resized, self.family.resample), self.background)
-        pad_h = plan.padded[0] - resized.shape[1]
-        pad_w = plan.padded[1] - resized.shape[2]
-        # Pad with raw 0 before normalizing: a normalized 0 would be pixel 127.5.
-        padded = F.pad(resized, (0, pad_w, 0, pad_h), value=0.0)
-        normalized = padded * self.scale + self.bias
+        pixels = torch.from_numpy(image.pixels).to(self.device)
+        normalized = normalized_image(pixels, plan.resized, plan.padded, self.family.resample, self.background,
+                                      self.scale, self.bias)
         return self.family.patchify(normalized), self.family.grid_of(normalized)
 
     def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
         rows, grids = [], []
-        for record in records:
-            for image, plan in zip(record.images, record.plans):
-                image_rows, grid = self.image_rows(image, plan)
-                rows.append(image_rows)
-                grids.append(grid)
+        for image, plan in zip(*_images_and_plans(records)):
+            image_rows, grid = self.image_rows(image, backend_plan(image, plan, self.family.layout))
+            rows.append(image_rows)
+            grids.append(grid)
         return rows, grids
+
+
+class TritonPreprocessor:
+    """kernels/pack_pixels.py: every image of the batch staged once, preprocessed in two launches."""
+
+    def __init__(self, family, device: torch.device, background: str):
+        # Imported here, not at the top: Triton fixes compiled vs interpreted when a kernel is defined.
+        from batchvlm.kernels.pack_pixels import pack_images
+
+        self.pack_images = pack_images
+        self.family = family
+        self.device = device
+        self.background = background
+        self.scale, self.bias = normalization(family, device)
+
+    def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
+        images, plans = _images_and_plans(records)
+        plans = [backend_plan(image, plan, self.family.layout) for image, plan in zip(images, plans)]
+        packed, counts = self.pack_images([torch.from_numpy(image.pixels) for image in images],
+                                          [plan.resized for plan in plans], [plan.padded for plan in plans],
+                                          self.family.layout, self.family.resample, self.background, self.scale,
+                                          self.bias, self.device)
+        # The grid of what the kernel wrote, measured by the family from the padded shape it was given.
+        grids = [self.family.grid_of(torch.empty((3, *plan.padded), device="meta")) for plan in plans]
+        return list(torch.split(packed, counts)), grids
 
 
 class ReferencePreprocessor:
@@ -104,23 +122,117 @@ class ReferencePreprocessor:
 
 
 def make_preprocessor(backend: str, family, device: torch.device, background: str):
+    """The backend's preprocessor; `backend` is already resolved (`resolve_backend`)."""
     if backend == "reference":
         return ReferencePreprocessor(family, device)
+    if backend == "triton":
+        return TritonPreprocessor(family, device, background)
     return TorchPreprocessor(family, device, background)
 
 
-def pack(records: list[PreparedRecord], preprocessor) -> PackedBatch:
+@dataclasses.dataclass
+class PreprocessGuard:
+    """Beyond the per-image checks: the sampled parity check against the HF processor, and what
+    happens to an image that fails a check (redone on the CPU path, or its record quarantined).
+
+    Counts are kept by (record id, image index), so re-packing a batch (the driver bisects failing
+    batches) never counts an image twice.
+    """
+
+    cpu: TorchPreprocessor | None = None
+    """The CPU path: the fallback (None: quarantine) and the parity oracle for RGBA images."""
+    fallback: bool = False
+    parity_sample_rate: float = 0.0
+    parity_max_levels: float = 3.0
+    fallbacks: dict = dataclasses.field(default_factory=dict)
+    """(record id, image index) -> the check that sent the image to the CPU path."""
+    parity_checked: set = dataclasses.field(default_factory=set)
+    parity_failed: set = dataclasses.field(default_factory=set)
+
+    @classmethod
+    def from_config(cls, config, family, background: str) -> "PreprocessGuard":
+        return cls(cpu=TorchPreprocessor(family, torch.device("cpu"), background), fallback=config.fallback == "cpu",
+                   parity_sample_rate=config.parity_sample_rate, parity_max_levels=config.parity_max_levels)
+
+    def stats(self) -> dict:
+        """What `_SUCCESS` reports: images redone on the CPU path by check, and the parity sample."""
+        return {"fallbacks": dict(Counter(self.fallbacks.values())),
+                "parity": {"checked_images": len(self.parity_checked), "failed_images": len(self.parity_failed)}}
+
+    def sampled(self, image: DecodedImage) -> bool:
+        """Deterministic by content: a rerun samples the same images."""
+        return self.parity_sample_rate > 0 and int(image.sha256[:8], 16) < self.parity_sample_rate * 16 ** 8
+
+    def checked_rows(self, record: PreparedRecord, index: int, image: DecodedImage, plan: ImagePlan, grid: tuple,
+                     rows: torch.Tensor) -> torch.Tensor:
+        """The image's rows once they pass every check: the backend's, or the CPU path's instead."""
+        key = (record.source.id, index)
+        try:
+            _check_image(index, plan, grid, rows)
+            if self.sampled(image):
+                self.parity_checked.add(key)
+                self._check_parity(index, image, plan, rows, key)
+            return rows
+        except CheckFailed as failure:
+            if not self.fallback:
+                failure.record = record
+                raise
+            log.warning("%s image %d: %s; redone on the CPU path", record.source.id, index, failure)
+            self.fallbacks[key] = failure.check
+            cpu_rows, cpu_grid = self.cpu.image_rows(image, plan)
+            try:
+                _check_image(index, plan, cpu_grid, cpu_rows)
+            except CheckFailed as cpu_failure:
+                cpu_failure.record = record
+                raise
+            return cpu_rows.to(rows.device)
+
+    def _check_parity(self, index: int, image: DecodedImage, plan: ImagePlan, rows: torch.Tensor, key) -> None:
+        """Within parity_max_levels uint8 levels of the HF processor; of the CPU path for RGBA images,
+        which the HF processors do not composite."""
+        if image.has_alpha:
+            oracle, _ = self.cpu.image_rows(image, plan)
+        else:
+            oracle, _ = self.cpu.family.reference_preprocess([image.pixels])
+        levels = self._levels(rows.detach().float().cpu(), oracle.float(), plan)
+        if levels is None or levels > self.parity_max_levels:
+            self.parity_failed.add(key)
+            observed = (f"shape {tuple(rows.shape)} vs {tuple(oracle.shape)}" if levels is None
+                        else f"{levels:.2f} levels")
+            raise CheckFailed("preprocess.parity", f"image {index}: the backend's pixels differ from the reference "
+                              f"processor's by {observed}", expected=f"<= {self.parity_max_levels} levels",
+                              observed=observed, image_index=index)
+
+    def _levels(self, ours: torch.Tensor, oracle: torch.Tensor, plan: ImagePlan) -> float | None:
+        """Largest difference in uint8 levels (one level is scale_c in normalized units, per channel)."""
+        if ours.shape != oracle.shape:
+            return None
+        channel = torch.arange(3, dtype=torch.float32).view(3, 1, 1).expand(3, *plan.padded)
+        scale = self.cpu.scale.view(3)[self.cpu.family.patchify(channel).long()]
+        return float(((ours - oracle).abs() / scale).max()) if ours.numel() else 0.0
+
+
+def merged_stats(per_rank: list[dict]) -> dict:
+    """The ranks' `PreprocessGuard.stats()` added up."""
+    fallbacks = sum((Counter(stats["fallbacks"]) for stats in per_rank), Counter())
+    return {"fallbacks": dict(fallbacks),
+            "parity": {key: sum(stats["parity"][key] for stats in per_rank)
+                       for key in ("checked_images", "failed_images")}}
+
+
+def pack(records: list[PreparedRecord], preprocessor, guard: PreprocessGuard | None = None) -> PackedBatch:
     """Preprocess every image of the records and pack them, checking grids and row counts per image."""
+    guard = guard or PreprocessGuard()
     rows, grids = preprocessor(records)
-    plans = [plan for record in records for plan in record.plans]
+    images, plans = _images_and_plans(records)
     # Which image lost its grid cannot be told from a short list: the driver bisects such a batch.
     require(len(grids) == len(plans), "preprocess.grid_match", "the backend returned a grid count that differs "
             "from the batch's image count", expected=len(plans), observed=len(grids))
     require(len(rows) == len(plans), "preprocess.feature_length", "the backend returned pixels for a different "
             "number of images than the batch has", expected=len(plans), observed=len(rows))
     owners = [(record, index) for record in records for index in range(len(record.plans))]
-    for (record, index), plan, grid, image_rows in zip(owners, plans, grids, rows):
-        _check_image(record, index, plan, grid, image_rows)
+    rows = [guard.checked_rows(record, index, image, plan, grid, image_rows)
+            for (record, index), image, plan, grid, image_rows in zip(owners, images, plans, grids, rows)]
     pixel_values = torch.cat(rows)
     grid_thw = torch.tensor([plan.grid_thw for plan in plans], dtype=torch.int64)
     require(pixel_values.shape[0] == int(grid_thw.prod(-1).sum()), "preprocess.feature_length",
@@ -129,14 +241,10 @@ def pack(records: list[PreparedRecord], preprocessor) -> PackedBatch:
     return PackedBatch(pixel_values=pixel_values, grid_thw=grid_thw, records=records)
 
 
-def _check_image(record: PreparedRecord, index: int, plan: ImagePlan, grid: tuple, image_rows: torch.Tensor) -> None:
-    try:
-        require(tuple(grid) == tuple(plan.grid_thw), "preprocess.grid_match",
-                f"image {index}: preprocessing produced grid {tuple(grid)}, the plan says {plan.grid_thw}",
-                expected=plan.grid_thw, observed=tuple(grid), image_index=index)
-        require(image_rows.shape[0] == plan.num_patches, "preprocess.feature_length",
-                f"image {index}: {image_rows.shape[0]} pixel rows for {plan.num_patches} planned patches",
-                expected=plan.num_patches, observed=image_rows.shape[0], image_index=index)
-    except CheckFailed as failure:
-        failure.record = record
-        raise
+def _check_image(index: int, plan: ImagePlan, grid: tuple, image_rows: torch.Tensor) -> None:
+    require(tuple(grid) == tuple(plan.grid_thw), "preprocess.grid_match",
+            f"image {index}: preprocessing produced grid {tuple(grid)}, the plan says {plan.grid_thw}",
+            expected=plan.grid_thw, observed=tuple(grid), image_index=index)
+    require(image_rows.shape[0] == plan.num_patches, "preprocess.feature_length",
+            f"image {index}: {image_rows.shape[0]} pixel rows for {plan.num_patches} planned patches",
+            expected=plan.num_patches, observed=image_rows.shape[0], image_index=index)

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 import batchvlm
 from batchvlm.config import ConfigError, JobConfig
 from batchvlm.faults import crash_point
+from batchvlm.preprocess import merged_stats
 from batchvlm.sink import durable_write, durable_write_json
 
 
@@ -89,7 +90,8 @@ class RunDir:
         marker = self.path / "_SUCCESS"
         return json.loads(marker.read_text()) if marker.exists() else None
 
-    def finish(self, unit_ids: list[str], seconds: float, records_seen: int, image_tokens: int) -> dict:
+    def finish(self, unit_ids: list[str], seconds: float, records_seen: int, image_tokens: int,
+               preprocess: dict | None = None) -> dict:
         """Rank 0, after every rank is done: merged totals, and `_SUCCESS` if every unit is committed."""
         manifests = {}
         for unit_id in unit_ids:
@@ -111,6 +113,8 @@ class RunDir:
             "seconds": seconds,
             "records_per_s": records_seen / seconds if seconds else 0.0,
             "tokens_per_s": image_tokens / seconds if seconds else 0.0,
+            # this attempt's images redone on the CPU path, by check, and the parity sample (PreprocessGuard)
+            **(preprocess or merged_stats([])),
             "host": platform.node(),
         }
         if summary["complete"] and not (self.path / "_SUCCESS").exists():

@@ -1,0 +1,34 @@
+"""The preprocessing benchmark runs wherever the job runs (on CPU: torch vs the HF processor)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from batchvlm.bench import BenchConfig, bench_preprocess, format_preprocess
+from batchvlm.config import ConfigError
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def test_preprocess_bench_reports_throughput_and_ratios_side_by_side():
+    result = bench_preprocess(BenchConfig(repeats=1))
+    expected = {"torch", "hf"} | ({"triton"} if torch.cuda.is_available() else set())
+    assert set(result["backends"]) == expected
+    for row in result["backends"].values():
+        assert row["images_per_s"] > 0 and row["bytes_per_s"] > 0
+    assert "torch/hf" in result["ratios"]
+    assert "speed-up: " in format_preprocess(result)
+
+
+def test_the_bench_config_composes_and_refuses_bad_values():
+    ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        assert OmegaConf.to_object(compose(config_name="bench")).task == "preprocess"
+        with pytest.raises(ConfigError, match="repeats"):
+            OmegaConf.to_object(compose(config_name="bench", overrides=["repeats=0"]))
