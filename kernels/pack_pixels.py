@@ -11,6 +11,10 @@
 Each program block belongs to one image (its tables say which), so one launch covers any mix of
 sizes. Kernel 2 walks the output in order, so its stores are contiguous and its loads gather.
 The oracle is kernels/reference.py followed by `PatchLayout.patchify`.
+
+Only builtins of triton.language, none of its @jit library functions (tl.zeros ...): those are
+compiled-mode objects when triton was imported before TRITON_INTERPRET was set, and the CPU tests
+interpret the kernels in a process where transformers has long imported triton.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ def _horizontal_pass(buffer_ptr, meta_ptr, block_image_ptr, block_offset_ptr, st
     x = (element // channels) % width_out
     y = element // (channels * width_out)
     start = tl.load(start_ptr + table + x, mask=valid, other=0)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.full([BLOCK], 0.0, tl.float32)
     for k in range(taps):
         weight = tl.load(weight_ptr + (table + x) * taps + k, mask=valid, other=0.0)
         column = start + k
@@ -76,7 +80,7 @@ def _horizontal_pass(buffer_ptr, meta_ptr, block_image_ptr, block_offset_ptr, st
 @triton.jit
 def _vertical_pass(buffer_ptr, stage, height_in, width, channels, y, x, c, start_ptr, weight_ptr, table, taps, mask):
     start = tl.load(start_ptr + table + y, mask=mask, other=0)
-    acc = tl.zeros(y.shape, dtype=tl.float32)
+    acc = tl.full(y.shape, 0.0, tl.float32)
     for k in range(taps):
         weight = tl.load(weight_ptr + (table + y) * taps + k, mask=mask, other=0.0)
         row = start + k
