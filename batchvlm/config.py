@@ -80,17 +80,20 @@ class ModelConfig:
     device: str = "auto"
     """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
     attn_implementation: str = "sdpa"
-    embedding: str = "projector"
-    """Which output is stored: projector (LLM-ready tokens, when the checkpoint has a projector) | tower."""
+    embedding: str = "auto"
+    """Which output is stored as image_embeds: auto (the projector's LLM-ready tokens where the checkpoint has a
+    projector, the tower's tokens otherwise) | projector | tower | both (projector tokens, plus the tower's in
+    tower_embeds)."""
     framing: str = "k3"
-    """Prompt contract: k3 (begin/content/end frame around each image's tokens) | plain (bare repeats, K2.5)."""
+    """kimi_k25 prompt contract: k3 (begin/content/end frame around each image's tokens) | plain (bare repeats, K2.5).
+    Other families have one contract each and ignore it."""
     trust_remote_code: bool = False
     processor: dict[str, Any] = field(default_factory=dict)
     """Overrides of the checkpoint's processor parameters (family-specific keys, validated by the family)."""
 
     def __post_init__(self) -> None:
         _one_of("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
-        _one_of("model.embedding", self.embedding, ("projector", "tower"))
+        _one_of("model.embedding", self.embedding, ("auto", "projector", "tower", "both"))
         _one_of("model.framing", self.framing, ("k3", "plain"))
         _one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

@@ -34,7 +34,7 @@ from batchvlm.rundir import RunDir
 from batchvlm.sink import RunSink, SinkWriter
 from batchvlm.source import Source
 from batchvlm.workunits import assign, plan_units, read_plan
-from batchvlm.tokens import build_layout, place_images
+from batchvlm.tokens import attach_positions, build_layout, place_images
 
 log = logging.getLogger("batchvlm")
 
@@ -51,6 +51,7 @@ def prepare(record: SourceRecord, family, job: JobConfig, decoder: Decoder) -> P
         images = [decoder(ref, index) for index, ref in enumerate(record.images)]
         plans = [family.plan(image.height, image.width) for image in images]
         layout = build_layout(text, job.dataset.placeholder, plans, family)
+        attach_positions(layout, plans, family)
     except CheckFailed as failure:
         return QuarantinedRecord(record, failure.to_failure())
     return PreparedRecord(source=record, images=images, plans=plans, layout=layout)
@@ -164,9 +165,9 @@ class Job:
         encoder = self.family.load_encoder(self.device, EMBED_DTYPES[job.model.dtype])
         self.embed_dtype = EMBED_DTYPES[job.output.embed_dtype]
         self.run = RunDir(run_dir, job, self.family, encoder, self.ranks)
-        self.sink = RunSink(run_dir, self.run.schema_metadata(encoder.hidden_size), job.output.compression,
+        self.sink = RunSink(run_dir, self.run.schema_metadata(encoder.hidden_sizes), job.output.compression,
                             self.ranks.rank)
-        self.hidden_size = encoder.hidden_size
+        self.hidden_sizes = encoder.hidden_sizes
         self.on_device = Device(make_preprocessor(job.preprocess.backend, self.family, self.device,
                                                   job.preprocess.background), encoder,
                                 PreprocessGuard.from_config(job.preprocess, self.family, job.preprocess.background))
@@ -249,7 +250,7 @@ class Job:
         rows, quarantined = [], list(quarantined)
         for item in encoded:
             try:
-                rows.append((item.prepared.source.unit_id, data_row(item, self.embed_dtype, self.hidden_size)))
+                rows.append((item.prepared.source.unit_id, data_row(item, self.embed_dtype, self.hidden_sizes)))
             except CheckFailed as failure:
                 quarantined.append(QuarantinedRecord(item.prepared.source, failure.to_failure()))
         for unit_id, row in rows:

@@ -80,8 +80,9 @@ class RunDir:
                               f"({_differences(previous, self.fingerprint)}); "
                               "use another run_name=... for a new run, or delete the directory")
 
-    def schema_metadata(self, hidden_size: int) -> dict[str, str]:
-        return {"batchvlm.family": self.family.name, "batchvlm.hidden_size": str(hidden_size),
+    def schema_metadata(self, hidden_sizes: dict[str, int]) -> dict[str, str]:
+        sizes = {f"batchvlm.hidden_size.{name}": str(size) for name, size in hidden_sizes.items()}
+        return {**sizes, "batchvlm.family": self.family.name, "batchvlm.hidden_size": str(hidden_sizes["image_embeds"]),
                 "batchvlm.embed_dtype": self.job.output.embed_dtype, "batchvlm.embedding": self.job.model.embedding,
                 "batchvlm.fingerprint": self.fingerprint_digest, "batchvlm.version": batchvlm.__version__}
 
