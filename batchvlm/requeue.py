@@ -62,35 +62,49 @@ def quarantined_records(run_dir: Path, checks: list[str] | None) -> list[Quarant
     return records
 
 
-def _ids_of(source: Source, name: str) -> list[str | None]:
-    """The id of every row of one input, as the job reads it (None where the id is empty)."""
+def _ids_at(source: Source, name: str, rows: list[int]) -> list[str | None]:
+    """The ids of some rows of one input, as the job reads them (None where the id is empty)."""
     item = source.inputs[name]
-    if source.cfg.id_column in item.dataset.column_names:  # one column, not the images
-        return [None if value is None or str(value) == "" else str(value) for value in item.dataset[source.cfg.id_column]]
-    whole = WorkUnit(name, name, 0, len(item.dataset))
-    return [record.id for record in source.records(whole)]
+    if source.cfg.id_column in item.dataset.column_names:  # that column of those rows, not the images
+        values = item.dataset.select_columns([source.cfg.id_column])[rows][source.cfg.id_column] if rows else []
+        return [None if value is None or str(value) == "" else str(value) for value in values]
+    return [next(source.records(WorkUnit(name, name, row, row + 1))).id for row in rows]
+
+
+def _index_by_id(source: Source) -> dict[str, tuple[str, int]]:
+    """Every id of the dataset -> its first (input, row); built only when some record moved."""
+    index: dict[str, tuple[str, int]] = {}
+    for name, item in source.inputs.items():
+        for row, record_id in enumerate(_ids_at(source, name, list(range(len(item.dataset))))):
+            index.setdefault(record_id, (name, row))
+    return index
 
 
 def locate(source: Source, wanted: list[Quarantined]) -> tuple[list[Located], list[Quarantined]]:
     """Find each wanted record in the current dataset: by file and row with the same id, else by id."""
     by_location = {os.path.realpath(item.location): name for name, item in source.inputs.items()}
-    ids = {name: _ids_of(source, name) for name in source.inputs}
-    by_id: dict[str, tuple[str, int]] = {}
-    for name, column in ids.items():
-        for row, record_id in enumerate(column):
-            by_id.setdefault(record_id, (name, row))
-    found, missing, taken = [], [], set()
+    rows_of: dict[str, list[int]] = {}
     for record in wanted:
         name = by_location.get(os.path.realpath(record.source))
-        same_row = name is not None and record.row < len(ids[name]) and (
-            ids[name][record.row] == record.id
-            or record.check == "source.missing_id")  # it had no id to compare: the row is all there is
-        place = ((name, record.row), "row") if same_row else (by_id.get(record.id), "id")
-        if place[0] is None or place[0] in taken:
+        if name is not None and record.row < len(source.inputs[name].dataset):
+            rows_of.setdefault(name, []).append(record.row)
+    id_at = {(name, row): record_id for name, rows in rows_of.items()
+             for row, record_id in zip(rows, _ids_at(source, name, rows))}
+    by_id = None
+    found, missing, taken = [], [], set()
+    for record in wanted:
+        here = (by_location.get(os.path.realpath(record.source)), record.row)
+        # a record quarantined for a missing id had no id to compare: its row is all there is
+        if here in id_at and (id_at[here] == record.id or record.check == "source.missing_id"):
+            place, matched_by = here, "row"
+        else:
+            by_id = _index_by_id(source) if by_id is None else by_id
+            place, matched_by = by_id.get(record.id), "id"
+        if place is None or place in taken:
             missing.append(record)
             continue
-        taken.add(place[0])
-        found.append(Located(record, place[0][0], place[0][1], place[1]))
+        taken.add(place)
+        found.append(Located(record, place[0], place[1], matched_by))
     return found, missing
 
 
