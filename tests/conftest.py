@@ -40,3 +40,15 @@ def demo_run(tmp_path_factory) -> Path:
     result = run_embed(f"output.root={root}", "run_name=demo")
     assert result.returncode == 0, result.stderr[-4000:]
     return root / "demo"
+
+
+FAMILY_NAMES = ["kimi_k25", "qwen2_vl", "siglip2"]
+
+
+@pytest.fixture(scope="session", params=FAMILY_NAMES)
+def family(request):
+    """Each family with its tiny demo checkpoint."""
+    from batchvlm.config import ModelConfig
+    from batchvlm.families import load_family
+
+    return load_family(ModelConfig(family=request.param))

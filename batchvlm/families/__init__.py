@@ -5,6 +5,7 @@ Adding a family means adding one module here, one entry in `FAMILIES` and one co
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import json
@@ -88,6 +89,37 @@ class PatchFamily:
 
     def positions(self, layout: TokenLayout, plans: list[ImagePlan]) -> tuple[np.ndarray, int] | None:
         return None
+
+
+def processor_params(cls, values: dict, overrides: dict, family: str):
+    """A family's processor parameters: the checkpoint's values, then the model.processor overrides."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in overrides:
+        if key not in known:
+            raise ConfigError(f"model.processor.{key} is not a {family} processor parameter "
+                              f"(known: {', '.join(sorted(known))})")
+    values = {**values, **overrides}
+    params = cls(**{k: tuple(v) if k.startswith("image_") else int(v) for k, v in values.items()})
+    if any(s == 0 for s in params.image_std):
+        raise ConfigError("model.processor.image_std: image normalization standard deviation must be nonzero")
+    return params
+
+
+def checkpoint_and_tokenizer(model: ModelConfig):
+    """The local checkpoint folder (the tiny demo one when model.path is null) and its tokenizer."""
+    from transformers import AutoTokenizer
+
+    from batchvlm.demo import resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(model)
+    tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_path or checkpoint,
+                                              trust_remote_code=model.trust_remote_code)
+    return checkpoint, tokenizer
+
+
+def processor_inputs(images: list[np.ndarray]) -> list[torch.Tensor]:
+    """HWC uint8 images as the CHW RGB tensors HF processors take (the oracle sees no alpha)."""
+    return [torch.from_numpy(np.ascontiguousarray(image[..., :3])).permute(2, 0, 1) for image in images]
 
 
 def token_id(tokenizer, token: str, family: str) -> int:

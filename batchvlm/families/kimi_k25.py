@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from batchvlm.config import ConfigError, ModelConfig
-from batchvlm.families import PatchFamily, choose_projector, token_id, tokenizer_digest
+from batchvlm.families import (PatchFamily, checkpoint_and_tokenizer, choose_projector, processor_inputs,
+                               processor_params, token_id, tokenizer_digest)
 from batchvlm.layouts import RASTER_CHW, PatchLayout
 from batchvlm.records import ImagePlan
 from batchvlm.tokens import FRAME, IMAGE
@@ -39,17 +40,7 @@ class KimiProcessorParams:
 
     @classmethod
     def from_checkpoint(cls, path: Path, overrides: dict) -> "KimiProcessorParams":
-        values = _read_processor_config(path)
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in overrides:
-            if key not in known:
-                raise ConfigError(f"model.processor.{key} is not a kimi_k25 processor parameter "
-                                  f"(known: {', '.join(sorted(known))})")
-        values.update(overrides)
-        params = cls(**{k: tuple(v) if k.startswith("image_") else int(v) for k, v in values.items()})
-        if any(s == 0 for s in params.image_std):
-            raise ConfigError("model.processor.image_std: image normalization standard deviation must be nonzero")
-        return params
+        return processor_params(cls, _read_processor_config(path), overrides, "kimi_k25")
 
 
 def _read_processor_config(path: Path) -> dict:
@@ -163,8 +154,7 @@ class KimiK25(PatchFamily):
             image_mean=list(p.image_mean), image_std=list(p.image_std))
 
     def reference_preprocess(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        tensors = [torch.from_numpy(np.ascontiguousarray(image[..., :3])).permute(2, 0, 1) for image in images]
-        out = self.reference_processor()(images=tensors, return_tensors="pt")
+        out = self.reference_processor()(images=processor_inputs(images), return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 
     # -- tower ----------------------------------------------------------------------------------
@@ -194,12 +184,6 @@ class KimiK25(PatchFamily):
 
 
 def from_config(model: ModelConfig) -> KimiK25:
-    from transformers import AutoTokenizer
-
-    from batchvlm.demo import resolve_checkpoint
-
-    checkpoint = resolve_checkpoint(model)
+    checkpoint, tokenizer = checkpoint_and_tokenizer(model)
     params = KimiProcessorParams.from_checkpoint(checkpoint, dict(model.processor))
-    tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_path or checkpoint,
-                                              trust_remote_code=model.trust_remote_code)
     return KimiK25(checkpoint, params, tokenizer, model.framing, model.embedding, model.attn_implementation)

@@ -21,7 +21,8 @@ import torch
 
 from batchvlm.checks import require
 from batchvlm.config import ConfigError, ModelConfig
-from batchvlm.families import PatchFamily, load_submodule, token_id, tokenizer_digest
+from batchvlm.families import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_inputs,
+                               processor_params, token_id, tokenizer_digest)
 from batchvlm.layouts import MERGE_WINDOW, PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
 from batchvlm.tokens import FRAME, IMAGE
@@ -50,18 +51,9 @@ class QwenProcessorParams:
 
     @classmethod
     def from_checkpoint(cls, path: Path, overrides: dict) -> "QwenProcessorParams":
-        values = _read_processor_config(path)
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in overrides:
-            if key not in known:
-                raise ConfigError(f"model.processor.{key} is not a qwen2_vl processor parameter "
-                                  f"(known: {', '.join(sorted(known))})")
-        values.update(overrides)
-        params = cls(**{k: tuple(v) if k.startswith("image_") else int(v) for k, v in values.items()})
+        params = processor_params(cls, _read_processor_config(path), overrides, "qwen2_vl")
         if params.min_pixels > params.max_pixels:
             raise ConfigError(f"model.processor: min_pixels={params.min_pixels} > max_pixels={params.max_pixels}")
-        if any(s == 0 for s in params.image_std):
-            raise ConfigError("model.processor.image_std: image normalization standard deviation must be nonzero")
         return params
 
     @property
@@ -206,8 +198,7 @@ class Qwen2VL(PatchFamily):
             image_mean=list(p.image_mean), image_std=list(p.image_std))
 
     def reference_preprocess(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        tensors = [torch.from_numpy(np.ascontiguousarray(image[..., :3])).permute(2, 0, 1) for image in images]
-        out = self.reference_processor()(images=tensors, return_tensors="pt")
+        out = self.reference_processor()(images=processor_inputs(images), return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 
     def load_encoder(self, device: torch.device, dtype: torch.dtype) -> QwenEncoder:
@@ -241,12 +232,6 @@ def _model_type(checkpoint: Path) -> str:
 
 
 def from_config(model: ModelConfig) -> Qwen2VL:
-    from transformers import AutoTokenizer
-
-    from batchvlm.demo import resolve_checkpoint
-
-    checkpoint = resolve_checkpoint(model)
+    checkpoint, tokenizer = checkpoint_and_tokenizer(model)
     params = QwenProcessorParams.from_checkpoint(checkpoint, dict(model.processor))
-    tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_path or checkpoint,
-                                              trust_remote_code=model.trust_remote_code)
     return Qwen2VL(checkpoint, params, tokenizer, model.embedding, model.attn_implementation)

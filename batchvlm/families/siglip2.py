@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from batchvlm.config import ConfigError, ModelConfig
-from batchvlm.families import PatchFamily, load_submodule, token_id, tokenizer_digest
+from batchvlm.families import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_inputs,
+                               processor_params, token_id, tokenizer_digest)
 from batchvlm.layouts import RASTER_HWC, PatchLayout
 from batchvlm.records import ImagePlan
 from batchvlm.tokens import FRAME, IMAGE
@@ -41,13 +42,7 @@ class SiglipProcessorParams:
         file = path / "preprocessor_config.json"
         raw = json.loads(file.read_text()) if file.exists() else {}
         values = {f.name: raw[f.name] for f in dataclasses.fields(cls) if raw.get(f.name) is not None}
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in overrides:
-            if key not in known:
-                raise ConfigError(f"model.processor.{key} is not a siglip2 processor parameter "
-                                  f"(known: {', '.join(sorted(known))})")
-        values.update(overrides)
-        params = cls(**{k: tuple(v) if k.startswith("image_") else int(v) for k, v in values.items()})
+        params = processor_params(cls, values, overrides, "siglip2")
         if params.max_num_patches < 1:
             raise ConfigError("model.processor.max_num_patches must be >= 1")
         return params
@@ -157,8 +152,7 @@ class Siglip2(PatchFamily):
 
     def reference_preprocess(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """The processor's padded output, cut back to each image's real rows (the packed layout)."""
-        tensors = [torch.from_numpy(np.ascontiguousarray(image[..., :3])).permute(2, 0, 1) for image in images]
-        out = self.reference_processor()(images=tensors, return_tensors="pt")
+        out = self.reference_processor()(images=processor_inputs(images), return_tensors="pt")
         rows = [values[:int(h) * int(w)] for values, (h, w) in zip(out["pixel_values"], out["spatial_shapes"])]
         grids = torch.cat([torch.ones(len(rows), 1, dtype=torch.int64), out["spatial_shapes"].long()], dim=1)
         return torch.cat(rows), grids
@@ -184,12 +178,6 @@ class Siglip2(PatchFamily):
 
 
 def from_config(model: ModelConfig) -> Siglip2:
-    from transformers import AutoTokenizer
-
-    from batchvlm.demo import resolve_checkpoint
-
-    checkpoint = resolve_checkpoint(model)
+    checkpoint, tokenizer = checkpoint_and_tokenizer(model)
     params = SiglipProcessorParams.from_checkpoint(checkpoint, dict(model.processor))
-    tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_path or checkpoint,
-                                              trust_remote_code=model.trust_remote_code)
     return Siglip2(checkpoint, params, tokenizer, model.embedding, model.attn_implementation)

@@ -44,3 +44,18 @@ def uint8_levels(family, ours: torch.Tensor, reference: torch.Tensor) -> torch.T
     std_patch = family.layout.patchify(std.view(3, 1, 1).expand(3, p * family.layout.merge_size,
                                                                  p * family.layout.merge_size))[:1]
     return (ours - reference).abs() * std_patch * 255 if rows else (ours - reference).abs()
+
+
+def preprocessed(family, photos: list[np.ndarray]) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
+    """Each photo through the torch backend at its planned size: its rows and its grid."""
+    from batchvlm.preprocess import TorchPreprocessor
+    from batchvlm.records import DecodedImage
+
+    preprocessor = TorchPreprocessor(family, torch.device("cpu"), "black")
+    rows, grids = [], []
+    for pixels in photos:
+        image = DecodedImage(pixels[..., :3].copy(), "PNG", "")
+        plan = family.plan(image.height, image.width)
+        rows.append(preprocessor.image_rows(image, plan)[0])
+        grids.append(plan.grid_thw)
+    return rows, grids

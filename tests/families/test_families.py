@@ -42,6 +42,13 @@ def reference_or_rejection(family, pixels):
         return error
 
 
+def test_every_registered_family_is_under_test():
+    from batchvlm.families import FAMILIES
+    from conftest import FAMILY_NAMES
+
+    assert sorted(FAMILIES) == sorted(FAMILY_NAMES)
+
+
 def test_planned_grids_and_token_counts_equal_the_hf_processor(family):
     for name, pixels in named_images(family):
         reference = reference_or_rejection(family, pixels)

@@ -7,11 +7,9 @@ import torch
 from skimage import data
 from transformers import Kimi_K25ForConditionalGeneration
 
-from photos import demo_images
+from photos import demo_images, preprocessed
 
 from batchvlm.families.kimi_k25 import KimiProcessorParams, navit_plan
-from batchvlm.preprocess import TorchPreprocessor
-from batchvlm.records import DecodedImage
 
 
 @pytest.mark.parametrize("width,height,grid,resized", [
@@ -32,8 +30,7 @@ def test_non_square_images_are_not_transposed(kimi_family):
     photo = data.coffee()[:200, :400]  # 200 tall, 400 wide
     pixel_values, grid = kimi_family.reference_preprocess([photo])
     assert tuple(grid[0].tolist()) == (1, 16, 30)
-    preprocessor = TorchPreprocessor(kimi_family, torch.device("cpu"), "black")
-    ours, _ = preprocessor.image_rows(DecodedImage(photo.copy(), "PNG", ""), kimi_family.plan(200, 400))
+    (ours,), _ = preprocessed(kimi_family, [photo])
     assert torch.allclose(ours, pixel_values, atol=1e-5)
 
 
@@ -41,14 +38,8 @@ def test_packed_embeddings_equal_the_hf_model_run_on_each_image_alone(kimi_famil
     """Many very different sizes in one packed batch vs the full HF model's get_image_features, image by image."""
     encoder = kimi_family.load_encoder(torch.device("cpu"), torch.float32)
     reference = Kimi_K25ForConditionalGeneration.from_pretrained(kimi_family.checkpoint, dtype=torch.float32).eval()
-    preprocessor = TorchPreprocessor(kimi_family, torch.device("cpu"), "black")
     photos = [p for _, p in demo_images()[:8]] + [data.rocket()[150:230], data.chelsea()[140:160, 200:220]]
-    rows, grids = [], []
-    for pixels in photos:
-        image = DecodedImage(pixels[..., :3].copy(), "PNG", "")
-        image_rows, _ = preprocessor.image_rows(image, plan := kimi_family.plan(image.height, image.width))
-        rows.append(image_rows)
-        grids.append(plan.grid_thw)
+    rows, grids = preprocessed(kimi_family, photos)
     packed = encoder(torch.cat(rows), torch.tensor(grids))["image_embeds"]
     with torch.inference_mode():
         for image_rows, grid, ours in zip(rows, grids, packed):

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration,
                           Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
 
-from photos import demo_images, photo_of_size
+from photos import demo_images, photo_of_size, preprocessed
 
 from batchvlm.config import ModelConfig
 from batchvlm.families import load_family
 from batchvlm.families.qwen2_vl import QwenProcessorParams, mrope_positions, qwen_plan
-from batchvlm.preprocess import TorchPreprocessor
-from batchvlm.records import DecodedImage, ImagePlan
+from batchvlm.records import ImagePlan
 from batchvlm.tokens import IMAGE, build_layout
 
 QWEN3 = QwenProcessorParams(patch_size=16, min_pixels=65536, max_pixels=16777216, image_mean=(0.5,) * 3,
@@ -134,14 +132,8 @@ def _assert_packed_equals_alone(family, model) -> None:
     """Very different sizes in one packed batch vs the full model's get_image_features, image by image (fp32)."""
     model = model.float().eval()
     encoder = family.load_encoder(torch.device("cpu"), torch.float32)
-    preprocessor = TorchPreprocessor(family, torch.device("cpu"), "black")
     photos = [p for _, p in demo_images()[:6]] + [photo_of_size(30, 800), photo_of_size(2, 2)]
-    rows, grids = [], []
-    for pixels in photos:
-        image = DecodedImage(pixels[..., :3].copy(), "PNG", "")
-        image_rows, _ = preprocessor.image_rows(image, plan := family.plan(image.height, image.width))
-        rows.append(image_rows)
-        grids.append(plan.grid_thw)
+    rows, grids = preprocessed(family, photos)
     packed = encoder(torch.cat(rows), torch.tensor(grids))
     with torch.inference_mode():
         for index, (image_rows, grid) in enumerate(zip(rows, grids)):

@@ -6,13 +6,11 @@ import pytest
 import torch
 from transformers import Siglip2VisionModel
 
-from photos import demo_images, photo_of_size
+from photos import demo_images, photo_of_size, preprocessed
 
 from batchvlm.config import ModelConfig
 from batchvlm.families import load_family
 from batchvlm.families.siglip2 import naflex_size
-from batchvlm.preprocess import TorchPreprocessor
-from batchvlm.records import DecodedImage
 
 
 @pytest.fixture(scope="module")
@@ -29,23 +27,12 @@ def test_naflex_size_matches_the_worked_examples(width, height, budget, size):
     assert naflex_size(height, width, 16, budget) == size
 
 
-def packed_rows(siglip, photos):
-    preprocessor = TorchPreprocessor(siglip, torch.device("cpu"), "black")
-    rows, grids = [], []
-    for pixels in photos:
-        image = DecodedImage(pixels[..., :3].copy(), "PNG", "")
-        image_rows, _ = preprocessor.image_rows(image, plan := siglip.plan(image.height, image.width))
-        rows.append(image_rows)
-        grids.append(plan.grid_thw)
-    return rows, grids
-
-
 def test_packed_forward_equals_the_hf_padded_forward_on_each_image_alone(siglip):
     """Patch tokens and pooled vectors (fp32) of a packed batch of very different sizes."""
     reference = Siglip2VisionModel.from_pretrained(siglip.checkpoint, dtype=torch.float32).eval()
     encoder = siglip.load_encoder(torch.device("cpu"), torch.float32)
     photos = [p for _, p in demo_images()[:6]] + [photo_of_size(30, 4000), photo_of_size(1, 1)]
-    rows, grids = packed_rows(siglip, photos)
+    rows, grids = preprocessed(siglip, photos)
     packed = encoder(torch.cat(rows), torch.tensor(grids))
     budget = siglip.params.max_num_patches
     with torch.inference_mode():
@@ -63,7 +50,7 @@ def test_packed_forward_equals_the_hf_padded_forward_on_each_image_alone(siglip)
 def test_packing_processes_only_real_patches_where_the_processor_pads(siglip):
     """Packing efficiency on the demo photos: real patches / patches the tower processes."""
     photos = [p for _, p in demo_images()]
-    _, grids = packed_rows(siglip, photos)
+    _, grids = preprocessed(siglip, photos)
     real = sum(h * w for _, h, w in grids)
     padded = len(grids) * siglip.params.max_num_patches
     print(f"siglip2 demo: packed efficiency 1.000, HF padded {real / padded:.3f} ({real} of {padded} patches)")
