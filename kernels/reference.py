@@ -27,11 +27,25 @@ def background_image(kind: str, height: int, width: int, device: torch.device, s
 
 
 def resize_image(image: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Tensor:
-    """CHW float in 0..255 -> antialiased resize with PIL's uint8 semantics.
+    """CHW uint8 -> antialiased resize with PIL's uint8 semantics, as float in 0..255.
 
-    PIL (and torch's uint8 kernel that the HF processors call) resizes width first, then height, and
-    rounds and clamps to uint8 between the two passes. One float pass instead differs by up to 9
-    levels at sharp edges; two passes with rounding in between stay within 1 level of PIL.
+    On the CPU torch has PIL's own uint8 algorithm (the kernel the HF processors call), exact and about
+    twice as fast as float; GPUs have no uint8 antialiased kernel and take the two float passes.
+    """
+    if image.device.type == "cpu":
+        return resize_uint8(image, size, mode)
+    return resize_two_passes(image.float(), size, mode)
+
+
+def resize_uint8(image: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Tensor:
+    return F.interpolate(image[None], size=size, mode=mode, align_corners=False, antialias=True)[0].float()
+
+
+def resize_two_passes(image: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Tensor:
+    """PIL resizes width first, then height, rounding and clamping to uint8 between the two passes.
+
+    One float pass instead differs by up to 9 levels at sharp edges; two passes with rounding in
+    between stay within 2 levels of PIL (what the Triton kernels compute too).
     """
     height, width = size
     if image.shape[2] != width:
@@ -61,8 +75,7 @@ def normalized_image(pixels: torch.Tensor, resized: tuple[int, int], padded: tup
 
     `scale` and `bias` are per channel, shaped (3, 1, 1), on the pixels' device.
     """
-    staged = pixels.permute(2, 0, 1).float()
-    image = composite(resize_image(staged, resized, resample), background)
+    image = composite(resize_image(pixels.permute(2, 0, 1), resized, resample), background)
     # Pad with raw 0 before normalizing: a normalized 0 would be pixel 127.5.
     padded_image = F.pad(image, (0, padded[1] - image.shape[2], 0, padded[0] - image.shape[1]), value=0.0)
     return padded_image * scale + bias

@@ -143,3 +143,22 @@ def test_a_wrong_kernel_grid_quarantines_its_record_without_fallback(monkeypatch
     with pytest.raises(CheckFailed) as caught:
         pack(records, TritonPreprocessor(TinyFamily(), DEVICE, "black"), PreprocessGuard(fallback=False))
     assert caught.value.check == "preprocess.grid_match" and caught.value.record is records[2]
+
+
+
+@pytest.mark.parametrize("mode", ["bicubic", "bilinear"])
+def test_the_gpu_float_resize_stays_within_two_levels_of_pils_uint8_kernel(mode):
+    """GPUs (no uint8 antialiased kernel in torch) resize in two float passes; the CPU in uint8, as PIL.
+    Measured: max 2 levels (bicubic upscales), as the families' parity tolerance assumes."""
+    from skimage import data
+
+    from batchvlm.kernels.reference import resize_two_passes, resize_uint8
+
+    photo = torch.from_numpy(data.astronaut()).permute(2, 0, 1)
+    cases = [(photo, (301, 177)), (photo, (600, 700))]
+    cases += [(image.permute(2, 0, 1), size) for image, (_, size) in zip(random_images(3), SIZES)]
+    for image, size in cases:
+        exact = resize_uint8(image, size, mode)
+        floats = resize_two_passes(image.float(), size, mode)
+        assert exact.shape == floats.shape
+        assert (floats - exact).abs().max() <= 2.0, size
