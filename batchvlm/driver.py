@@ -26,7 +26,7 @@ from batchvlm.distributed import Coordinator, init_ranks
 from batchvlm.encode import encode_batch
 from batchvlm.faults import crash_point
 from batchvlm.families import load_family
-from batchvlm.preprocess import PreprocessGuard, make_preprocessor, merged_stats, pack, resolve_backend
+from batchvlm.preprocess import PreprocessGuard, make_preprocessor, pack, resolve_backend
 from batchvlm.records import (EncodedRecord, Failure, PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd,
                               WorkUnit)
 from batchvlm.requeue import RequeueSource, requeue_source, write_lineage
@@ -218,8 +218,7 @@ class Job:
                     self._emit(writer, progress, units_by_id, *self.on_device.encode(batch))
             self._emit(writer, progress, units_by_id, *self.on_device.encode(batcher.flush()))
             writer.close()
-            self.coordinator.done({"rank": self.ranks.rank, "records": self.seen, "image_tokens": self.image_tokens,
-                                   "preprocess": self.on_device.guard.stats()})
+            self.coordinator.done({"rank": self.ranks.rank, "records": self.seen, "image_tokens": self.image_tokens})
             if not self.ranks.is_main:
                 return None
             stats = self.coordinator.wait_for_all(on_tick=lambda: self._show(progress))
@@ -228,8 +227,7 @@ class Job:
             progress.close()
             writer.close()
         return self.run.finish([entry["unit_id"] for entry in plan], time.perf_counter() - started,
-                               sum(s["records"] for s in stats), sum(s["image_tokens"] for s in stats),
-                               merged_stats([s["preprocess"] for s in stats]))
+                               sum(s["records"] for s in stats), sum(s["image_tokens"] for s in stats))
 
     def _show(self, progress) -> None:
         """Rank 0's bar shows every rank's records, read from their progress files."""
@@ -253,14 +251,15 @@ class Job:
                 rows.append((item.prepared.source.unit_id, data_row(item, self.embed_dtype, self.hidden_sizes)))
             except CheckFailed as failure:
                 quarantined.append(QuarantinedRecord(item.prepared.source, failure.to_failure()))
+        guard = self.on_device.guard
         for unit_id, row in rows:
-            unit = units[unit_id]
-            writer.submit(lambda unit=unit, row=row: self.sink.add_row(unit, row))
+            unit, events = units[unit_id], guard.take(row["id"])
+            writer.submit(lambda unit=unit, row=row, events=events: self.sink.add_row(unit, row, events))
         for item in quarantined:
             log.warning("quarantined %s [%s] %s", item.source.id, item.failure.check, item.failure.message)
-            unit = units[item.source.unit_id]
+            unit, events = units[item.source.unit_id], guard.take(item.source.id)
             row = quarantine_row(item, self.job.output.quarantine_bytes_cap, self.run.fingerprint_digest)
-            writer.submit(lambda unit=unit, row=row: self.sink.add_quarantine(unit, row))
+            writer.submit(lambda unit=unit, row=row, events=events: self.sink.add_quarantine(unit, row, events))
         self.image_tokens += sum(row["num_image_tokens"] for _, row in rows)
         self.seen += len(rows) + len(quarantined)
         self.quarantined += len(quarantined)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections import Counter
 
 import torch
 
 from batchvlm.checks import CheckFailed, require
+from batchvlm.config import ConfigError
 from batchvlm.faults import fault
 from batchvlm.kernels.reference import normalized_image
 from batchvlm.records import DecodedImage, ImagePlan, PackedBatch, PreparedRecord
@@ -29,6 +31,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     """`auto`: the Triton kernels on CUDA, torch ops elsewhere (Triton runs on CPU only interpreted)."""
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(f"preprocess.backend=triton needs a CUDA device, and the job runs on {device} "
+                          "(model.device); use preprocess.backend=auto or torch, or TRITON_INTERPRET=1 to debug")
     return backend
 
 
@@ -99,7 +104,8 @@ class TritonPreprocessor:
                                           [plan.resized for plan in plans], [plan.padded for plan in plans],
                                           self.family.layout, self.family.resample, self.background, self.scale,
                                           self.bias, self.device)
-        # The grid of what the kernel wrote, measured by the family from the padded shape it was given.
+        # The grid the kernel was told to write (its rows are checked in `pack`: their count, and that every
+        # value was written, since the output starts as NaN).
         grids = [self.family.grid_of(torch.empty((3, *plan.padded), device="meta")) for plan in plans]
         return list(torch.split(packed, counts)), grids
 
@@ -154,21 +160,29 @@ class PreprocessGuard:
         return cls(cpu=TorchPreprocessor(family, torch.device("cpu"), background), fallback=config.fallback == "cpu",
                    parity_sample_rate=config.parity_sample_rate, parity_max_levels=config.parity_max_levels)
 
-    def stats(self) -> dict:
-        """What `_SUCCESS` reports: images redone on the CPU path by check, and the parity sample."""
-        return {"fallbacks": dict(Counter(self.fallbacks.values())),
-                "parity": {"checked_images": len(self.parity_checked), "failed_images": len(self.parity_failed)}}
+    def take(self, record_id: str) -> dict:
+        """The record's images redone on the CPU path (by check) and its parity sample, handed over once the
+        record is emitted so that they land in its unit's manifest (and survive a restart), and forgotten here."""
+        mine = lambda keys: {key for key in keys if key[0] == record_id}  # noqa: E731
+        fallbacks = Counter(self.fallbacks.pop(key) for key in mine(self.fallbacks))
+        checked, failed = mine(self.parity_checked), mine(self.parity_failed)
+        self.parity_checked -= checked
+        self.parity_failed -= failed
+        return {"fallbacks": dict(fallbacks), "parity": {"checked_images": len(checked), "failed_images": len(failed)}}
 
     def sampled(self, image: DecodedImage) -> bool:
         """Deterministic by content: a rerun samples the same images."""
         return self.parity_sample_rate > 0 and int(image.sha256[:8], 16) < self.parity_sample_rate * 16 ** 8
 
     def checked_rows(self, record: PreparedRecord, index: int, image: DecodedImage, plan: ImagePlan, grid: tuple,
-                     rows: torch.Tensor) -> torch.Tensor:
+                     rows: torch.Tensor, all_finite: bool) -> torch.Tensor:
         """The image's rows once they pass every check: the backend's, or the CPU path's instead."""
         key = (record.source.id, index)
         try:
             _check_image(index, plan, grid, rows)
+            require(all_finite, "preprocess.feature_length", f"image {index}: pixel rows hold NaN or Inf (values "
+                    "the backend never wrote)", expected="every value written and finite", observed="non-finite",
+                    image_index=index)
             if self.sampled(image):
                 self.parity_checked.add(key)
                 self._check_parity(index, image, plan, rows, key)
@@ -212,11 +226,11 @@ class PreprocessGuard:
         return float(((ours - oracle).abs() / scale).max()) if ours.numel() else 0.0
 
 
-def merged_stats(per_rank: list[dict]) -> dict:
-    """The ranks' `PreprocessGuard.stats()` added up."""
-    fallbacks = sum((Counter(stats["fallbacks"]) for stats in per_rank), Counter())
+def merged_stats(parts: list[dict]) -> dict:
+    """`PreprocessGuard.take()` results (or manifests, which carry their sum) added up."""
+    fallbacks = sum((Counter(part.get("fallbacks", {})) for part in parts), Counter())
     return {"fallbacks": dict(fallbacks),
-            "parity": {key: sum(stats["parity"][key] for stats in per_rank)
+            "parity": {key: sum(part.get("parity", {}).get(key, 0) for part in parts)
                        for key in ("checked_images", "failed_images")}}
 
 
@@ -231,8 +245,10 @@ def pack(records: list[PreparedRecord], preprocessor, guard: PreprocessGuard | N
     require(len(rows) == len(plans), "preprocess.feature_length", "the backend returned pixels for a different "
             "number of images than the batch has", expected=len(plans), observed=len(rows))
     owners = [(record, index) for record in records for index in range(len(record.plans))]
-    rows = [guard.checked_rows(record, index, image, plan, grid, image_rows)
-            for (record, index), image, plan, grid, image_rows in zip(owners, images, plans, grids, rows)]
+    finite = torch.stack([torch.isfinite(image_rows).all() for image_rows in rows]).tolist() if rows else []
+    rows = [guard.checked_rows(record, index, image, plan, grid, image_rows, all_finite)
+            for (record, index), image, plan, grid, image_rows, all_finite
+            in zip(owners, images, plans, grids, rows, finite)]
     pixel_values = torch.cat(rows)
     grid_thw = torch.tensor([plan.grid_thw for plan in plans], dtype=torch.int64)
     require(pixel_values.shape[0] == int(grid_thw.prod(-1).sum()), "preprocess.feature_length",

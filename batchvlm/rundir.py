@@ -91,8 +91,7 @@ class RunDir:
         marker = self.path / "_SUCCESS"
         return json.loads(marker.read_text()) if marker.exists() else None
 
-    def finish(self, unit_ids: list[str], seconds: float, records_seen: int, image_tokens: int,
-               preprocess: dict | None = None) -> dict:
+    def finish(self, unit_ids: list[str], seconds: float, records_seen: int, image_tokens: int) -> dict:
         """Rank 0, after every rank is done: merged totals, and `_SUCCESS` if every unit is committed."""
         manifests = {}
         for unit_id in unit_ids:
@@ -114,8 +113,8 @@ class RunDir:
             "seconds": seconds,
             "records_per_s": records_seen / seconds if seconds else 0.0,
             "tokens_per_s": image_tokens / seconds if seconds else 0.0,
-            # this attempt's images redone on the CPU path, by check, and the parity sample (PreprocessGuard)
-            **(preprocess or merged_stats([])),
+            # images redone on the CPU path, by check, and the parity sample, from every unit's manifest
+            **merged_stats(list(manifests.values())),
             "host": platform.node(),
         }
         if summary["complete"] and not (self.path / "_SUCCESS").exists():

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchvlm.assemble import DATA_SCHEMA, QUARANTINE_SCHEMA
+from batchvlm.preprocess import merged_stats
 from batchvlm.faults import crash_point
 from batchvlm.records import WorkUnit
 
@@ -62,6 +63,7 @@ class OpenUnit:
     unit: WorkUnit
     rows: list = field(default_factory=list)
     quarantined: list = field(default_factory=list)
+    preprocess: list = field(default_factory=list)  # each record's PreprocessGuard.take()
     expected: int | None = None
 
     @property
@@ -104,12 +106,14 @@ class RunSink:
     def _unit(self, unit: WorkUnit) -> OpenUnit:
         return self.open.setdefault(unit.unit_id, OpenUnit(unit))
 
-    def add_row(self, unit: WorkUnit, row: dict) -> None:
+    def add_row(self, unit: WorkUnit, row: dict, preprocess: dict) -> None:
         self._unit(unit).rows.append(row)
+        self._unit(unit).preprocess.append(preprocess)
         self._maybe_commit(unit.unit_id)
 
-    def add_quarantine(self, unit: WorkUnit, row: dict) -> None:
+    def add_quarantine(self, unit: WorkUnit, row: dict, preprocess: dict) -> None:
         self._unit(unit).quarantined.append(row)
+        self._unit(unit).preprocess.append(preprocess)
         self._maybe_commit(unit.unit_id)
 
     def end_unit(self, unit: WorkUnit, num_records: int) -> None:
@@ -133,7 +137,8 @@ class RunSink:
         checks = Counter(row["check"] for row in quarantined)
         manifest = {"unit": unit.unit_id, "source": unit.source, "start": unit.start, "stop": unit.stop,
                     "records_in": state.expected, "written": len(rows), "quarantined": len(quarantined),
-                    "checks": dict(sorted(checks.items())), "files": files, "rank": self.rank}
+                    "checks": dict(sorted(checks.items())), **merged_stats(state.preprocess), "files": files,
+                    "rank": self.rank}
         durable_write_json(self.manifest_path(unit.unit_id), manifest)
         self.totals.update(records_in=state.expected, written=len(rows), quarantined=len(quarantined))
         self.by_check.update(checks)

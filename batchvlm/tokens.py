@@ -73,6 +73,7 @@ def attach_positions(layout: TokenLayout, plans: list[ImagePlan], family) -> Non
     seq = len(layout.input_ids)
     require(positions.shape == (3, seq), "text.position_ids", f"position ids of shape {positions.shape} for a "
             f"sequence of {seq} tokens", expected=(3, seq), observed=positions.shape)
-    require(delta == int(positions.max()) + 1 - seq, "text.position_ids", "rope delta must be max position + 1 - "
-            "sequence length", expected=int(positions.max()) + 1 - seq, observed=delta)
+    expected_delta = int(positions.max(initial=-1)) + 1 - seq  # an empty sequence has no positions: delta 0
+    require(delta == expected_delta, "text.position_ids", "rope delta must be max position + 1 - sequence length",
+            expected=expected_delta, observed=delta)
     layout.position_ids, layout.rope_delta = positions, delta

@@ -205,7 +205,8 @@ def pack_images(images: list[torch.Tensor], resized: list[tuple[int, int]], padd
 
     rows = [(h // p) * (w // p) for h, w in padded]
     counts = [n * 3 * p * p for n in rows]
-    out = torch.empty((sum(rows), *layout.row_shape), dtype=torch.float32, device=device)
+    # NaN until written: a value the kernel misses fails preprocess.feature_length's check that every row is finite.
+    out = torch.full((sum(rows), *layout.row_shape), float("nan"), dtype=torch.float32, device=device)
     v_start, v_weight, v_offset, v_taps = _axis_tables(
         [(image.shape[0], size[0]) for image, size in zip(images, resized)], resample)
     out_offset = np.cumsum([0] + rows[:-1]) * (3 * tps * p * p)

@@ -62,7 +62,7 @@ def test_unknown_processor_parameter_is_refused():
     ("siglip2", {"embedding": "projector"}, "model.embedding"),
     ("qwen2_vl", {"processor": {"min_pixels": 10**9}}, "min_pixels"),
     ("qwen2_vl", {"processor": {"max_num_patches": 5}}, "model.processor.max_num_patches"),
-    ("siglip2", {"attn_implementation": "flash_attention_2"}, "model.attn_implementation"),
+    ("qwen2_vl", {"processor": {"min_pixels": 100}}, "model.processor.min_pixels"),
 ])
 def test_a_family_refuses_settings_it_cannot_honour(family, overrides, key):
     from batchvlm.config import ModelConfig
@@ -78,3 +78,14 @@ def test_an_unknown_family_is_refused_naming_the_key():
 
     with pytest.raises(ConfigError, match="model.family='clip'"):
         load_family(ModelConfig(family="clip"))
+
+
+def test_processor_parameters_that_contradict_the_tower_are_refused_at_load():
+    import torch
+
+    from batchvlm.config import ModelConfig
+    from batchvlm.families import load_family
+
+    family = load_family(ModelConfig(family="qwen2_vl", processor={"patch_size": 16}))
+    with pytest.raises(ConfigError, match=r"model\.processor\.patch_size=16 but the checkpoint's tower has patch_size=14"):
+        family.load_encoder(torch.device("cpu"), torch.float32)

@@ -21,9 +21,11 @@ horizontal = {"buffer_ptr": "*u8", **tables, "BLOCK": "constexpr"}
 triton.compile(ASTSource(k._horizontal_pass, horizontal, {"BLOCK": k.BLOCK}), target=target)
 vertical = {"buffer_ptr": "*u8", "out_ptr": "*fp32", **tables, "scale_ptr": "*fp32", "bias_ptr": "*fp32",
             "background": "fp32", **dict.fromkeys(["LAYOUT", "P", "M", "TPS", "CHESSBOARD", "BLOCK"], "constexpr")}
-for layout, tps in ((0, 1), (1, 2), (2, 1)):
+# the specialisations the job launches: raster layouts with M=1 (pack_images), Qwen's merge windows with M=2
+for layout, patch, merge, tps in ((0, 14, 1, 1), (1, 14, 2, 2), (1, 16, 2, 2), (2, 16, 1, 1)):
     for chessboard in (False, True):
-        constants = {"LAYOUT": layout, "P": 14, "M": 2, "TPS": tps, "CHESSBOARD": chessboard, "BLOCK": k.BLOCK}
+        constants = {"LAYOUT": layout, "P": patch, "M": merge, "TPS": tps, "CHESSBOARD": chessboard,
+                     "BLOCK": k.BLOCK}
         triton.compile(ASTSource(k._vertical_pass_and_pack, vertical, constants), target=target)
 print("compiled")
 """

@@ -19,7 +19,7 @@ from batchvlm.config import (ChecksConfig, ConfigError, JobConfig, ModelConfig, 
                              RuntimeConfig)
 from batchvlm.demo import demo_rows
 from batchvlm.driver import Job
-from batchvlm.preprocess import PreprocessGuard, TorchPreprocessor, pack, resolve_backend
+from batchvlm.preprocess import PreprocessGuard, TorchPreprocessor, merged_stats, pack, resolve_backend
 from batchvlm.records import DecodedImage, PreparedRecord, SourceRecord, TokenLayout
 
 TARGET = "rocket_strip"  # shares a packed batch with other records
@@ -61,6 +61,20 @@ def test_a_wrong_grid_is_redone_on_the_cpu_path_and_counted_in_success(tmp_path,
         assert row == clean[record_id], record_id  # on CPU the fallback is the torch path: the target too
     success = json.loads((run_dir / "_SUCCESS").read_text())
     assert success["fallbacks"] == {"preprocess.grid_match": 1}
+
+
+def test_fallbacks_of_units_committed_before_a_restart_are_still_counted(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHVLM_FAULTS", f"preprocess.wrong_grid={target_digest()[:16]}")
+    run_dir = run(tmp_path, "restart")
+    manifests = {path: json.loads(path.read_text()) for path in (run_dir / "manifest").glob("*.json")}
+    assert sorted(sum(m["fallbacks"].values()) for m in manifests.values()) == [0, 1]
+    # As if the job had died after the target's unit committed: the other unit and _SUCCESS are gone.
+    other = next(path for path, manifest in manifests.items() if not manifest["fallbacks"])
+    other.unlink()
+    (run_dir / "_SUCCESS").unlink()
+    monkeypatch.delenv("BATCHVLM_FAULTS")
+    run(tmp_path, "restart")
+    assert json.loads((run_dir / "_SUCCESS").read_text())["fallbacks"] == {"preprocess.grid_match": 1}
 
 
 def test_a_wrong_grid_quarantines_its_record_with_fallback_quarantine(tmp_path, clean, monkeypatch):
@@ -115,7 +129,31 @@ def test_parity_catches_drifting_pixels_and_falls_back_or_quarantines(kimi_famil
         return
     packed = pack(records, BrightenOne(backend, "cup"), guard)
     assert torch.equal(packed.pixel_values, pack(records, backend).pixel_values)
-    assert guard.stats() == {"fallbacks": {"preprocess.parity": 1}, "parity": {"checked_images": 3, "failed_images": 1}}
+    events = merged_stats([guard.take(record.source.id) for record in records])
+    assert events == {"fallbacks": {"preprocess.parity": 1}, "parity": {"checked_images": 3, "failed_images": 1}}
+
+
+class LeaveOneValueUnwritten:
+    """A backend that misses one value of one record's rows (the Triton output starts as NaN)."""
+
+    def __init__(self, inner, record_id):
+        self.inner, self.record_id = inner, record_id
+
+    def __call__(self, records):
+        rows, grids = self.inner(records)
+        index = [image for r in records for image in [r.source.id] * len(r.images)].index(self.record_id)
+        rows[index] = rows[index].clone()
+        rows[index].view(-1)[7] = float("nan")
+        return rows, grids
+
+
+def test_unwritten_values_are_caught_and_redone_on_the_cpu_path(kimi_family):
+    records = photo_records(kimi_family)
+    backend = TorchPreprocessor(kimi_family, torch.device("cpu"), "black")
+    guard = PreprocessGuard(cpu=TorchPreprocessor(kimi_family, torch.device("cpu"), "black"), fallback=True)
+    packed = pack(records, LeaveOneValueUnwritten(backend, "rocket"), guard)
+    assert torch.equal(packed.pixel_values, pack(records, backend).pixel_values)
+    assert guard.take("rocket")["fallbacks"] == {"preprocess.feature_length": 1}
 
 
 def test_parity_sampling_is_deterministic_by_content():
@@ -130,6 +168,12 @@ def test_auto_is_triton_on_cuda_and_torch_elsewhere():
     assert resolve_backend("auto", torch.device("cuda", 0)) == "triton"
     assert resolve_backend("auto", torch.device("cpu")) == "torch"
     assert resolve_backend("reference", torch.device("cuda", 0)) == "reference"
+
+
+def test_triton_without_a_gpu_is_refused_naming_the_key(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match=r"preprocess\.backend=triton needs a CUDA device"):
+        resolve_backend("triton", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("values,key", [({"backend": "cuda"}, "preprocess.backend"),

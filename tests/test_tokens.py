@@ -69,6 +69,17 @@ class _ShiftedPositions:
         return (positions[:, :-1], delta) if self.drop_last else (positions, delta + 1)
 
 
+def test_a_record_with_no_text_and_no_image_gets_empty_positions():
+    from batchvlm.config import ModelConfig
+    from batchvlm.families import load_family
+    from batchvlm.tokens import attach_positions
+
+    qwen = load_family(ModelConfig(family="qwen2_vl"))
+    layout = build_layout("", "<image>", [], qwen)
+    attach_positions(layout, [], qwen)
+    assert layout.position_ids.shape == (3, 0) and layout.rope_delta == 0
+
+
 @pytest.mark.parametrize("drop_last", [True, False], ids=["short", "delta"])
 def test_position_ids_that_do_not_fit_the_sequence_are_caught(drop_last):
     from batchvlm.config import ModelConfig

@@ -1,6 +1,8 @@
 """Encoder families: each module states only its own rules, behind the `Family` protocol.
 
-Adding a family means adding one module here, one entry in `FAMILIES` and one config file.
+Adding a family means adding one module here, one entry in `FAMILIES`, a config file per checkpoint
+kind (and a tiny one), a tiny checkpoint builder in `demo.TINY_CHECKPOINTS`, and its name in the tests'
+`FAMILY_NAMES`, which a test keeps in step with `FAMILIES`.
 """
 
 from __future__ import annotations

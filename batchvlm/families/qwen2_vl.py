@@ -54,6 +54,9 @@ class QwenProcessorParams:
         params = processor_params(cls, _read_processor_config(path), overrides, "qwen2_vl")
         if params.min_pixels > params.max_pixels:
             raise ConfigError(f"model.processor: min_pixels={params.min_pixels} > max_pixels={params.max_pixels}")
+        if params.min_pixels < params.factor ** 2:  # below one merge window an image plans to a 0x0 grid
+            raise ConfigError(f"model.processor.min_pixels={params.min_pixels} must be >= (patch_size*merge_size)^2 "
+                              f"= {params.factor ** 2}")
         return params
 
     @property
@@ -208,6 +211,7 @@ class Qwen2VL(PatchFamily):
         if config.image_token_id != self.image_token_id:
             raise ConfigError(f"{self.checkpoint}: config image_token_id={config.image_token_id} but the tokenizer "
                               f"maps {IMAGE_TOKEN} to {self.image_token_id}")
+        _check_against_tower(self.params, config.vision_config)
         module, cls = VERSIONS[self.version]
         tower_class = getattr(importlib.import_module(module), cls)
         if self.embedding in ("tower", "both") and self.version == "qwen2_5_vl":
@@ -221,6 +225,15 @@ class Qwen2VL(PatchFamily):
     def fingerprint(self) -> dict:
         return {"family": self.name, "version": self.version, "processor": dataclasses.asdict(self.params),
                 "embedding": self.embedding, "tokenizer": tokenizer_digest(self.tokenizer)}
+
+
+def _check_against_tower(params: QwenProcessorParams, vision) -> None:
+    """Processor parameters the tower's weights fix: a different value could only fail every record, late."""
+    for ours, theirs in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+                         ("temporal_patch_size", "temporal_patch_size")):
+        if getattr(params, ours) != getattr(vision, theirs):
+            raise ConfigError(f"model.processor.{ours}={getattr(params, ours)} but the checkpoint's tower has "
+                              f"{theirs}={getattr(vision, theirs)}")
 
 
 def _model_type(checkpoint: Path) -> str:

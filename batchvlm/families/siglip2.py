@@ -27,7 +27,9 @@ from batchvlm.tokens import FRAME, IMAGE
 
 IMAGE_TOKEN = "<image_soft_token>"
 FRAME_TOKENS = ("<start_of_image>", "<end_of_image>")
-CHECKPOINTS = {"siglip2_vision_model": ("",), "siglip2": ("vision_model.",)}  # model_type: weight prefixes
+# model_type: weight prefixes, the specific before the catch-all (vision models saved by transformers 4
+# keep a vision_model. prefix that 5.x strips on load)
+CHECKPOINTS = {"siglip2_vision_model": ("vision_model.", ""), "siglip2": ("vision_model.",)}
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,9 @@ def naflex_plan(height: int, width: int, params: SiglipProcessorParams) -> Image
 
 
 class SiglipEncoder(torch.nn.Module):
-    """Siglip2VisionModel's own modules run packed: one sequence of every image's patches, attention
-    confined to each image (block-diagonal), positional table resized per image, pooling per image."""
+    """Siglip2VisionModel's own modules on a packed batch: no padding rows to max_num_patches, each image
+    attending only to itself with its own resized positional table. Images with the same patch count
+    run through the encoder as one batch (no mask needed), so no attention is spent across images."""
 
     def __init__(self, tower: torch.nn.Module):
         super().__init__()
@@ -92,25 +95,32 @@ class SiglipEncoder(torch.nn.Module):
                      for shape in shapes]
         return patches + torch.cat(positions)
 
-    def attention_mask(self, lengths: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        owner = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
-        same_image = (owner[:, None] == owner[None, :])[None, None]
-        if self.tower.config._attn_implementation == "sdpa":
-            return same_image
-        return torch.zeros(same_image.shape, dtype=dtype, device=device).masked_fill(~same_image, torch.finfo(dtype).min)
-
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         shapes = [(int(h), int(w)) for _, h, w in grid_thw.tolist()]
         lengths = [h * w for h, w in shapes]
-        hidden = self.embed(pixel_values, shapes)[None]
-        mask = self.attention_mask(lengths, hidden.dtype, hidden.device)
-        hidden = self.tower.encoder(inputs_embeds=hidden, attention_mask=mask).last_hidden_state
-        tokens = list(torch.split(self.tower.post_layernorm(hidden)[0], lengths))
+        embedded = torch.split(self.embed(pixel_values, shapes), lengths)
+        tokens: list[torch.Tensor | None] = [None] * len(shapes)
+        pooled: list[torch.Tensor | None] = [None] * len(shapes)
+        for members in _indices_by_value(lengths):
+            batch = torch.stack([embedded[i] for i in members])
+            hidden = self.tower.post_layernorm(self.tower.encoder(inputs_embeds=batch).last_hidden_state)
+            heads = self.tower.head(hidden) if self.tower.use_head else None  # [batch, hidden]
+            for row, i in enumerate(members):
+                tokens[i] = hidden[row]
+                if heads is not None:
+                    pooled[i] = heads[row:row + 1]
         outputs = {"image_embeds": tokens}
         if self.tower.use_head:
-            outputs["pooled_embeds"] = [self.tower.head(image[None]) for image in tokens]  # [1, hidden] each
+            outputs["pooled_embeds"] = pooled
         return outputs
+
+
+def _indices_by_value(values: list[int]) -> list[list[int]]:
+    groups: dict[int, list[int]] = {}
+    for index, value in enumerate(values):
+        groups.setdefault(value, []).append(index)
+    return list(groups.values())
 
 
 class Siglip2(PatchFamily):
@@ -122,9 +132,6 @@ class Siglip2(PatchFamily):
         if embedding in ("projector", "both"):
             raise ConfigError(f"model.embedding={embedding}: siglip2 has no projector; it stores the tower's patch "
                               "tokens and the pooled embedding (model.embedding=auto or tower)")
-        if attn_implementation == "flash_attention_2":
-            raise ConfigError("model.attn_implementation=flash_attention_2 is not wired for siglip2's packed forward "
-                              "(it takes a block-diagonal mask); use sdpa")
         self.checkpoint = checkpoint
         self.params = params
         self.tokenizer = tokenizer

@@ -47,12 +47,15 @@ def test_packed_forward_equals_the_hf_padded_forward_on_each_image_alone(siglip)
             assert torch.allclose(packed["pooled_embeds"][index], alone.pooler_output, rtol=1e-4, atol=1e-5)
 
 
-def test_packing_processes_only_real_patches_where_the_processor_pads(siglip):
-    """Packing efficiency on the demo photos: real patches / patches the tower processes."""
-    photos = [p for _, p in demo_images()]
-    _, grids = preprocessed(siglip, photos)
-    real = sum(h * w for _, h, w in grids)
-    padded = len(grids) * siglip.params.max_num_patches
-    print(f"siglip2 demo: packed efficiency 1.000, HF padded {real / padded:.3f} ({real} of {padded} patches)")
-    assert real / padded < 1.0
+def test_packed_batches_carry_no_padding_rows_where_the_processor_pads(siglip):
+    """Packing efficiency on the demo photos: real patches / rows the tower is given."""
+    from batchvlm.families import processor_inputs
 
+    photos = [p for _, p in demo_images()]
+    rows, grids = preprocessed(siglip, photos)
+    real = sum(h * w for _, h, w in grids)
+    assert sum(image_rows.shape[0] for image_rows in rows) == real
+    padded = siglip.reference_processor()(images=processor_inputs(photos), return_tensors="pt")["pixel_values"]
+    hf_rows = padded.shape[0] * padded.shape[1]
+    print(f"siglip2 demo: packed {real}/{real} = 1.000, HF padded {real}/{hf_rows} = {real / hf_rows:.3f}")
+    assert real < hf_rows
