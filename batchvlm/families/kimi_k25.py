@@ -159,7 +159,7 @@ class KimiK25(PatchFamily):
 
     # -- tower ----------------------------------------------------------------------------------
     def load_encoder(self, device: torch.device, dtype: torch.dtype) -> KimiEncoder:
-        from transformers import AutoConfig, Kimi_K25ForConditionalGeneration, Kimi_K25VisionModel
+        from transformers import AutoConfig, Kimi_K25VisionModel
 
         config = AutoConfig.from_pretrained(self.checkpoint)
         kwargs = dict(dtype=dtype, attn_implementation=self.attn_implementation, use_safetensors=True)
@@ -169,9 +169,7 @@ class KimiK25(PatchFamily):
             if config.image_token_id != self.image_token_id:
                 raise ConfigError(f"{self.checkpoint}: config image_token_id={config.image_token_id} but the "
                                   f"tokenizer maps {IMAGE_TOKEN} to {self.image_token_id}")
-            full = Kimi_K25ForConditionalGeneration.from_pretrained(self.checkpoint, **kwargs)
-            tower, projector = full.model.vision_tower, full.model.mm_projector
-            del full  # the language model is not needed to embed images
+            tower, projector = _tower_and_projector(self.checkpoint, config, kwargs)
         else:
             raise ConfigError(f"model.path={self.checkpoint} holds a {config.model_type!r} checkpoint, "
                               "not kimi_k25 or kimi_k25_vision")
@@ -181,6 +179,25 @@ class KimiK25(PatchFamily):
     def fingerprint(self) -> dict:
         return {"family": self.name, "processor": dataclasses.asdict(self.params), "framing": self.framing,
                 "embedding": self.embedding, "tokenizer": tokenizer_digest(self.tokenizer)}
+
+
+def _tower_and_projector(checkpoint: Path, config, kwargs: dict):
+    """The checkpoint's tower and projector, through transformers' own weight conversion (Moonshot's names,
+    fused qkv), with a language model of no layers and a one-token vocabulary: a 1T-parameter checkpoint
+    costs only its vision weights in memory; the LLM's tensors are skipped as unexpected or mismatched."""
+    from transformers import Kimi_K25ForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    config.text_config.num_hidden_layers = 0
+    config.text_config.vocab_size = 1
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report lists every skipped LLM tensor, on purpose skipped
+    try:
+        full = Kimi_K25ForConditionalGeneration.from_pretrained(checkpoint, config=config,
+                                                                ignore_mismatched_sizes=True, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return full.model.vision_tower, full.model.mm_projector
 
 
 def from_config(model: ModelConfig) -> KimiK25:

@@ -47,3 +47,31 @@ def test_packed_embeddings_equal_the_hf_model_run_on_each_image_alone(kimi_famil
             assert ours.shape == alone.shape
             scale = alone.abs().max()
             assert (ours - alone).abs().max() <= 1e-4 * scale + 1e-6
+
+
+def test_a_sharded_moe_checkpoint_yields_its_own_tower_and_projector(tmp_path, kimi_family):
+    """Loaded with no LLM layers and a one-token vocabulary, the vision weights still come through
+    transformers' conversion exactly; the packed output equals the full model's."""
+    import json
+
+    from transformers import AutoConfig
+
+    from batchvlm.config import ModelConfig
+    from batchvlm.families import load_family
+
+    config = AutoConfig.from_pretrained(kimi_family.checkpoint)
+    config.text_config.num_hidden_layers = 3  # layers 1 and 2 are mixture-of-experts layers
+    torch.manual_seed(1)
+    full = Kimi_K25ForConditionalGeneration(config).eval()
+    full.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    kimi_family.tokenizer.save_pretrained(tmp_path)
+    processor = json.loads((kimi_family.checkpoint / "preprocessor_config.json").read_text())
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(processor))
+    family = load_family(ModelConfig(path=str(tmp_path)))
+    encoder = family.load_encoder(torch.device("cpu"), torch.float32)
+    rows, grids = preprocessed(family, [data.coffee()[:200, :300]])
+    with torch.inference_mode():
+        ours = encoder(rows[0], torch.tensor(grids))["image_embeds"][0]
+        expected = full.get_image_features(rows[0], torch.tensor(grids)).pooler_output[0]
+    assert torch.allclose(ours, expected, rtol=1e-5, atol=1e-6)
