@@ -145,3 +145,44 @@ def _assert_packed_equals_alone(family, model) -> None:
             if "deepstack_embeds" in packed:
                 stacked = torch.cat([layer[0] for layer in alone.deepstack_features], dim=-1)
                 assert torch.allclose(packed["deepstack_embeds"][index], stacked, rtol=1e-4, atol=1e-5)
+
+
+def test_stored_qwen3_outputs_with_deepstack_give_the_full_models_logits(tmp_path, qwen):
+    """The trainer's side for Qwen3-VL: stored merger tokens and deepstack features, handed to the model as
+    its encoder outputs with the stored M-RoPE positions, give the logits of the model fed the pixels."""
+    from conftest import run_embed
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+    from batchvlm.config import DecodeConfig
+    from batchvlm.decode import decode_image
+    from batchvlm.demo import demo_rows
+    from batchvlm.reader import read_run
+    from batchvlm.tokens import IMAGE
+
+    checkpoint = tmp_path / "qwen3"
+    _tiny_variant(checkpoint, qwen, qwen3_config(qwen))
+    result = run_embed(f"output.root={tmp_path}", "run_name=q3", "model=qwen3_vl", f"model.path={checkpoint}",
+                       "model.dtype=float32", "output.embed_dtype=float32", "preprocess.backend=reference",
+                       "dataset.limit=6")
+    assert result.returncode == 0, result.stderr[-3000:]
+    family = load_family(ModelConfig(family="qwen2_vl", path=str(checkpoint)))
+    model = Qwen3VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    rows = {row["id"]: row for row in demo_rows()}
+    checked = 0
+    with torch.inference_mode():
+        for record in read_run(tmp_path / "q3"):
+            if not len(record.grid_thw):
+                continue
+            layers = record.extras["deepstack_embeds"].chunk(len(model.config.vision_config.deepstack_visual_indexes), -1)
+            stored = BaseModelOutputWithDeepstackFeatures(pooler_output=(record.image_embeds,),
+                                                          deepstack_features=[(layer,) for layer in layers])
+            ids, positions = record.input_ids[None], record.position_ids[:, None]
+            ours = model(input_ids=ids, position_ids=positions, mm_encoder_outputs={"image": stored}).logits
+            images = [decode_image(blob, DecodeConfig()).pixels for blob in rows[record.id]["images"]]
+            pixel_values, grid_thw = family.reference_preprocess(images)
+            types = (record.token_tags == IMAGE).long()[None]
+            expected = model(input_ids=ids, pixel_values=pixel_values, image_grid_thw=grid_thw,
+                             mm_token_type_ids=types).logits
+            assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max() + 1e-5, record.id
+            checked += 1
+    assert checked >= 4
