@@ -92,6 +92,16 @@ class PatchFamily:
     def positions(self, layout: TokenLayout, plans: list[ImagePlan]) -> tuple[np.ndarray, int] | None:
         return None
 
+    def reference_preprocess(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.reference_processor()(images=processor_inputs(images), return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
+
+    def check_image_token(self, config) -> None:
+        """The checkpoint's LLM must read image embeddings where this tokenizer puts the image token."""
+        if config.image_token_id != self.image_token_id:
+            raise ConfigError(f"{self.checkpoint}: config image_token_id={config.image_token_id} but the tokenizer "
+                              f"maps its image token to {self.image_token_id} (model.tokenizer_path)")
+
 
 def processor_params(cls, values: dict, overrides: dict, family: str):
     """A family's processor parameters: the checkpoint's values, then the model.processor overrides."""

@@ -13,12 +13,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from batchvlm.config import ConfigError, ModelConfig
-from batchvlm.families import (PatchFamily, checkpoint_and_tokenizer, choose_projector, processor_inputs,
-                               processor_params, token_id, tokenizer_digest)
+from batchvlm.families import (PatchFamily, checkpoint_and_tokenizer, choose_projector, processor_params,
+                               token_id, tokenizer_digest)
 from batchvlm.layouts import RASTER_CHW, PatchLayout
 from batchvlm.records import ImagePlan
 from batchvlm.tokens import FRAME, IMAGE
@@ -153,10 +152,6 @@ class KimiK25(PatchFamily):
             size={"max_height": p.max_patches_per_side, "max_width": p.max_patches_per_side},
             image_mean=list(p.image_mean), image_std=list(p.image_std))
 
-    def reference_preprocess(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.reference_processor()(images=processor_inputs(images), return_tensors="pt")
-        return out["pixel_values"], out["image_grid_thw"]
-
     # -- tower ----------------------------------------------------------------------------------
     def load_encoder(self, device: torch.device, dtype: torch.dtype) -> KimiEncoder:
         from transformers import AutoConfig, Kimi_K25VisionModel
@@ -166,9 +161,7 @@ class KimiK25(PatchFamily):
         if config.model_type == "kimi_k25_vision":
             tower, projector = Kimi_K25VisionModel.from_pretrained(self.checkpoint, **kwargs), None
         elif config.model_type == "kimi_k25":
-            if config.image_token_id != self.image_token_id:
-                raise ConfigError(f"{self.checkpoint}: config image_token_id={config.image_token_id} but the "
-                                  f"tokenizer maps {IMAGE_TOKEN} to {self.image_token_id}")
+            self.check_image_token(config)
             tower, projector = _tower_and_projector(self.checkpoint, config, kwargs)
         else:
             raise ConfigError(f"model.path={self.checkpoint} holds a {config.model_type!r} checkpoint, "

@@ -21,8 +21,8 @@ import torch
 
 from batchvlm.checks import require
 from batchvlm.config import ConfigError, ModelConfig
-from batchvlm.families import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_inputs,
-                               processor_params, token_id, tokenizer_digest)
+from batchvlm.families import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_params,
+                               token_id, tokenizer_digest)
 from batchvlm.layouts import MERGE_WINDOW, PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
 from batchvlm.tokens import FRAME, IMAGE
@@ -200,17 +200,11 @@ class Qwen2VL(PatchFamily):
             size={"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels},
             image_mean=list(p.image_mean), image_std=list(p.image_std))
 
-    def reference_preprocess(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.reference_processor()(images=processor_inputs(images), return_tensors="pt")
-        return out["pixel_values"], out["image_grid_thw"]
-
     def load_encoder(self, device: torch.device, dtype: torch.dtype) -> QwenEncoder:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(self.checkpoint)
-        if config.image_token_id != self.image_token_id:
-            raise ConfigError(f"{self.checkpoint}: config image_token_id={config.image_token_id} but the tokenizer "
-                              f"maps {IMAGE_TOKEN} to {self.image_token_id}")
+        self.check_image_token(config)
         _check_against_tower(self.params, config.vision_config)
         module, cls = VERSIONS[self.version]
         tower_class = getattr(importlib.import_module(module), cls)
