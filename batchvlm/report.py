@@ -71,6 +71,7 @@ class Report:
     messages: Counter = field(default_factory=Counter)  # (check, message with numbers as '#') -> records
     cards: dict[str, list[Card]] = field(default_factory=dict)
     requeue: RequeueOutcome | None = None
+    was_check: dict[str, str] = field(default_factory=dict)  # requeue run: id -> the check it failed before
     placeholder: str = "<image>"
 
     def cards_not_shown(self, check: str) -> int:
@@ -97,6 +98,7 @@ def build_report(run_dir: Path, max_cards_per_check: int = 50, thumbnails: bool 
         _attach_thumbnails(report, config)
     if (lineage := read_lineage(run_dir)) is not None:
         report.requeue = _requeue_outcome(run_dir, lineage)
+        report.was_check = {entry["id"]: entry["check"] for entry in lineage["requeued"]}
     return report
 
 

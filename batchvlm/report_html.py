@@ -148,7 +148,8 @@ def _cards(report: Report) -> str:
                + '<span id="shown"></span></div>')
     items = []
     for check in checks:
-        items += [_card(card, report.placeholder) for card in report.cards.get(check, [])]
+        items += [_card(card, report.placeholder, report.was_check.get(card.row["id"]))
+                  for card in report.cards.get(check, [])]
         if (rest := report.cards_not_shown(check)) > 0:
             items.append(f'<p class="more" data-check="{escape(check)}" data-stage="{escape(check.split(".")[0])}">'
                          f"{rest:,} more records quarantined under {escape(check)} are not shown "
@@ -157,7 +158,7 @@ def _cards(report: Report) -> str:
             f'<div id="cards">{"".join(items)}</div></section>')
 
 
-def _card(card: Card, placeholder: str) -> str:
+def _card(card: Card, placeholder: str, was_check: str | None) -> str:
     row = card.row
     searchable = " ".join(str(row[k] or "") for k in ("id", "source", "check", "message", "exception_type"))
     searchable += " " + (row["text"] or "")[:SEARCHABLE_TEXT]
@@ -173,11 +174,16 @@ def _card(card: Card, placeholder: str) -> str:
             f'<p class="where">{escape(row["source"])} : row {row["row"]} · unit {escape(row["unit"])}</p>'
             f'<p><span class="badge check">{escape(row["check"])}</span> <span class="badge">{escape(row["stage"])}</span> '
             f'<span class="badge">{escape(row["exception_type"] or "")}</span>'
-            f'{_failed_image(row)}</p><p class="message">{escape(row["message"])}</p>'
+            f'{_failed_image(row)}{_was(was_check)}</p><p class="message">{escape(row["message"])}</p>'
             f'<div class="eo"><div><h4>expected</h4><pre>{escape(row["expected"])}</pre></div>'
             f'<div><h4>observed</h4><pre>{escape(row["observed"])}</pre></div></div>'
             f'<h4 class="plain">text: {text.count(placeholder)} × {escape(placeholder)} for {images} image(s)</h4>'
             f"<pre>{_highlight(text, placeholder)}</pre></div></article>")
+
+
+def _was(check: str | None) -> str:
+    """On a requeue run's card: the check the record failed in the run it was requeued from."""
+    return "" if check is None else f' <span class="badge was">requeued from {escape(check)}</span>'
 
 
 def _failed_image(row: dict) -> str:

@@ -222,6 +222,7 @@ def test_requeue_after_raising_the_pixel_limit_moves_those_records_into_data_wit
     report = build_report(new_run, thumbnails=False)
     assert {e["id"] for e in report.requeue.fixed} == written
     assert [e["now_check"] for e in report.requeue.still_quarantined] == ["decode.truncated"]
+    assert "requeued from decode.too_many_pixels" in render(report)  # the card of the one still quarantined
 
     units = (new_run / "units.json").read_text()
     for path in (new_run / "manifest").glob("*.json"):  # as if it crashed before these commits
