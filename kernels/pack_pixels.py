@@ -51,6 +51,21 @@ def _to_uint8_range(x):
 
 
 @triton.jit
+def _resample(buffer_ptr, base, stride, size_in, out_index, start_ptr, weight_ptr, table, taps, mask):
+    """One antialiased pass along one axis: output `out_index` is the weighted sum of its taps, the input
+    samples at `base + k * stride` for k < size_in (zero-weight padding taps past the end are never read),
+    rounded and clamped to the uint8 range as PIL does between its passes."""
+    start = tl.load(start_ptr + table + out_index, mask=mask, other=0)
+    acc = tl.full(out_index.shape, 0.0, tl.float32)
+    for k in range(taps):
+        weight = tl.load(weight_ptr + (table + out_index) * taps + k, mask=mask, other=0.0)
+        sample = start + k
+        pixel = tl.load(buffer_ptr + base + sample * stride, mask=mask & (sample < size_in), other=0)
+        acc += weight * pixel.to(tl.float32)
+    return _to_uint8_range(acc)
+
+
+@triton.jit
 def _horizontal_pass(buffer_ptr, meta_ptr, block_image_ptr, block_offset_ptr, start_ptr, weight_ptr, taps,
                      BLOCK: tl.constexpr):
     pid = tl.program_id(0)
@@ -65,28 +80,10 @@ def _horizontal_pass(buffer_ptr, meta_ptr, block_image_ptr, block_offset_ptr, st
     c = element % channels
     x = (element // channels) % width_out
     y = element // (channels * width_out)
-    start = tl.load(start_ptr + table + x, mask=valid, other=0)
-    acc = tl.full([BLOCK], 0.0, tl.float32)
-    for k in range(taps):
-        weight = tl.load(weight_ptr + (table + x) * taps + k, mask=valid, other=0.0)
-        column = start + k
-        # Zero-weight padding taps may point past the row: never read there.
-        pixel = tl.load(buffer_ptr + source + (y * width_in + column) * channels + c,
-                        mask=valid & (column < width_in), other=0)
-        acc += weight * pixel.to(tl.float32)
-    tl.store(buffer_ptr + tl.load(meta + H_STAGE) + element, _to_uint8_range(acc).to(tl.uint8), mask=valid)
-
-
-@triton.jit
-def _vertical_pass(buffer_ptr, stage, height_in, width, channels, y, x, c, start_ptr, weight_ptr, table, taps, mask):
-    start = tl.load(start_ptr + table + y, mask=mask, other=0)
-    acc = tl.full(y.shape, 0.0, tl.float32)
-    for k in range(taps):
-        weight = tl.load(weight_ptr + (table + y) * taps + k, mask=mask, other=0.0)
-        row = start + k
-        pixel = tl.load(buffer_ptr + stage + (row * width + x) * channels + c, mask=mask & (row < height_in), other=0)
-        acc += weight * pixel.to(tl.float32)
-    return _to_uint8_range(acc)
+    # along a row: neighbouring pixels are `channels` apart
+    value = _resample(buffer_ptr, source + y * width_in * channels + c, channels, width_in, x, start_ptr, weight_ptr,
+                      table, taps, valid)
+    tl.store(buffer_ptr + tl.load(meta + H_STAGE) + element, value.to(tl.uint8), mask=valid)
 
 
 @triton.jit
@@ -126,11 +123,13 @@ def _vertical_pass_and_pack(buffer_ptr, out_ptr, meta_ptr, block_image_ptr, bloc
     y = i * P + py
     x = j * P + px
     inside = valid & (y < height) & (x < width)
-    value = _vertical_pass(buffer_ptr, stage, height_in, width, channels, y, x, c, start_ptr, weight_ptr, table,
-                           taps, inside)
+    # down a column: neighbouring pixels are a staged row (width * channels) apart
+    row_stride = width * channels
+    value = _resample(buffer_ptr, stage + x * channels + c, row_stride, height_in, y, start_ptr, weight_ptr, table,
+                      taps, inside)
     if channels == 4:
-        alpha = _vertical_pass(buffer_ptr, stage, height_in, width, channels, y, x, 3, start_ptr,
-                               weight_ptr, table, taps, inside)
+        alpha = _resample(buffer_ptr, stage + x * channels + 3, row_stride, height_in, y, start_ptr, weight_ptr,
+                          table, taps, inside)
         alpha = tl.minimum(tl.maximum(alpha / 255.0, 0.0), 1.0)
         if CHESSBOARD:
             cell = ((y // SQUARE) + (x // SQUARE)) % 2
