@@ -72,10 +72,27 @@ FAMILIES = {"kimi_k25": "batchvlm.families.kimi_k25", "qwen2_vl": "batchvlm.fami
 
 
 class PatchFamily:
-    """What every family does the same way, given its `layout` and `tokenizer`."""
+    """What every family does the same way, given its checkpoint, processor parameters and tokenizer."""
 
-    layout: PatchLayout
-    tokenizer: object
+    name: str
+
+    def __init__(self, checkpoint: Path, params, tokenizer, embedding: str, attn_implementation: str,
+                 layout: PatchLayout, image_token: str):
+        self.checkpoint = checkpoint
+        self.params = params
+        self.tokenizer = tokenizer
+        self.embedding = embedding
+        self.attn_implementation = attn_implementation
+        self.layout = layout
+        self.image_token_id = token_id(tokenizer, image_token, self.name)
+
+    @property
+    def image_mean(self) -> tuple[float, float, float]:
+        return self.params.image_mean
+
+    @property
+    def image_std(self) -> tuple[float, float, float]:
+        return self.params.image_std
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []

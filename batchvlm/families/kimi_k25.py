@@ -115,18 +115,11 @@ class KimiK25(PatchFamily):
 
     def __init__(self, checkpoint: Path, params: KimiProcessorParams, tokenizer, framing: str,
                  embedding: str, attn_implementation: str):
-        self.checkpoint = checkpoint
-        self.params = params
-        self.tokenizer = tokenizer
+        super().__init__(checkpoint, params, tokenizer, embedding, attn_implementation,
+                         PatchLayout(RASTER_CHW, params.patch_size, params.merge_size), IMAGE_TOKEN)
         self.framing = framing
-        self.embedding = embedding
-        self.attn_implementation = attn_implementation
-        self.image_mean = params.image_mean
-        self.image_std = params.image_std
-        self.image_token_id = token_id(tokenizer, IMAGE_TOKEN, "kimi_k25")
-        self.layout = PatchLayout(RASTER_CHW, params.patch_size, params.merge_size)
         if framing == "k3":
-            self.frame_ids = [token_id(tokenizer, token, "kimi_k25") for token in FRAME_TOKENS]
+            self.frame_ids = [token_id(tokenizer, token, self.name) for token in FRAME_TOKENS]
 
     # -- plan and layout ------------------------------------------------------------------------
     def plan(self, height: int, width: int) -> ImagePlan:

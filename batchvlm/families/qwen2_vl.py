@@ -169,15 +169,9 @@ class Qwen2VL(PatchFamily):
 
     def __init__(self, checkpoint: Path, params: QwenProcessorParams, tokenizer, embedding: str,
                  attn_implementation: str):
-        self.checkpoint = checkpoint
-        self.params = params
-        self.tokenizer = tokenizer
-        self.embedding = embedding
-        self.attn_implementation = attn_implementation
-        self.image_mean = params.image_mean
-        self.image_std = params.image_std
-        self.layout = PatchLayout(MERGE_WINDOW, params.patch_size, params.merge_size, params.temporal_patch_size)
-        self.image_token_id = token_id(tokenizer, IMAGE_TOKEN, self.name)
+        super().__init__(checkpoint, params, tokenizer, embedding, attn_implementation,
+                         PatchLayout(MERGE_WINDOW, params.patch_size, params.merge_size, params.temporal_patch_size),
+                         IMAGE_TOKEN)
         self.frame_ids = [token_id(tokenizer, token, self.name) for token in FRAME_TOKENS]
         self.version = _model_type(checkpoint)
 

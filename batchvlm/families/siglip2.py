@@ -132,15 +132,8 @@ class Siglip2(PatchFamily):
         if embedding in ("projector", "both"):
             raise ConfigError(f"model.embedding={embedding}: siglip2 has no projector; it stores the tower's patch "
                               "tokens and the pooled embedding (model.embedding=auto or tower)")
-        self.checkpoint = checkpoint
-        self.params = params
-        self.tokenizer = tokenizer
-        self.embedding = embedding
-        self.attn_implementation = attn_implementation
-        self.image_mean = params.image_mean
-        self.image_std = params.image_std
-        self.layout = PatchLayout(RASTER_HWC, params.patch_size)
-        self.image_token_id = token_id(tokenizer, IMAGE_TOKEN, self.name)
+        super().__init__(checkpoint, params, tokenizer, embedding, attn_implementation,
+                         PatchLayout(RASTER_HWC, params.patch_size), IMAGE_TOKEN)
         self.frame_ids = [token_id(tokenizer, token, self.name) for token in FRAME_TOKENS]
 
     def plan(self, height: int, width: int) -> ImagePlan:
