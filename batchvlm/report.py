@@ -21,8 +21,10 @@ from omegaconf import OmegaConf
 
 from batchvlm.assemble import QUARANTINE_SCHEMA
 from batchvlm.config import DecodeConfig, ModelConfig
+from batchvlm.preprocess import merged_stats
 from batchvlm.reader import committed_shards
 from batchvlm.requeue import read_lineage
+from batchvlm.sink import read_json
 from batchvlm.thumbnails import Thumbnail, Thumbnailer
 
 log = logging.getLogger("batchvlm")
@@ -63,7 +65,7 @@ class Report:
     records_in: int
     written: int
     quarantined: int  # counted in the quarantine shards themselves
-    fallbacks: Counter  # check whose failure the preprocessing fell back on -> images ("" when not broken down)
+    fallbacks: Counter  # check whose failure the preprocessing fell back on -> images
     max_cards_per_check: int
     by_check: Counter = field(default_factory=Counter)
     by_stage: Counter = field(default_factory=Counter)
@@ -86,7 +88,7 @@ def read_manifests(run_dir: Path) -> list[dict]:
 
 def build_report(run_dir: Path, max_cards_per_check: int = 50, thumbnails: bool = True) -> Report:
     manifests = read_manifests(run_dir)
-    success = _read_json(run_dir / "_SUCCESS")
+    success = read_json(run_dir / "_SUCCESS")
     report = Report(run_dir=run_dir, complete=success is not None,
                     records_in=sum(m["records_in"] for m in manifests), written=sum(m["written"] for m in manifests),
                     quarantined=0, fallbacks=_fallbacks(success, manifests), max_cards_per_check=max_cards_per_check)
@@ -102,18 +104,12 @@ def build_report(run_dir: Path, max_cards_per_check: int = 50, thumbnails: bool 
     return report
 
 
-def _read_json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 def _fallbacks(success: dict | None, manifests: list[dict]) -> Counter:
-    """Fallbacks the preprocessing took, by check: `_SUCCESS`'s, else the manifests' sum, else none."""
-    def by_check(value) -> Counter:
-        return Counter(value) if isinstance(value, dict) else Counter({"": int(value or 0)})
-
-    if success is not None and "fallbacks" in success:
-        return +by_check(success["fallbacks"])
-    return +sum((by_check(manifest.get("fallbacks")) for manifest in manifests), Counter())
+    """Images the preprocessing redid on the CPU path, by check: `_SUCCESS`'s, else (a run not finished)
+    the sum of the manifests, which carry them per unit."""
+    counts = success["fallbacks"] if success is not None and "fallbacks" in success else \
+        merged_stats(manifests)["fallbacks"]
+    return +Counter(counts)
 
 
 def _run_config(run_dir: Path) -> dict:
@@ -207,7 +203,7 @@ def summary_text(report: Report) -> str:
     lines = [f"run: {report.run_dir}" + ("" if report.complete else "  (NOT COMPLETE: some units not committed)"),
              f"records in: {report.records_in}  written: {report.written}  quarantined: {report.quarantined}  "
              f"fallbacks: {report.fallbacks.total()}"]
-    lines += [f"  {count:>8}  fell back on {check}" for check, count in report.fallbacks.most_common() if check]
+    lines += [f"  {count:>8}  fell back on {check}" for check, count in report.fallbacks.most_common()]
     for title, counter in (("by check", report.by_check), ("by stage", report.by_stage),
                            ("by source file", report.by_source)):
         lines.append(f"{title}:")

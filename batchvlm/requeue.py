@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from batchvlm.config import ConfigError, DatasetConfig, JobConfig
 from batchvlm.reader import committed_shards
 from batchvlm.records import WorkUnit
-from batchvlm.sink import durable_write_json
+from batchvlm.sink import durable_write_json, read_json
 from batchvlm.source import Source
 
 log = logging.getLogger("batchvlm")
@@ -181,5 +181,4 @@ def write_lineage(run_dir: Path, source: RequeueSource) -> None:
 
 
 def read_lineage(run_dir: Path) -> dict | None:
-    path = run_dir / LINEAGE_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    return read_json(run_dir / LINEAGE_FILE)

@@ -21,7 +21,7 @@ import batchvlm
 from batchvlm.config import ConfigError, JobConfig
 from batchvlm.faults import crash_point
 from batchvlm.preprocess import merged_stats
-from batchvlm.sink import durable_write, durable_write_json
+from batchvlm.sink import durable_write, durable_write_json, read_json
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -88,8 +88,7 @@ class RunDir:
 
     def completed(self) -> dict | None:
         """The totals of a finished run (its `_SUCCESS`), or None."""
-        marker = self.path / "_SUCCESS"
-        return json.loads(marker.read_text()) if marker.exists() else None
+        return read_json(self.path / "_SUCCESS")
 
     def finish(self, unit_ids: list[str], seconds: float, records_seen: int, image_tokens: int) -> dict:
         """Rank 0, after every rank is done: merged totals, and `_SUCCESS` if every unit is committed."""

@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchvlm.assemble import DATA_SCHEMA, QUARANTINE_SCHEMA
-from batchvlm.preprocess import merged_stats
 from batchvlm.faults import crash_point
+from batchvlm.preprocess import merged_stats
 from batchvlm.records import WorkUnit
 
 TMP_MARK = ".tmp-"
@@ -48,6 +48,11 @@ def durable_write(path: Path, write) -> None:
 
 def durable_write_json(path: Path, payload: dict) -> None:
     durable_write(path, lambda tmp: tmp.write_text(json.dumps(payload, indent=2, sort_keys=True)))
+
+
+def read_json(path: Path) -> dict | None:
+    """A JSON file batchvlm wrote durably, or None where it has not been written (yet)."""
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def sha256_file(path: Path) -> str:
@@ -82,8 +87,6 @@ class RunSink:
         for name in ("data", "quarantine", "manifest"):
             (run_dir / name).mkdir(parents=True, exist_ok=True)
         self.open: dict[str, OpenUnit] = {}
-        self.totals = Counter()
-        self.by_check = Counter()
 
     # -- state on disk --------------------------------------------------------------------------
     def manifest_path(self, unit_id: str) -> Path:
@@ -140,8 +143,6 @@ class RunSink:
                     "checks": dict(sorted(checks.items())), **merged_stats(state.preprocess), "files": files,
                     "rank": self.rank}
         durable_write_json(self.manifest_path(unit.unit_id), manifest)
-        self.totals.update(records_in=state.expected, written=len(rows), quarantined=len(quarantined))
-        self.by_check.update(checks)
         return manifest
 
     def _write_shard(self, kind: str, unit_id: str, rows: list[dict], schema: pa.Schema) -> dict:
