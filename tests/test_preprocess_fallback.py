@@ -91,6 +91,11 @@ def test_a_wrong_grid_quarantines_its_record_with_fallback_quarantine(tmp_path, 
 
 
 # -- parity -----------------------------------------------------------------------------------
+def first_image_of(records: list[PreparedRecord], record_id: str) -> int:
+    """The batch-wide index of a record's first image."""
+    return [image for r in records for image in [r.source.id] * len(r.images)].index(record_id)
+
+
 class BrightenOne:
     """A backend whose pixels for one record are 5 levels too bright: shapes right, values wrong."""
 
@@ -99,7 +104,7 @@ class BrightenOne:
 
     def __call__(self, records):
         rows, grids = self.inner(records)
-        index = [image for r in records for image in [r.source.id] * len(r.images)].index(self.record_id)
+        index = first_image_of(records, self.record_id)
         rows[index] = rows[index] + 5 * float(self.inner.scale.flatten()[0])
         return rows, grids
 
@@ -141,7 +146,7 @@ class LeaveOneValueUnwritten:
 
     def __call__(self, records):
         rows, grids = self.inner(records)
-        index = [image for r in records for image in [r.source.id] * len(r.images)].index(self.record_id)
+        index = first_image_of(records, self.record_id)
         rows[index] = rows[index].clone()
         rows[index].view(-1)[7] = float("nan")
         return rows, grids
