@@ -242,22 +242,21 @@ def default_run_name(requeue_from: str | None, default: str) -> str:
     return f"{Path(requeue_from).name}-requeue" if requeue_from else default
 
 
-GROUPS = {
-    "dataset": DatasetConfig,
-    "model": ModelConfig,
-    "preprocess": PreprocessConfig,
-    "output": OutputConfig,
-    "checks": ChecksConfig,
-}
-
-
 def register_schemas() -> None:
-    """Register the schemas (so that conf/*.yaml can name them in their defaults lists) and run_name's resolver."""
+    """Register the job's schema (conf/embed.yaml names it first in its defaults list) and run_name's resolver.
+
+    The groups need no entries of their own: JobConfig types every group's node, so each YAML merged onto
+    it is checked key by key. A `schema` option per group would also show in `--help` and tab completion,
+    and `model=schema` would run with the dataclass defaults."""
     OmegaConf.register_new_resolver("batchvlm.default_run_name", default_run_name, replace=True)
-    store = ConfigStore.instance()
-    store.store(name="embed_schema", node=JobConfig)
-    for group, schema in GROUPS.items():
-        store.store(group=group, name="schema", node=schema)
+    ConfigStore.instance().store(name="embed_schema", node=JobConfig)
+
+
+def required_path(cfg: DictConfig, key: str, usage: str) -> Path:
+    """A `???` key that the user gives on the command line: a ConfigError that shows how, not a traceback."""
+    if OmegaConf.is_missing(cfg, key):
+        raise ConfigError(f"{key} is required: {usage}")
+    return Path(cfg[key])
 
 
 def _reject_unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> None:

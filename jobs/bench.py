@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
 
 
-@hydra.main(config_path="../conf", config_name="bench", version_base=None)
+@hydra.main(config_path="pkg://batchvlm.conf", config_name="bench", version_base=None)
 def main(cfg: DictConfig) -> None:
     transformers.utils.logging.disable_progress_bar()
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -19,18 +20,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 register_schemas()
 
 
-@hydra.main(config_path="../conf", config_name="embed", version_base=None)
+@hydra.main(config_path="pkg://batchvlm.conf", config_name="embed", version_base=None)
 def main(cfg: DictConfig) -> None:
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         job = to_job_config(cfg)
-        summary = run_job(job, Path(HydraConfig.get().runtime.output_dir))
+        summary = run_job(job, run_dir)
     except (ConfigError, JobAborted) as error:
+        _remove_if_empty(run_dir)
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     if summary is not None:  # rank 0 speaks for the job
         print(summarize(summary))
+
+
+def _remove_if_empty(run_dir: Path) -> None:
+    """Hydra makes the run directory before the config can be checked: a refused config leaves none behind."""
+    with contextlib.suppress(OSError):  # not empty: the job ran (or an earlier run did), its files stay
+        run_dir.rmdir()
 
 
 if __name__ == "__main__":

@@ -4,24 +4,23 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
+from batchvlm.config import ConfigError, required_path
 from batchvlm.report import ReportError, build_report, summary_text
 from batchvlm.report_html import render
 
 
-@hydra.main(config_path="../conf", config_name="report", version_base=None)
+@hydra.main(config_path="pkg://batchvlm.conf", config_name="report", version_base=None)
 def main(cfg: DictConfig) -> None:
-    if cfg.max_cards_per_check < 0:
-        print(f"error: max_cards_per_check={cfg.max_cards_per_check} must be >= 0", file=sys.stderr)
-        sys.exit(2)
-    run_dir = Path(cfg.run_dir)
     try:
+        run_dir = required_path(cfg, "run_dir", "run_dir=outputs/<run>")
+        if cfg.max_cards_per_check < 0:
+            raise ConfigError(f"max_cards_per_check={cfg.max_cards_per_check} must be >= 0")
         report = build_report(run_dir, cfg.max_cards_per_check)
-    except ReportError as error:
+    except (ConfigError, ReportError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     page = run_dir / "report" / "index.html"

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
+from batchvlm.config import ConfigError, required_path
 from batchvlm.verify import verify_run
 
 
-@hydra.main(config_path="../conf", config_name="verify", version_base=None)
+@hydra.main(config_path="pkg://batchvlm.conf", config_name="verify", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run_dir = Path(cfg.run_dir)
+    try:
+        run_dir = required_path(cfg, "run_dir", "run_dir=outputs/<run>")
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     problems = verify_run(run_dir)
     for problem in problems:
         print(f"FAIL {problem}")
