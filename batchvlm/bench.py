@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from batchvlm.config import ConfigError, ModelConfig, _one_of, _positive
+from batchvlm.demo import photographs
 from batchvlm.families import load_family
 from batchvlm.preprocess import TorchPreprocessor, TritonPreprocessor
 from batchvlm.records import DecodedImage, PreparedRecord, SourceRecord, TokenLayout
@@ -40,8 +41,7 @@ class BenchConfig:
 
 def image_mix() -> list[tuple[str, np.ndarray]]:
     """Photos of common sizes, one RGBA logo, and the extremes: large enough to be scaled down, thin, tiny."""
-    from skimage import data
-
+    data = photographs()
     coffee, rocket = data.coffee(), data.rocket()
     return [("astronaut", data.astronaut()), ("coffee", coffee), ("chelsea", data.chelsea()), ("rocket", rocket),
             ("hubble", data.hubble_deep_field()), ("retina", data.retina()), ("logo_rgba", data.logo()),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchvlm.config import ModelConfig
+from batchvlm.config import ConfigError, ModelConfig
 
 DEMO_VERSION = "v1"
 MEDIA_TOKENS = ["<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
@@ -45,6 +45,17 @@ def _build_once(final: Path, build) -> Path:
 
 
 # -- dataset -----------------------------------------------------------------------------------
+def photographs():
+    """scikit-image's bundled photographs (`skimage.data`). It is the `demo` extra, not a dependency of the job:
+    a production install reads its own data and checkpoints."""
+    try:
+        from skimage import data
+    except ImportError as error:
+        raise ConfigError("the embedded demo (dataset=demo, the *_tiny models) and the benchmark need scikit-image: "
+                          "pip install 'batchvlm[demo]'") from error
+    return data
+
+
 def _encode(pixels: np.ndarray, fmt: str, **options) -> bytes:
     from PIL import Image
 
@@ -55,8 +66,7 @@ def _encode(pixels: np.ndarray, fmt: str, **options) -> bytes:
 
 def demo_rows() -> list[dict]:
     """The demo records: id, list of encoded images, caption with one `<image>` per image."""
-    from skimage import data
-
+    data = photographs()
     astronaut, coffee, chelsea, rocket = data.astronaut(), data.coffee(), data.chelsea(), data.rocket()
     hubble, camera, coins, page, moon = data.hubble_deep_field(), data.camera(), data.coins(), data.page(), data.moon()
     retina = data.retina()[::2, ::2]  # 706x706: a large photo that still encodes in a second on a CPU
@@ -120,7 +130,8 @@ def build_tokenizer(texts: list[str], media_tokens: list[str]):
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     specials = ["[PAD]", "[BOS]", "[EOS]"] + media_tokens
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+    # show_progress=False: off a terminal, the trainer's bars reach stdout as three blank lines
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     core.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", bos_token="[BOS]",
