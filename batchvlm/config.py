@@ -192,12 +192,15 @@ class RuntimeConfig:
     writer_queue: int = 16
     """Batches waiting for the writer thread (bounds the device-to-sink queue)."""
     progress: bool = True
+    progress_interval_s: float = 30.0
+    """Seconds between progress lines when stderr is not a terminal (Slurm, a redirect); a terminal gets a bar."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
             raise ConfigError("runtime.num_workers must be >= 0")
         _positive("runtime.prefetch", self.prefetch)
         _positive("runtime.writer_queue", self.writer_queue)
+        _positive("runtime.progress_interval_s", self.progress_interval_s)
 
 
 @dataclass

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from tqdm import tqdm
 
 from batchvlm.assemble import EMBED_DTYPES, data_row, quarantine_row
 from batchvlm.checks import CheckFailed, unexpected_failure
@@ -27,6 +26,7 @@ from batchvlm.encode import encode_batch
 from batchvlm.faults import crash_point
 from batchvlm.families import load_family
 from batchvlm.preprocess import PreprocessGuard, make_preprocessor, pack, resolve_backend
+from batchvlm.progress import Progress
 from batchvlm.records import (EncodedRecord, Failure, PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd,
                               WorkUnit)
 from batchvlm.requeue import RequeueSource, requeue_source, write_lineage
@@ -203,8 +203,8 @@ class Job:
         writer = SinkWriter(self.sink, self.job.runtime.writer_queue)
         batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
         remaining = sum(e["stop"] - e["start"] for e in plan if e["unit_id"] not in committed)
-        progress = tqdm(total=remaining, unit="rec", desc=f"embed {self.run.path.name}",
-                        disable=not (self.job.runtime.progress and self.ranks.is_main))
+        progress = Progress(remaining, f"embed {self.run.path.name}", self.job.runtime.progress and self.ranks.is_main,
+                            self.job.runtime.progress_interval_s)
         units_by_id = {unit.unit_id: unit for unit in todo}
         try:
             for item in stream:
@@ -230,10 +230,9 @@ class Job:
                                sum(s["records"] for s in stats), sum(s["image_tokens"] for s in stats))
 
     def _show(self, progress) -> None:
-        """Rank 0's bar shows every rank's records, read from their progress files."""
+        """Rank 0's progress counts every rank's records, read from their progress files."""
         if self.ranks.is_main:
-            progress.n = self.coordinator.records_done()
-            progress.refresh()
+            progress.show(self.coordinator.records_done())
 
     def _stream(self, todo: list[WorkUnit]):
         dataset = PreparedStream(self.source, todo, self.family, self.job)
