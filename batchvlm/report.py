@@ -1,5 +1,8 @@
 """The failure report of a run: what was quarantined, why, and for a requeue run what the requeue fixed.
 
+It also describes the written data for choosing training settings: tokens per image, sequence length
+and aspect ratio over the committed data shards, in one streamed pass (batchvlm.distributions).
+
 The quarantine shards that the manifests list are streamed batch by batch without their image
 bytes; only counts, and the first `max_cards_per_check` rows of each check, are kept, so time and
 memory stay flat in the size of the quarantine. The images of the kept rows are read in a second
@@ -21,6 +24,7 @@ from omegaconf import OmegaConf
 
 from batchvlm.assemble import QUARANTINE_SCHEMA
 from batchvlm.config import DecodeConfig, ModelConfig
+from batchvlm.distributions import Distribution, written_distributions
 from batchvlm.preprocess import merged_stats
 from batchvlm.reader import committed_shards
 from batchvlm.requeue import read_lineage
@@ -75,6 +79,7 @@ class Report:
     requeue: RequeueOutcome | None = None
     was_check: dict[str, str] = field(default_factory=dict)  # requeue run: id -> the check it failed before
     placeholder: str = "<image>"
+    written_data: list[Distribution] = field(default_factory=list)
 
     def cards_not_shown(self, check: str) -> int:
         return self.by_check[check] - len(self.cards.get(check, []))
@@ -96,6 +101,7 @@ def build_report(run_dir: Path, max_cards_per_check: int = 50, thumbnails: bool 
     report.placeholder = config.get("dataset", {}).get("placeholder", report.placeholder)
     for shard in committed_shards(run_dir, "quarantine"):
         _scan_shard(report, shard)
+    report.written_data = written_distributions(run_dir)
     if thumbnails:
         _attach_thumbnails(report, config)
     if (lineage := read_lineage(run_dir)) is not None:
@@ -211,9 +217,21 @@ def summary_text(report: Report) -> str:
     lines.append("most frequent messages:")
     lines += [f"  {count:>8}  [{check}] {message}" for (check, message), count in
               report.messages.most_common(TOP_MESSAGES)]
+    lines += _written_data_lines(report.written_data)
     if report.requeue is not None:
         outcome = report.requeue
         lines.append(f"requeued from {outcome.requeue_from}: "
                      f"{len(outcome.fixed) + len(outcome.still_quarantined)} records, fixed: {len(outcome.fixed)}  "
                      f"still quarantined: {len(outcome.still_quarantined)}  not found: {len(outcome.not_found)}")
     return "\n".join(lines)
+
+
+def _written_data_lines(distributions: list[Distribution]) -> list[str]:
+    lines = ["written data (percentiles; the page has the histograms):"]
+    for distribution in distributions:
+        if not distribution.total:  # no record written, or text-only records: no image
+            lines.append(f"  {distribution.title:<31}none")
+            continue
+        quantiles = "  ".join(f"{name} {value}" for name, value in distribution.percentiles())
+        lines.append(f"  {distribution.title:<31}{quantiles}  ({distribution.total:,} {distribution.per})")
+    return lines

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from html import escape
 
+from batchvlm.distributions import Distribution
 from batchvlm.report import Card, Report
 
 MAX_LINEAGE_ROWS = 500
@@ -45,6 +46,10 @@ figcaption{font-size:12px;color:var(--mute)}.id{margin:0;font-size:16px;word-bre
 pre{margin:0;white-space:pre-wrap;word-break:break-word;background:var(--bg);padding:6px;border-radius:4px;font-size:12px}
 mark{background:#ffe08a;border-radius:2px}h4.plain{text-transform:none}.more{color:var(--mute);font-style:italic;margin:6px 0 14px}
 [hidden]{display:none!important}
+.hists{display:grid;grid-template-columns:repeat(auto-fit,minmax(340px,1fr));gap:16px}
+.hist{margin:0;background:#fff;border:1px solid var(--line);border-radius:8px;padding:10px 12px}
+.hist h3{margin:0;font-size:15px}.hist div{display:grid;grid-template-columns:130px 1fr 60px;gap:8px;align-items:center}
+.hist .bar{height:12px;background:#3b6fb6;border-radius:2px}.hist .n{text-align:right}
 """
 
 JS = """
@@ -82,7 +87,8 @@ def render(report: Report) -> str:
              f"<style>{CSS}</style></head><body>",
              f'<header><h1>{escape(title)}</h1><p class="path">{escape(str(report.run_dir))}'
              f'{"" if report.complete else " — NOT COMPLETE: some units are not committed"}</p></header>',
-             _totals(report), _chart(report), _tables(report), _requeue(report), _cards(report),
+             _totals(report), _chart(report), _tables(report), _written_data(report), _requeue(report),
+             _cards(report),
              f"<script>{JS}</script></body></html>"]
     return "\n".join(parts)
 
@@ -115,6 +121,27 @@ def _tables(report: Report) -> str:
     return ('<section class="tables">' + _table("By stage", "stage", report.by_stage.most_common())
             + _table("By source file", "file", report.by_source.most_common())
             + _table("Most frequent messages", "message", messages) + "</section>")
+
+
+def _written_data(report: Report) -> str:
+    figures = "".join(_histogram(distribution) for distribution in report.written_data)
+    return ('<section id="written-data"><h2>Written data</h2><p class="path">Committed records, for choosing '
+            'training settings (token budget, sequence length, resize limits).</p>'
+            f'<div class="hists">{figures}</div></section>')
+
+
+def _histogram(distribution: Distribution) -> str:
+    title = f"<h3>{escape(distribution.title)}</h3>"
+    if not distribution.total:
+        return f'<figure class="hist">{title}<p class="path">none</p></figure>'
+    rows = distribution.histogram()
+    top = max(count for _, _, count in rows)
+    bars = "".join(f'<div><span>{escape(distribution.label(low, high))}</span><span class="bar" '
+                   f'style="width:{100 * count / top:.1f}%"></span><span class="n">{count:,}</span></div>'
+                   for low, high, count in rows)
+    quantiles = " · ".join(f"{name} {value}" for name, value in distribution.percentiles())
+    return (f'<figure class="hist">{title}<p class="path">{quantiles} · {distribution.total:,} {distribution.per}</p>'
+            f"{bars}</figure>")
 
 
 def _requeue(report: Report) -> str:

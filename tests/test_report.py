@@ -91,6 +91,19 @@ def test_terminal_summary_counts_equal_the_quarantine_shards(demo_report):
     assert sum(summary_section(summary, "most frequent messages").values()) == len(rows)
 
 
+def test_report_describes_the_written_data_from_the_data_shards(demo_report):
+    run_dir, summary = demo_report
+    table = pq.read_table(run_dir / "data", columns=["input_ids", "image_num_tokens"])
+    lengths = [len(ids) for ids in table.column("input_ids").to_pylist()]
+    tokens = [n for per_image in table.column("image_num_tokens").to_pylist() for n in per_image]
+    line = {key.strip(): value for key, value in
+            (row.split("p50", 1) for row in summary.split("written data", 1)[1].splitlines()[1:4])}
+    assert line["sequence length (tokens)"].endswith(f"max {max(lengths):,}  ({len(lengths)} records)")
+    assert line["tokens per image"].endswith(f"max {max(tokens):,}  ({len(tokens)} images)")
+    page = (run_dir / "report" / "index.html").read_text()
+    assert page.count('<figure class="hist">') == 3
+
+
 def test_page_is_self_contained(demo_report):
     page = (demo_report[0] / "report" / "index.html").read_text()
     assert "default-src 'none'" in page  # the browser itself refuses any network load
