@@ -19,6 +19,22 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 
 
+def shared_folder(name: str) -> Path:
+    """A folder of the project's shared/ (the corpus), which sits beside the checkout, not in it.
+
+    CI names shared/ in $BATCHVLM_SHARED (.ci/run), taken from the checkout's path as the shell sees it: REPO is
+    resolved, and a checkout reached through a symlink resolves to another parent than the one shared/ was put
+    beside. Named there and missing, the test fails; a user's clone without shared/ skips it, saying where it looked.
+    """
+    named = os.environ.get("BATCHVLM_SHARED")
+    folder = Path(named or REPO.parent / "shared") / name
+    if not folder.is_dir():
+        if named:
+            pytest.fail(f"{folder} is missing, and BATCHVLM_SHARED={named} says shared/ is there")
+        pytest.skip(f"no {folder} (set BATCHVLM_SHARED to the shared/ folder)")
+    return folder
+
+
 def run_embed(*overrides: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python jobs/embed.py overrides...` as a user runs it."""
     return subprocess.run([sys.executable, str(REPO / "jobs" / "embed.py"), *overrides], cwd=cwd or REPO,

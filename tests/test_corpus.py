@@ -9,18 +9,19 @@ import datasets
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, run_embed
+from conftest import run_embed, shared_folder
 
-CORPUS = REPO.parent / "shared" / "corpus" / "pillow"
 PEAK_RSS_LIMIT_GIB = 4.0
+
+# the job on 408 files: about a minute on 2 cores
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def corpus_parquet(tmp_path_factory) -> tuple[Path, list[str]]:
-    if not CORPUS.is_dir():
-        pytest.skip(f"no corpus at {CORPUS}")
-    files = sorted(p for p in CORPUS.rglob("*") if p.is_file())
-    ids = [str(p.relative_to(CORPUS)) for p in files]
+    corpus = shared_folder("corpus/pillow")
+    files = sorted(p for p in corpus.rglob("*") if p.is_file())
+    ids = [str(p.relative_to(corpus)) for p in files]
     features = datasets.Features({"id": datasets.Value("string"), "images": datasets.List(datasets.Image()),
                                   "text": datasets.Value("string")})
     table = {"id": ids, "images": [[{"bytes": p.read_bytes(), "path": None}] for p in files],

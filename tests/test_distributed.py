@@ -16,6 +16,9 @@ from conftest import REPO, run_embed
 
 INPUT_IDS = sorted(row["id"] for row in demo_rows())
 
+# accelerate launch, kills and restarts of the job
+pytestmark = pytest.mark.slow
+
 
 def rows_of(run_dir, kind="data") -> dict[str, dict]:
     return {row["id"]: row for path in sorted((run_dir / kind).glob("*.parquet"))

@@ -6,9 +6,13 @@ import json
 
 import datasets
 import pyarrow.parquet as pq
+import pytest
 
 from batchvlm.demo import demo_rows
 from conftest import run_embed
+
+# the job as a subprocess, on the demo and on small datasets
+pytestmark = pytest.mark.slow
 
 EXPECTED_QUARANTINE = {
     "bad_truncated_jpeg": "decode.truncated",

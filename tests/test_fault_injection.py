@@ -19,6 +19,9 @@ from batchvlm.driver import Job, JobAborted
 TARGET = "rocket_strip"  # shares a packed batch with other records; its grid (1, 6, 46) is unique in the demo
 TARGET_GRID = (1, 6, 46)
 
+# the job on the demo, once per planted fault
+pytestmark = pytest.mark.slow
+
 
 def job_config(root: Path, name: str, **model) -> JobConfig:
     # fallback=quarantine: the planted preprocess faults must reach quarantine, not the CPU fallback

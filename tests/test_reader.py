@@ -32,6 +32,7 @@ def test_reader_round_trips_embeddings_bit_for_bit(tmp_path, dtype, name):
     assert record.image_token_positions().tolist() == [1, 2, 3, 4, 5, 7, 8, 9]
 
 
+@pytest.mark.slow
 def test_reader_views_the_arrow_buffer_without_copying(demo_run):
     path = sorted((demo_run / "data").glob("*.parquet"))[0]
     table = pq.read_table(path)
@@ -40,6 +41,7 @@ def test_reader_views_the_arrow_buffer_without_copying(demo_run):
     assert data.address <= record.image_embeds.data_ptr() < data.address + data.size
 
 
+@pytest.mark.slow
 def test_demo_rows_read_back_with_consistent_spans_grids_and_embeddings(demo_run):
     records = list(read_run(demo_run))
     assert len(records) == 18

@@ -71,6 +71,7 @@ def demo_report(demo_run, tmp_path_factory) -> tuple[Path, str]:
 
 
 # -- the demo run ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_page_of_the_demo_run_has_a_card_for_every_quarantined_id_with_its_check(demo_report):
     run_dir, _ = demo_report
     page = (run_dir / "report" / "index.html").read_text()
@@ -79,6 +80,7 @@ def test_page_of_the_demo_run_has_a_card_for_every_quarantined_id_with_its_check
     assert len(cards) == 3
 
 
+@pytest.mark.slow
 def test_terminal_summary_counts_equal_the_quarantine_shards(demo_report):
     run_dir, summary = demo_report
     rows = quarantine_rows(run_dir)
@@ -91,6 +93,7 @@ def test_terminal_summary_counts_equal_the_quarantine_shards(demo_report):
     assert sum(summary_section(summary, "most frequent messages").values()) == len(rows)
 
 
+@pytest.mark.slow
 def test_report_describes_the_written_data_from_the_data_shards(demo_report):
     run_dir, summary = demo_report
     table = pq.read_table(run_dir / "data", columns=["input_ids", "image_num_tokens"])
@@ -104,6 +107,7 @@ def test_report_describes_the_written_data_from_the_data_shards(demo_report):
     assert page.count('<figure class="hist">') == 3
 
 
+@pytest.mark.slow
 def test_page_is_self_contained(demo_report):
     page = (demo_report[0] / "report" / "index.html").read_text()
     assert "default-src 'none'" in page  # the browser itself refuses any network load
@@ -126,6 +130,7 @@ def _chromium_page(playwright):
     return browser, browser.new_page(viewport={"width": 1280, "height": 900})
 
 
+@pytest.mark.slow
 def test_page_in_headless_chromium_shows_thumbnails_and_filters_by_check(demo_report):
     try:
         from playwright.sync_api import sync_playwright
@@ -216,6 +221,7 @@ def _job(root: Path, name: str, **fields) -> JobConfig:
                      **fields)
 
 
+@pytest.mark.slow
 def test_requeue_after_raising_the_pixel_limit_moves_those_records_into_data_with_lineage(tmp_path):
     run_job(_job(tmp_path, "small", decode=DecodeConfig(max_pixels=100_000)), tmp_path / "small")
     too_big = {row["id"] for row in quarantine_rows(tmp_path / "small") if row["check"] == "decode.too_many_pixels"}
@@ -246,6 +252,7 @@ def test_requeue_after_raising_the_pixel_limit_moves_those_records_into_data_wit
     assert data_ids(new_run) == written
 
 
+@pytest.mark.slow
 def test_requeue_into_the_run_it_reads_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="requeue_from=.*is the run directory of this job"):
         requeue_source(_job(tmp_path, "same", requeue_from=str(tmp_path / "same")), tmp_path / "same")
@@ -265,6 +272,7 @@ def _write_parquet(path: Path, rows: list[tuple[str, str]]) -> None:
     datasets.Dataset.from_dict(table, features=features).to_parquet(str(path))
 
 
+@pytest.mark.slow
 def test_requeue_reads_the_fixed_text_from_the_dataset_and_reports_records_gone_from_it(tmp_path):
     dataset = tmp_path / "captions.parquet"
     _write_parquet(dataset, [("cat", "<image> a cat"), ("twice", "<image> and again <image>"),
@@ -288,6 +296,7 @@ def test_requeue_reads_the_fixed_text_from_the_dataset_and_reports_records_gone_
     assert "1 records, fixed: 1  still quarantined: 0  not found: 1" in summary_text(build_report(new_run))
 
 
+@pytest.mark.slow
 def test_check_selects_by_name_and_an_unknown_name_fails_naming_the_key(tmp_path):
     assert JobConfig(requeue_from="x", check="decode.truncated, text.placeholder_count").check == [
         "decode.truncated", "text.placeholder_count"]

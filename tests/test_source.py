@@ -84,6 +84,7 @@ def test_a_missing_column_is_a_config_error_naming_the_key(tmp_path):
         Source(DatasetConfig(kind="disk", path=str(tmp_path / "ds"), id_column="key", text_column="caption"))
 
 
+@pytest.mark.slow
 def test_embed_job_reads_a_parquet_glob_with_overridden_columns(tmp_path):
     for index, keys in enumerate([["cat", "cup"], ["coins"]]):
         datasets.Dataset.from_dict(_table(keys), features=FEATURES).to_parquet(str(tmp_path / f"part-{index}.parquet"))

@@ -17,6 +17,9 @@ from batchvlm.tokens import IMAGE
 
 MODELS = {"qwen2_vl": Qwen2VLForConditionalGeneration, "kimi_k25": Kimi_K25ForConditionalGeneration}
 
+# the job, then the full models
+pytestmark = pytest.mark.slow
+
 
 def logits_from_stored(model, record) -> torch.Tensor:
     ids = record.input_ids[None]
