@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import MissingConfigException
 
 from batchvlm.config import ConfigError, register_schemas, to_job_config
 
@@ -26,6 +28,18 @@ def test_every_shipped_config_loads(group, option):
     overrides = [f"{group}={option}"] + REQUIRED.get(group, [])
     loaded = job(*overrides)
     assert getattr(loaded, group) is not None
+
+
+def test_each_group_offers_its_yaml_files_and_no_schema():
+    """What --help and tab completion list, and what `group=option` accepts."""
+    register_schemas()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        loader = GlobalHydra.instance().config_loader()
+        options = {group: loader.get_group_options(group) for group in loader.list_groups("") if group != "hydra"}
+        with pytest.raises(MissingConfigException, match="model/schema"):
+            compose(config_name="embed", overrides=["model=schema"])
+    assert options == {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+                       for group in ("checks", "dataset", "model", "output", "preprocess")}
 
 
 def test_unknown_key_fails_naming_it():
