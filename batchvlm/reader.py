@@ -96,10 +96,11 @@ def read_shard(path: str | Path) -> Iterator[RecordTensors]:
 
 
 def committed_shards(run_dir: str | Path, kind: str = "data") -> list[Path]:
-    """The shards that manifests list: the only ones a reader may trust."""
+    """The shards that manifests list: the only ones a reader may trust. A manifest that lists no shard of
+    this kind adds none."""
     run_dir = Path(run_dir)
-    return [run_dir / json.loads(m.read_text())["files"][kind]["path"]
-            for m in sorted((run_dir / "manifest").glob("*.json"))]
+    files = [json.loads(m.read_text())["files"] for m in sorted((run_dir / "manifest").glob("*.json"))]
+    return [run_dir / listed[kind]["path"] for listed in files if kind in listed]
 
 
 def read_run(run_dir: str | Path) -> Iterator[RecordTensors]:

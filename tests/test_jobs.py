@@ -9,7 +9,10 @@ from importlib.metadata import distribution
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
+from batchvlm.config import register_schemas
 from conftest import REPO, run_embed
 
 SCRIPTS = {"batchvlm-embed": "batchvlm.jobs.embed:main", "batchvlm-report": "batchvlm.jobs.report:main",
@@ -28,6 +31,17 @@ def test_console_scripts_point_at_the_jobs():
     assert all(callable(ep.load()) for ep in scripts.values())
 
 
+def test_the_packaged_configs_compose_as_pkg_batchvlm_conf():
+    register_schemas()
+    with initialize_config_module("batchvlm.conf", version_base=None):
+        cfg = compose(config_name="embed", overrides=["model=qwen2_vl_tiny"], return_hydra_config=True)
+    assert (cfg.dataset.kind, cfg.model.family) == ("demo", "qwen2_vl")
+    # a sweep's jobs land where their single runs would, so a rerun of the sweep resumes them
+    sweep, run = OmegaConf.to_container(cfg.hydra.sweep), OmegaConf.to_container(cfg.hydra.run)
+    assert f"{sweep['dir']}/{sweep['subdir']}" == run["dir"] == "${output.root}/${run_name}"
+
+
+@pytest.mark.slow
 def test_an_installed_job_composes_its_packaged_configs_from_any_folder(tmp_path):
     result = run_script("batchvlm-embed", "--cfg", "job", "model=siglip2_tiny", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -36,6 +50,7 @@ def test_an_installed_job_composes_its_packaged_configs_from_any_folder(tmp_path
 
 
 @pytest.mark.parametrize("job", ["report", "verify"])
+@pytest.mark.slow
 def test_a_job_without_run_dir_says_how_to_give_it(job, tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "jobs" / f"{job}.py")], cwd=tmp_path, capture_output=True,
                             text=True, timeout=300)
@@ -43,6 +58,7 @@ def test_a_job_without_run_dir_says_how_to_give_it(job, tmp_path):
     assert result.stderr.strip() == "error: run_dir is required: run_dir=outputs/<run>"
 
 
+@pytest.mark.slow
 def test_a_refused_config_leaves_no_run_folder_behind(tmp_path):
     result = run_embed(f"output.root={tmp_path}", "model.dtype=int8")
     assert result.returncode == 2

@@ -72,6 +72,7 @@ def level_of_each_value(layout: PatchLayout) -> torch.Tensor:
 @pytest.mark.parametrize("kind,resample,background", [
     (RASTER_CHW, "bicubic", "black"), (RASTER_CHW, "bicubic", "chessboard"), (MERGE_WINDOW, "bicubic", "white"),
     (RASTER_HWC, "bilinear", "gray"), (RASTER_HWC, "bicubic", "chessboard"), (MERGE_WINDOW, "bilinear", "black")])
+@pytest.mark.slow
 def test_kernels_equal_the_torch_reference_within_one_level(kind, resample, background):
     layout = LAYOUTS[kind]
     images = random_images(seed=len(kind) + len(background))
@@ -121,6 +122,7 @@ def tiny_batch() -> list[PreparedRecord]:
             enumerate(zip(random_images(seed=3), SIZES))]
 
 
+@pytest.mark.slow
 def test_a_wrong_kernel_grid_is_redone_on_the_cpu_path_and_counted(monkeypatch):
     family, records = TinyFamily(), tiny_batch()
     triton_backend = TritonPreprocessor(family, DEVICE, "black")
@@ -138,6 +140,7 @@ def test_a_wrong_kernel_grid_is_redone_on_the_cpu_path_and_counted(monkeypatch):
     assert torch.equal(redone.pixel_values[outside], clean.pixel_values[outside])  # the others unchanged
 
 
+@pytest.mark.slow
 def test_a_wrong_kernel_grid_quarantines_its_record_without_fallback(monkeypatch):
     records = tiny_batch()
     monkeypatch.setenv("BATCHVLM_FAULTS", f"preprocess.wrong_grid={records[2].images[0].sha256[:12]}")

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -31,6 +33,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_the_gpu_in_every_layout():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=300)

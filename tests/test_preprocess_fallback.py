@@ -51,6 +51,7 @@ def clean(tmp_path_factory) -> dict[str, dict]:
     return rows_of(run(tmp_path_factory.mktemp("clean"), "clean"), "data")
 
 
+@pytest.mark.slow
 def test_a_wrong_grid_is_redone_on_the_cpu_path_and_counted_in_success(tmp_path, clean, monkeypatch):
     monkeypatch.setenv("BATCHVLM_FAULTS", f"preprocess.wrong_grid={target_digest()[:16]}")
     run_dir = run(tmp_path, "fallback")
@@ -63,6 +64,7 @@ def test_a_wrong_grid_is_redone_on_the_cpu_path_and_counted_in_success(tmp_path,
     assert success["fallbacks"] == {"preprocess.grid_match": 1}
 
 
+@pytest.mark.slow
 def test_fallbacks_of_units_committed_before_a_restart_are_still_counted(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHVLM_FAULTS", f"preprocess.wrong_grid={target_digest()[:16]}")
     run_dir = run(tmp_path, "restart")
@@ -77,6 +79,7 @@ def test_fallbacks_of_units_committed_before_a_restart_are_still_counted(tmp_pat
     assert json.loads((run_dir / "_SUCCESS").read_text())["fallbacks"] == {"preprocess.grid_match": 1}
 
 
+@pytest.mark.slow
 def test_a_wrong_grid_quarantines_its_record_with_fallback_quarantine(tmp_path, clean, monkeypatch):
     monkeypatch.setenv("BATCHVLM_FAULTS", f"preprocess.wrong_grid={target_digest()[:16]}")
     run_dir = run(tmp_path, "quarantine", fallback="quarantine")

@@ -115,6 +115,7 @@ def test_page_is_self_contained(demo_report):
     assert "<mark>&lt;image&gt;</mark> and <mark>&lt;image&gt;</mark>" in page  # placeholders highlighted
 
 
+@pytest.mark.slow
 def test_report_of_a_folder_that_is_no_run_fails_with_exit_2(tmp_path):
     result = run_report(tmp_path / "nowhere")
     assert result.returncode == 2

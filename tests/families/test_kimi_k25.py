@@ -34,6 +34,7 @@ def test_non_square_images_are_not_transposed(kimi_family):
     assert torch.allclose(ours, pixel_values, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_packed_embeddings_equal_the_hf_model_run_on_each_image_alone(kimi_family):
     """Many very different sizes in one packed batch vs the full HF model's get_image_features, image by image."""
     encoder = kimi_family.load_encoder(torch.device("cpu"), torch.float32)

@@ -113,11 +113,13 @@ def qwen3_config(qwen):
         **_token_ids(qwen))
 
 
+@pytest.mark.slow
 def test_qwen2_vl_packed_embeddings_equal_the_hf_model_on_each_image_alone(qwen):
     _assert_packed_equals_alone(qwen, Qwen2VLForConditionalGeneration.from_pretrained(qwen.checkpoint))
 
 
 @pytest.mark.parametrize("make_config", [qwen2_5_config, qwen3_config], ids=["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.slow
 def test_later_versions_packed_embeddings_equal_the_hf_model_on_each_image_alone(tmp_path, qwen, make_config):
     config = make_config(qwen)
     _tiny_variant(tmp_path, qwen, config)
@@ -147,6 +149,7 @@ def _assert_packed_equals_alone(family, model) -> None:
                 assert torch.allclose(packed["deepstack_embeds"][index], stacked, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_stored_qwen3_outputs_with_deepstack_give_the_full_models_logits(tmp_path, qwen):
     """The trainer's side for Qwen3-VL: stored merger tokens and deepstack features, handed to the model as
     its encoder outputs with the stored M-RoPE positions, give the logits of the model fed the pixels."""

@@ -27,6 +27,7 @@ def test_naflex_size_matches_the_worked_examples(width, height, budget, size):
     assert naflex_size(height, width, 16, budget) == size
 
 
+@pytest.mark.slow
 def test_packed_forward_equals_the_hf_padded_forward_on_each_image_alone(siglip):
     """Patch tokens and pooled vectors (fp32) of a packed batch of very different sizes."""
     reference = Siglip2VisionModel.from_pretrained(siglip.checkpoint, dtype=torch.float32).eval()
