@@ -17,9 +17,10 @@ log = logging.getLogger("batchvlm")
 
 
 class Progress:
-    """Records done out of `total`, shown while `enabled` (rank 0 with runtime.progress)."""
+    """Records done out of `total` (None: not known, e.g. inputs whose row counts the plan does not read),
+    shown while `enabled` (rank 0 with runtime.progress)."""
 
-    def __init__(self, total: int, label: str, enabled: bool, interval_s: float, stream: TextIO | None = None,
+    def __init__(self, total: int | None, label: str, enabled: bool, interval_s: float, stream: TextIO | None = None,
                  clock: Callable[[], float] = time.monotonic):
         stream = stream or sys.stderr
         self.total, self.label, self.interval_s, self.clock = total, label, interval_s, clock
@@ -46,6 +47,9 @@ class Progress:
         self.logged_at, self.logged_done = self.clock(), self.done
         elapsed = self.logged_at - self.started
         rate = self.done / elapsed if elapsed > 0 else 0.0
+        if self.total is None:
+            log.info("%s: %d records, %.1f records/s", self.label, self.done, rate)
+            return
         eta = tqdm.format_interval((self.total - self.done) / rate) if rate > 0 else "?"
         log.info("%s: %d/%d records (%.0f%%), %.1f records/s, eta %s", self.label, self.done, self.total,
                  100 * self.done / self.total if self.total else 100, rate, eta)

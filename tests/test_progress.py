@@ -39,6 +39,15 @@ def test_off_a_terminal_progress_is_a_log_line_per_interval_and_one_at_the_end(c
     assert stream.getvalue() == ""  # nothing drawn, so no '\r' reaches the log file
 
 
+def test_an_unknown_total_logs_counts_and_rate_without_eta(caplog):
+    clock = Clock()
+    progress = Progress(None, "embed run", enabled=True, interval_s=10, stream=io.StringIO(), clock=clock)
+    with caplog.at_level(logging.INFO, logger="batchvlm"):
+        clock.now = 10
+        progress.show(40)
+    assert [r.getMessage() for r in caplog.records] == ["embed run: 40 records, 4.0 records/s"]
+
+
 def test_on_a_terminal_progress_is_a_bar_and_logs_nothing(caplog):
     terminal = Terminal()
     with caplog.at_level(logging.INFO, logger="batchvlm"):
