@@ -24,7 +24,7 @@ from batchvlm.config import DecodeConfig, ModelConfig
 from batchvlm.preprocess import merged_stats
 from batchvlm.reader import committed_shards
 from batchvlm.requeue import read_lineage
-from batchvlm.sink import read_json
+from batchvlm.durable import read_json
 from batchvlm.thumbnails import Thumbnail, Thumbnailer
 
 log = logging.getLogger("batchvlm")

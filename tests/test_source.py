@@ -13,7 +13,7 @@ from skimage import data
 
 from batchvlm.config import ConfigError, DatasetConfig
 from batchvlm.decode import read_bytes
-from batchvlm.source import Source
+from batchvlm.sources import make_source
 from conftest import run_embed
 
 
@@ -39,8 +39,8 @@ def _columns(**extra) -> dict:
 
 def test_save_to_disk_folder_keeps_ids_and_raw_bytes(tmp_path):
     datasets.Dataset.from_dict(_table(["cat", "cup", "coins"]), features=FEATURES).save_to_disk(tmp_path / "ds")
-    source = Source(DatasetConfig(kind="disk", path=str(tmp_path / "ds"), unit_size=2, **_columns()))
-    units = source.units()
+    source = make_source(DatasetConfig(kind="disk", path=str(tmp_path / "ds"), unit_records=2, **_columns()))
+    units = source.plan()
     assert [u.num_rows for u in units] == [2, 1]
     records = [r for unit in units for r in source.records(unit)]
     assert [r.id for r in records] == ["cat", "cup", "coins"]
@@ -51,8 +51,8 @@ def test_save_to_disk_folder_keeps_ids_and_raw_bytes(tmp_path):
 def test_unit_ids_derive_from_file_and_range(tmp_path):
     for index, keys in enumerate([["cat", "cup"], ["coins"]]):
         datasets.Dataset.from_dict(_table(keys), features=FEATURES).to_parquet(str(tmp_path / f"part-{index}.parquet"))
-    cfg = DatasetConfig(kind="parquet", path=str(tmp_path / "*.parquet"), unit_size=1, **_columns())
-    first, second = [u.unit_id for u in Source(cfg).units()], [u.unit_id for u in Source(cfg).units()]
+    cfg = DatasetConfig(kind="parquet", path=str(tmp_path / "*.parquet"), unit_records=1, **_columns())
+    first, second = [u.unit_id for u in make_source(cfg).plan()], [u.unit_id for u in make_source(cfg).plan()]
     assert first == second and len(set(first)) == 3
     assert first[0].startswith("part-0-") and first[0].endswith("-00000000-00000001")
 
@@ -65,23 +65,17 @@ def test_imagefolder_with_metadata_reads_captions_and_ids(tmp_path):
         Image.fromarray(pixels).save(folder / f"{key}.png")
         lines.append(json.dumps({"file_name": f"{key}.png", "id": f"img-{key}", "text": f"<image> {key}"}))
     (folder / "metadata.jsonl").write_text("\n".join(lines))
-    source = Source(DatasetConfig(kind="imagefolder", path=str(folder), images_column="image"))
-    records = [r for unit in source.units() for r in source.records(unit)]
+    source = make_source(DatasetConfig(kind="imagefolder", path=str(folder), images_column="image"))
+    records = [r for unit in source.plan() for r in source.records(unit)]
     assert sorted(r.id for r in records) == ["img-cat", "img-coins", "img-cup"]
     assert all(len(r.images) == 1 and read_bytes(r.images[0], 0)[:4] == b"\x89PNG" for r in records)
-
-
-def test_duplicate_ids_are_found_after_their_first_occurrence(tmp_path):
-    datasets.Dataset.from_dict(_table(["cat", "cup", "cat"]), features=FEATURES).save_to_disk(tmp_path / "ds")
-    source = Source(DatasetConfig(kind="disk", path=str(tmp_path / "ds"), **_columns()))
-    (unit,) = source.units()
-    assert [source.is_duplicate(unit, row) for row in range(3)] == [False, False, True]
 
 
 def test_a_missing_column_is_a_config_error_naming_the_key(tmp_path):
     datasets.Dataset.from_dict(_table(["cat"]), features=FEATURES).save_to_disk(tmp_path / "ds")
     with pytest.raises(ConfigError, match="dataset.images_column='images'"):
-        Source(DatasetConfig(kind="disk", path=str(tmp_path / "ds"), id_column="key", text_column="caption"))
+        make_source(DatasetConfig(kind="disk", path=str(tmp_path / "ds"), id_column="key",
+                                  text_column="caption")).plan()
 
 
 def test_embed_job_reads_a_parquet_glob_with_overridden_columns(tmp_path):
