@@ -111,8 +111,9 @@ def stable_name(path: str, root: str) -> str:
 
 
 def open_input(location: str, storage_options: dict, **options):
-    """A binary file object for an input, local or remote."""
-    return fsspec.open(location, "rb", **storage_options, **options).open()
+    """A binary file object for an input, local or remote; `options` go to the file (e.g. block_size)."""
+    fs, path = file_system(location, storage_options)
+    return fs.open(path, "rb", **options)
 
 
 # -- rows to records -------------------------------------------------------------------------------

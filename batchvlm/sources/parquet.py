@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchvlm.config import ConfigError
@@ -31,7 +32,7 @@ class ParquetSource(Source):
     def _open(self, item: InputFile, **options) -> pq.ParquetFile:
         try:
             return pq.ParquetFile(open_input(item.location, self.cfg.storage_options, **options))
-        except OSError as error:  # pyarrow's ArrowInvalid is an OSError subclass too
+        except (OSError, pa.ArrowException) as error:
             raise ConfigError(f"dataset.path: {item.location} is not a readable Parquet file ({error})") from None
 
     def _columns(self, item: InputFile, file: pq.ParquetFile) -> list[str]:
