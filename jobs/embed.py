@@ -6,7 +6,6 @@ import os
 import sys
 from pathlib import Path
 
-import datasets
 import hydra
 import transformers
 from hydra.core.hydra_config import HydraConfig
@@ -21,7 +20,6 @@ register_schemas()
 
 @hydra.main(config_path="../conf", config_name="embed", version_base=None)
 def main(cfg: DictConfig) -> None:
-    datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     try:
         job = to_job_config(cfg)

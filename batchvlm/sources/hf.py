@@ -15,6 +15,8 @@ from batchvlm.config import ConfigError
 from batchvlm.records import SourceRecord, WorkUnit
 from batchvlm.sources import InputFile, Source, cut_units, record_from_row, stable_name
 
+datasets.disable_progress_bars()  # the job's own progress covers the reading
+
 
 def as_bytes_images(dataset, column: str):
     feature = dataset.features[column] if dataset.features else None
