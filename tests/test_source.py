@@ -130,3 +130,18 @@ def test_a_file_that_is_not_parquet_is_a_config_error_naming_the_key_and_file(tm
     (tmp_path / "notes.parquet").write_text("not parquet at all")
     with pytest.raises(ConfigError, match=r"dataset.path: .*notes.parquet is not a readable Parquet file"):
         make_source(DatasetConfig(kind="parquet", path=str(tmp_path / "notes.parquet"))).plan()
+
+
+def test_a_streamed_dataset_is_one_unit_per_shard_and_copies_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "repo" / "data"
+    folder.mkdir(parents=True)
+    for index, keys in enumerate([["cat", "cup"], ["coins"]]):
+        datasets.Dataset.from_dict(_table(keys), features=FEATURES).to_parquet(str(folder / f"train-{index}.parquet"))
+    source = make_source(DatasetConfig(kind="hub", path=str(tmp_path / "repo"), **_columns()))
+    units = source.plan()
+    assert [(u.start, u.stop) for u in units] == [(0, None), (1, None)]
+    records = [r for unit in units for r in source.records(unit)]
+    assert sorted(r.id for r in records) == ["cat", "coins", "cup"]
+    assert records[0].images[0].data[:2] == b"\xff\xd8"
+    assert not any(path.is_file() for path in (tmp_path / "cache").rglob("*"))
