@@ -1,5 +1,7 @@
 """Benchmarks measured side by side in one run (DESIGN.md, Performance model).
 
+task=scale: batchvlm/bench_scale.py (start-up and memory as the dataset grows).
+
 task=preprocess: one fixed mix of image sizes (real photos, plus synthetic extremes) through the
 Triton kernels (where CUDA is), the torch ops and the family's HF processor (with `device=` where
 it takes one), each fed the same host uint8 images and timed until its output is on the device.
@@ -31,10 +33,20 @@ class BenchConfig:
     repeats: int = 5
     """Timed passes over the mix per backend, after one warm-up pass; the best is reported."""
     background: str = "black"
+    rows: int = 1_000_000
+    """task=scale: rows of the synthetic dataset (written once under $BATCHVLM_BENCH_DIR or the temp folder)."""
+    files: int = 100
+    """task=scale: Parquet files the rows are spread over."""
+    rss_records: int = 2000
+    """task=scale: N, the records of the smaller of the two full runs whose peak RSS is compared (10N)."""
+    first_unit_records: int = 1000
+    """task=scale: dataset.unit_records of the run timed to its first committed unit."""
 
     def __post_init__(self) -> None:
-        _one_of("task", self.task, ("preprocess",))
+        _one_of("task", self.task, ("preprocess", "scale"))
         _positive("repeats", self.repeats)
+        for key in ("rows", "files", "rss_records", "first_unit_records"):
+            _positive(key, getattr(self, key))
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
 

@@ -28,8 +28,14 @@ CATALOGUE: dict[str, Check] = {
     for check in [
         Check("source.missing_id", "the record's id column is not null or empty",
               "rows that cannot be traced back to the dataset", "fill the id column or choose another with dataset.id_column"),
-        Check("source.duplicate_id", "no id appears twice in the input",
+        Check("source.duplicate_id", "no id appears twice in the run: within a unit as it is read, across units in "
+              "the hash-partitioned pass at the end; the first occurrence (plan order, then row) is kept",
               "two rows that a reader cannot tell apart", "deduplicate the dataset or choose a unique dataset.id_column"),
+        Check("source.download_failed", "the row's dataset.status_column is `success` (img2dataset)",
+              "a failed download written as a text-only row", "re-download the image, or drop the row"),
+        Check("source.missing_image", "with dataset.require_images, the row has at least one image",
+              "an image-text dataset row with its image missing, written as text only",
+              "fix the row, or set dataset.require_images=false for a dataset with text-only rows"),
         Check("decode.unreadable", "the bytes are an image Pillow can identify",
               "bytes that are not an image (HTML saved as .jpg, random bytes, empty files)", "fix or drop the file"),
         Check("decode.format_not_allowed", "the format, read from the content, is in decode.formats",

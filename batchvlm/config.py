@@ -35,30 +35,47 @@ def _positive(key: str, value: int | float) -> None:
 @dataclass
 class DatasetConfig:
     kind: str = "demo"
-    """demo | parquet | disk | imagefolder."""
+    """demo | parquet | webdataset (tar shards) | disk (save_to_disk) | imagefolder | hub (a `datasets` hub
+    dataset or local dataset folder, streamed)."""
     path: str | None = None
-    """parquet: a file, folder or glob; disk: a `save_to_disk` folder; imagefolder: the data dir."""
+    """parquet / webdataset: a file, folder or glob, local or an fsspec URL (s3://, gs://, hf://, file://);
+    disk: a `save_to_disk` folder; imagefolder: the data dir; hub: the dataset's name or folder."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options of the input file system (e.g. {endpoint_url: ..., anon: true} for s3://)."""
     split: str = "train"
-    """Split to read where the dataset has several (disk, imagefolder)."""
+    """Split to read where the dataset has several (disk, imagefolder, hub)."""
     id_column: str = "id"
+    """webdataset: `__key__` (the sample's key) or a field of its .json."""
     images_column: str = "images"
-    """A column of image bytes / paths / HF Image structs, or a list of them per row."""
+    """A column of image bytes / paths / HF Image structs, or a list of them per row. webdataset: the image
+    part, `jpg;png;webp` meaning the first present."""
     text_column: str = "text"
+    status_column: str | None = None
+    """A column (webdataset: a .json field) that must be `success` (img2dataset); other rows are quarantined
+    under source.download_failed."""
+    require_images: bool = False
+    """Quarantine a row without any image (source.missing_image) instead of writing it as text only."""
     image_root: str | None = None
     """Folder that relative image paths are resolved against (default: the dataset file's folder)."""
+    fetch_urls: bool = False
+    """Read images given as URLs (https://, s3://, ...) through fsspec; off, such an image is quarantined
+    under decode.missing_file."""
     placeholder: str = "<image>"
     """The dataset's image placeholder in text; the family expands it into its own tokens."""
     missing_placeholder: str = "prepend"
     """A record with images but no placeholder at all: prepend the placeholders, or quarantine."""
-    unit_size: int = 64
-    """Rows per work unit (the unit of commit and resume)."""
+    unit_records: int = 10_000
+    """Records per work unit at most (the unit of claiming, commit and resume: one shard of each kind)."""
+    unit_bytes: int = 256 * 1024 * 1024
+    """Input bytes per work unit at most (Parquet row groups, compressed). A tar shard is always one unit."""
     limit: int | None = None
     """Read only the first N rows of each input file (for smoke runs)."""
 
     def __post_init__(self) -> None:
-        _one_of("dataset.kind", self.kind, ("demo", "parquet", "disk", "imagefolder"))
+        _one_of("dataset.kind", self.kind, ("demo", "parquet", "webdataset", "disk", "imagefolder", "hub"))
         _one_of("dataset.missing_placeholder", self.missing_placeholder, ("prepend", "quarantine"))
-        _positive("dataset.unit_size", self.unit_size)
+        _positive("dataset.unit_records", self.unit_records)
+        _positive("dataset.unit_bytes", self.unit_bytes)
         if self.kind != "demo" and not self.path:
             raise ConfigError(f"dataset.path is required for dataset.kind={self.kind}")
         if not self.placeholder:
@@ -194,6 +211,12 @@ class RuntimeConfig:
     progress: bool = True
     progress_interval_s: float = 30.0
     """Seconds between progress lines when stderr is not a terminal (Slurm, a redirect); a terminal gets a bar."""
+    lease_s: float = 120.0
+    """A rank whose heartbeat is older than this loses the units it claimed: another rank takes them over."""
+    poll_s: float = 2.0
+    """How often a rank with nothing left to claim looks again (for units of a dead rank, for the end)."""
+    dedup_buckets: int | None = None
+    """Hash partitions of the ids for the duplicate pass at the end (null: one per 2M planned records)."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
@@ -201,6 +224,10 @@ class RuntimeConfig:
         _positive("runtime.prefetch", self.prefetch)
         _positive("runtime.writer_queue", self.writer_queue)
         _positive("runtime.progress_interval_s", self.progress_interval_s)
+        _positive("runtime.lease_s", self.lease_s)
+        _positive("runtime.poll_s", self.poll_s)
+        if self.dedup_buckets is not None:
+            _positive("runtime.dedup_buckets", self.dedup_buckets)
 
 
 @dataclass

@@ -23,6 +23,7 @@ import warnings
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 
+import fsspec
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
@@ -40,11 +41,20 @@ DECODER_ERRORS = (SyntaxError, ValueError, NotImplementedError, OverflowError, M
 
 
 def read_bytes(ref: ImageRef, image_index: int) -> bytes:
+    """The image's bytes: given, read from a local path, or through fsspec for a URL the dataset allows."""
     if ref.data is not None:
         return ref.data
+    remote = isinstance(ref.path, str) and "://" in ref.path
+    if remote and ref.storage_options is None:
+        raise CheckFailed("decode.missing_file", f"the image is given as a URL ({ref.path}); set "
+                          "dataset.fetch_urls=true to read it through fsspec", expected="image bytes or a path",
+                          observed="a URL", image_index=image_index)
     try:
+        if remote:
+            with fsspec.open(ref.path, "rb", **ref.storage_options) as handle:
+                return handle.read()
         return Path(ref.path).read_bytes()
-    except (OSError, TypeError) as error:
+    except (OSError, TypeError, ValueError) as error:
         raise CheckFailed("decode.missing_file", f"cannot read image file {ref.path}: {error}",
                           expected="a readable file", observed=type(error).__name__, image_index=image_index)
 

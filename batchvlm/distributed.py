@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
-from batchvlm.sink import durable_write_json
+from batchvlm.claims import Claims, owner_name
+from batchvlm.durable import durable_write_json
 
 
 @dataclass
@@ -51,10 +52,11 @@ def init_ranks(device: str) -> tuple[Ranks, torch.device]:
 
 
 class Coordinator:
-    """Per-attempt rank state in the shared run directory: progress counts and done markers.
+    """Per-attempt rank state in the shared run directory: progress counts, claims and heartbeats.
 
-    Ranks finish at different times; waiting for the others through files, not a collective,
-    means a long tail on one rank can never time out a barrier.
+    Ranks meet only here once they have started: they claim units and buckets through files, and the
+    end of the run is every unit and bucket committed, not a collective, so a long tail on one rank
+    can never time out a barrier and a dead rank costs only the units it held.
     """
 
     def __init__(self, run_dir: Path, ranks: Ranks):
@@ -67,9 +69,14 @@ class Coordinator:
             self.root.mkdir(parents=True)
             durable_write_json(token, {"attempt": uuid.uuid4().hex, "world": ranks.world})
         ranks.barrier()
-        self.attempt = self.root / json.loads(token.read_text())["attempt"]
+        attempt = json.loads(token.read_text())["attempt"]
+        self.attempt = self.root / attempt
         self.attempt.mkdir(parents=True, exist_ok=True)
+        self.owner = owner_name(ranks.rank, uuid.uuid4().hex[:8])
         self._last_report = 0.0
+
+    def claims(self, lease_s: float) -> Claims:
+        return Claims(self.attempt / "claims", self.owner, lease_s)
 
     def _file(self, rank: int, kind: str) -> Path:
         return self.attempt / f"rank-{rank:05d}.{kind}.json"
@@ -81,23 +88,26 @@ class Coordinator:
             durable_write_json(self._file(self.ranks.rank, "progress"), {"records": records_done})
 
     def records_done(self) -> int:
-        total = 0
-        for rank in range(self.ranks.world):
-            try:
-                total += json.loads(self._file(rank, "progress").read_text())["records"]
-            except (FileNotFoundError, json.JSONDecodeError):
-                continue
-        return total
+        return sum(stats["records"] for stats in self._read_all("progress"))
 
     def done(self, stats: dict) -> None:
         self.report(stats.get("records", 0), force=True)
         durable_write_json(self._file(self.ranks.rank, "done"), stats)
 
-    def wait_for_all(self, on_tick=None) -> list[dict]:
-        """Rank 0: block until every rank of this attempt is done; returns their stats."""
-        files = [self._file(rank, "done") for rank in range(self.ranks.world)]
-        while not all(f.exists() for f in files):
-            if on_tick:
-                on_tick()
-            time.sleep(0.2)
-        return [json.loads(f.read_text()) for f in files]
+    def rank_stats(self, claims: Claims, poll_s: float) -> list[dict]:
+        """Rank 0: what every rank reported once it finished; a rank whose heartbeat expired reports nothing."""
+        def settled(rank: int) -> bool:
+            return self._file(rank, "done").exists() or claims.expired(owner_name(rank, "*"))
+
+        while not all(settled(rank) for rank in range(self.ranks.world)):
+            time.sleep(poll_s)
+        return self._read_all("done")
+
+    def _read_all(self, kind: str) -> list[dict]:
+        found = []
+        for path in self.attempt.glob(f"rank-*.{kind}.json"):
+            try:
+                found.append(json.loads(path.read_text()))
+            except (FileNotFoundError, json.JSONDecodeError):
+                continue
+        return found

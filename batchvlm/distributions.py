@@ -19,7 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchvlm.reader import committed_shards
+from batchvlm.dedup import excluded_rows
+from batchvlm.reader import committed_units
 
 BATCH_ROWS = 8192
 HISTOGRAM_BINS = 16
@@ -83,12 +84,16 @@ class Distribution:
 
 
 def written_distributions(run_dir: Path) -> list[Distribution]:
-    """Tokens per image, sequence length and aspect ratio of the committed data; empty lists for a run with no rows."""
+    """Tokens per image, sequence length and aspect ratio of the committed data, leaving out the later
+    occurrences of an id as read_run does; empty for a run with no rows."""
     tokens, lengths, aspects = Counter(), Counter(), Counter()
+    excluded = excluded_rows(run_dir)
     # token_tags has one entry per token like input_ids, at a quarter of its bytes
-    columns = ["image_num_tokens", "token_tags", "original_size"]
-    for shard in committed_shards(run_dir, "data"):
+    columns = ["row", "image_num_tokens", "token_tags", "original_size"]
+    for unit, shard in committed_units(run_dir, "data"):
         for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=columns):
+            if unit in excluded:
+                batch = batch.filter(pc.invert(pc.is_in(batch.column("row"), pa.array(sorted(excluded[unit])))))
             tokens.update(_value_counts(pc.list_flatten(batch.column("image_num_tokens"))))
             lengths.update(_value_counts(pc.list_value_length(batch.column("token_tags"))))
             aspects.update(_aspect_counts(batch.column("original_size")))

@@ -1,6 +1,7 @@
 """The driver: the one loop that chains the stages. It knows stages and records, no family.
 
-    workers (DataLoader):  source -> decode -> plan -> layout      (PreparedRecord | QuarantinedRecord | UnitEnd)
+    workers (DataLoader):  claim a unit -> source -> decode -> plan -> layout   (UnitStart | PreparedRecord |
+                                                                                 QuarantinedRecord | UnitEnd)
     main process:          token-budget batches -> preprocess -> encode -> assemble
     writer thread:         sink (atomic per-unit commit)
 
@@ -15,25 +16,28 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
 from batchvlm.assemble import EMBED_DTYPES, data_row, quarantine_row
 from batchvlm.checks import CheckFailed, unexpected_failure
 from batchvlm.config import JobConfig
 from batchvlm.decode import Decoder
+from batchvlm.claims import Claims, Heartbeat
+from batchvlm.dedup import commit_bucket, find_duplicates, result_path
 from batchvlm.distributed import Coordinator, init_ranks
+from batchvlm.durable import read_json
 from batchvlm.encode import encode_batch
 from batchvlm.faults import crash_point
 from batchvlm.families import load_family
 from batchvlm.preprocess import PreprocessGuard, make_preprocessor, pack, resolve_backend
 from batchvlm.progress import Progress
 from batchvlm.records import (EncodedRecord, Failure, PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd,
-                              WorkUnit)
-from batchvlm.requeue import RequeueSource, requeue_source, write_lineage
+                              UnitStart, WorkUnit)
+from batchvlm.requeue import requeue_source, write_lineage
 from batchvlm.rundir import RunDir
 from batchvlm.sink import RunSink, SinkWriter
-from batchvlm.source import Source
-from batchvlm.workunits import assign, plan_units, read_plan
+from batchvlm.sources import Source, make_source
+from batchvlm.workunits import Plan, make_plan, read_plan
 from batchvlm.tokens import attach_positions, build_layout, place_images
 
 log = logging.getLogger("batchvlm")
@@ -64,34 +68,49 @@ def source_failure(record: SourceRecord, check: str, message: str) -> Quarantine
 
 
 class PreparedStream(IterableDataset):
-    """Each worker takes every n-th unit and yields its records prepared, then the unit's end marker."""
+    """Each worker claims units one at a time (claims.py) and yields, per unit it wins, the start marker,
+    its records prepared, and the end marker. Units committed meanwhile are skipped."""
 
-    def __init__(self, source: Source, units: list[WorkUnit], family, job: JobConfig):
+    def __init__(self, source: Source, units: list[WorkUnit], family, job: JobConfig, claims: Claims,
+                 run_dir: Path):
         self.source, self.units, self.family, self.job = source, units, family, job
+        self.claims, self.manifests = claims, run_dir / "manifest"
         self.decoder = Decoder(job.decode)
 
     def __iter__(self):
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
         try:
-            yield from self._prepared(self.units[worker::workers])
+            yield from self._prepared()
         finally:
             self.decoder.close()
 
-    def _prepared(self, units: list[WorkUnit]):
-        for unit in units:
-            count = 0
+    def _committed(self, unit: WorkUnit) -> bool:
+        return (self.manifests / f"{unit.unit_id}.json").exists()
+
+    def _prepared(self):
+        for unit in self.units:
+            if self._committed(unit) or (claim := self.claims.try_claim(unit.unit_id)) is None:
+                continue
+            if self._committed(unit):  # committed by a holder that outlived its lease
+                continue
+            yield UnitStart(unit, claim)
+            count, seen = 0, set()
             for record in self.source.records(unit):
                 crash_point("decode")
                 count += 1
-                if record.id is None:
-                    record.id = f"{unit.source}#{record.row}"
-                    yield source_failure(record, "source.missing_id", "the id column is empty for this row")
-                elif self.source.is_duplicate(unit, record.row):
-                    yield source_failure(record, "source.duplicate_id", f"id {record.id!r} appeared earlier")
-                else:
-                    yield prepare(record, self.family, self.job, self.decoder)
+                yield self._checked(record, unit, seen)
             yield UnitEnd(unit, count)
+
+    def _checked(self, record: SourceRecord, unit: WorkUnit, seen: set) -> PreparedRecord | QuarantinedRecord:
+        """The source checks (the row as read, its id, an id seen earlier in the unit), then prepare."""
+        if record.id is None:
+            record.id = f"{unit.source}#{record.row}"
+            return source_failure(record, "source.missing_id", "the id column is empty for this row")
+        if record.failure is not None:
+            return QuarantinedRecord(record, record.failure)
+        if record.id in seen:
+            return source_failure(record, "source.duplicate_id", f"id {record.id!r} appeared earlier in this unit")
+        seen.add(record.id)
+        return prepare(record, self.family, self.job, self.decoder)
 
 
 def _keep(item):
@@ -153,7 +172,7 @@ class Device:
 
 
 class Job:
-    """One rank's share of the job; every rank of `accelerate launch` builds one."""
+    """One rank's part of the job; every rank of `accelerate launch` builds one."""
 
     def __init__(self, job: JobConfig, run_dir: Path):
         self.job = job
@@ -161,7 +180,7 @@ class Job:
         # The fingerprint and config.yaml name the backend that runs, not `auto`: backends differ by a level.
         job.preprocess.backend = resolve_backend(job.preprocess.backend, self.device)
         self.family = load_family(job.model)
-        self.source = requeue_source(job, run_dir) if job.requeue_from else Source(job.dataset)
+        self.requeue = requeue_source(job, run_dir) if job.requeue_from else None
         encoder = self.family.load_encoder(self.device, EMBED_DTYPES[job.model.dtype])
         self.embed_dtype = EMBED_DTYPES[job.output.embed_dtype]
         self.run = RunDir(run_dir, job, self.family, encoder, self.ranks)
@@ -175,90 +194,141 @@ class Job:
         self.quarantined = 0
         self.image_tokens = 0
 
-    def _plan(self) -> list[dict]:
-        """Rank 0 fixes the unit plan and clears what a crashed attempt left; the others wait for it."""
+    def _plan(self) -> tuple[Plan, Source]:
+        """Rank 0 plans from the inputs' metadata (or checks the plan of an earlier attempt) and clears what a
+        crashed attempt left; the others read the plan, and list nothing."""
         if self.ranks.is_main:
-            plan_units(self.run.path / "units.json", self.source, self.family, self.job.decode)
-            if isinstance(self.source, RequeueSource):
-                write_lineage(self.run.path, self.source)
+            started = time.perf_counter()
+            source = self.requeue or make_source(self.job.dataset)
+            plan = make_plan(self.run.path, source, self.job.dataset, self.job.runtime.dedup_buckets)
+            log.info("plan: %d work units from %d inputs in %.2f s", len(plan.units), len(plan.inputs),
+                     time.perf_counter() - started)
+            if self.requeue is not None:
+                write_lineage(self.run.path, self.requeue)
             removed = self.sink.remove_orphans()
             if removed:
                 log.info("removed %d files of an earlier attempt that no manifest lists", len(removed))
         self.coordinator = Coordinator(self.run.path, self.ranks)  # a barrier: the plan exists after it
-        return read_plan(self.run.path / "units.json")
+        plan = read_plan(self.run.path)
+        if not self.ranks.is_main:
+            source = self.requeue or make_source(self.job.dataset, plan.inputs)
+        self.sink.dedup_buckets = plan.dedup_buckets
+        return plan, source
 
     def run_all(self) -> dict | None:
-        """Run this rank's share; rank 0 returns the job's summary, the other ranks None."""
+        """Embed until every unit is committed, then find duplicates; rank 0 returns the summary."""
         started = time.perf_counter()
         if (done := self.run.completed()) is not None:
             log.info("%s is already complete: nothing to do", self.run.path)
             return done
-        plan = self._plan()
-        committed = self.sink.committed()
-        share = assign(plan, self.ranks.world)[self.ranks.rank]
-        todo = [unit for unit in share if unit.unit_id not in committed]
-        log.info("rank %d/%d: %d work units in the run, %d in this rank's share, %d to do", self.ranks.rank,
-                 self.ranks.world, len(plan), len(share), len(todo))
-        stream = self._stream(todo)  # workers fork before the writer thread exists
-        writer = SinkWriter(self.sink, self.job.runtime.writer_queue)
-        batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
-        remaining = sum(e["stop"] - e["start"] for e in plan if e["unit_id"] not in committed)
-        progress = Progress(remaining, f"embed {self.run.path.name}", self.job.runtime.progress and self.ranks.is_main,
-                            self.job.runtime.progress_interval_s)
-        units_by_id = {unit.unit_id: unit for unit in todo}
+        plan, source = self._plan()
+        claims = self.coordinator.claims(self.job.runtime.lease_s)
+        self.sink.claims = claims
+        heartbeat = Heartbeat(claims)
         try:
-            for item in stream:
-                if isinstance(item, UnitEnd):
-                    writer.submit(lambda item=item: self.sink.end_unit(item.unit, item.num_records))
-                elif isinstance(item, QuarantinedRecord):
-                    self._emit(writer, progress, units_by_id, [], [item])
-                elif not item.plans:
-                    self._emit(writer, progress, units_by_id, [EncodedRecord(item, [])], [])
-                elif (batch := batcher.add(item)) is not None:
-                    self._emit(writer, progress, units_by_id, *self.on_device.encode(batch))
-            self._emit(writer, progress, units_by_id, *self.on_device.encode(batcher.flush()))
-            writer.close()
-            self.coordinator.done({"rank": self.ranks.rank, "records": self.seen, "image_tokens": self.image_tokens})
-            if not self.ranks.is_main:
-                return None
-            stats = self.coordinator.wait_for_all(on_tick=lambda: self._show(progress))
+            self._embed(plan, source, claims)
+            self._find_duplicates(plan, claims)
+        finally:
+            heartbeat.stop()
+        self.coordinator.done({"rank": self.ranks.rank, "records": self.seen, "image_tokens": self.image_tokens})
+        if not self.ranks.is_main:
+            return None
+        self.sink.remove_orphans()  # files of ranks that died or lost a unit: no manifest lists them
+        stats = self.coordinator.rank_stats(claims, self.job.runtime.poll_s)
+        return self.run.finish(plan, time.perf_counter() - started, sum(s["records"] for s in stats),
+                               sum(s["image_tokens"] for s in stats))
+
+    def _embed(self, plan: Plan, source: Source, claims: Claims) -> None:
+        """Claim and embed units until every unit of the plan is committed (by any rank)."""
+        committed = self.sink.committed()
+        log.info("rank %d/%d: %d work units in the run, %d committed", self.ranks.rank, self.ranks.world,
+                 len(plan.units), len(committed))
+        todo = [unit for unit in plan.claim_order() if unit.unit_id not in committed]
+        progress = Progress(sum(unit.num_rows or 0 for unit in todo) or None, f"embed {self.run.path.name}",
+                            self.job.runtime.progress and self.ranks.is_main, self.job.runtime.progress_interval_s)
+        try:
+            while todo:
+                if any(claims.claimable(unit.unit_id) for unit in todo):
+                    self._embed_claimed(source, todo, claims, progress)
+                else:  # every unit left is held by a live rank: look again (one may die)
+                    self._show(progress)
+                    time.sleep(self.job.runtime.poll_s)
+                committed = self.sink.committed()
+                todo = [unit for unit in todo if unit.unit_id not in committed]
             self._show(progress)
         finally:
             progress.close()
+
+    def _embed_claimed(self, source: Source, todo: list[WorkUnit], claims: Claims, progress) -> None:
+        stream = self._stream(source, todo, claims)  # workers fork before the writer thread exists
+        writer = SinkWriter(self.sink, self.job.runtime.writer_queue)
+        batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
+        try:
+            for item in stream:
+                if isinstance(item, UnitStart):
+                    writer.submit(lambda item=item: self.sink.start_unit(item.unit, item.claim))
+                elif isinstance(item, UnitEnd):
+                    writer.submit(lambda item=item: self.sink.end_unit(item.unit, item.num_records))
+                elif isinstance(item, QuarantinedRecord):
+                    self._emit(writer, progress, [], [item])
+                elif not item.plans:
+                    self._emit(writer, progress, [EncodedRecord(item, [])], [])
+                elif (batch := batcher.add(item)) is not None:
+                    self._emit(writer, progress, *self.on_device.encode(batch))
+            self._emit(writer, progress, *self.on_device.encode(batcher.flush()))
             writer.close()
-        return self.run.finish([entry["unit_id"] for entry in plan], time.perf_counter() - started,
-                               sum(s["records"] for s in stats), sum(s["image_tokens"] for s in stats))
+        finally:
+            writer.close()
+            self.sink.abandon_open_units()
+
+    def _find_duplicates(self, plan: Plan, claims: Claims) -> None:
+        """Ranks claim the hash partitions of the ids and list the later occurrences of each id."""
+        locations = {item.name: item.location for item in plan.inputs}
+        manifests = None
+        while missing := [b for b in range(plan.dedup_buckets) if not result_path(self.run.path, b).exists()]:
+            claimed = [claim for bucket in missing if (claim := claims.try_claim(f"dedup-{bucket:05d}"))]
+            for claim in claimed:
+                if manifests is None:  # in plan order: the first occurrence is the one kept
+                    manifests = [read_json(self.sink.manifest_path(unit.unit_id)) for unit in plan.units]
+                bucket = int(claim.task.rsplit("-", 1)[1])
+                duplicates = find_duplicates(self.run.path, manifests, bucket, locations)
+                if claims.holds(claim):
+                    commit_bucket(self.run.path, bucket, duplicates)
+            if not claimed:
+                time.sleep(self.job.runtime.poll_s)
 
     def _show(self, progress) -> None:
         """Rank 0's progress counts every rank's records, read from their progress files."""
         if self.ranks.is_main:
             progress.show(self.coordinator.records_done())
 
-    def _stream(self, todo: list[WorkUnit]):
-        dataset = PreparedStream(self.source, todo, self.family, self.job)
+    def _stream(self, source: Source, todo: list[WorkUnit], claims: Claims):
+        dataset = PreparedStream(source, todo, self.family, self.job, claims, self.run.path)
         workers = min(self.job.runtime.num_workers, len(todo))
         if workers == 0:
             return iter(dataset)  # inline: the decoder still forks its child on first use
         return iter(DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_keep,
                                prefetch_factor=self.job.runtime.prefetch, persistent_workers=False))
 
-    def _emit(self, writer: SinkWriter, progress, units: dict, encoded: list[EncodedRecord],
+    def _emit(self, writer: SinkWriter, progress, encoded: list[EncodedRecord],
               quarantined: list[QuarantinedRecord]) -> None:
         rows, quarantined = [], list(quarantined)
         for item in encoded:
             try:
-                rows.append((item.prepared.source.unit_id, data_row(item, self.embed_dtype, self.hidden_sizes)))
+                rows.append((item.prepared.source, data_row(item, self.embed_dtype, self.hidden_sizes)))
             except CheckFailed as failure:
                 quarantined.append(QuarantinedRecord(item.prepared.source, failure.to_failure()))
         guard = self.on_device.guard
-        for unit_id, row in rows:
-            unit, events = units[unit_id], guard.take(row["id"])
-            writer.submit(lambda unit=unit, row=row, events=events: self.sink.add_row(unit, row, events))
+        for record, row in rows:
+            events = guard.take(row["id"])
+            writer.submit(lambda record=record, row=row, events=events:
+                          self.sink.add(record.unit_id, record.seq, "data", row, events))
         for item in quarantined:
             log.warning("quarantined %s [%s] %s", item.source.id, item.failure.check, item.failure.message)
-            unit, events = units[item.source.unit_id], guard.take(item.source.id)
+            events = guard.take(item.source.id)
             row = quarantine_row(item, self.job.output.quarantine_bytes_cap, self.run.fingerprint_digest)
-            writer.submit(lambda unit=unit, row=row, events=events: self.sink.add_quarantine(unit, row, events))
+            writer.submit(lambda record=item.source, row=row, events=events:
+                          self.sink.add(record.unit_id, record.seq, "quarantine", row, events))
         self.image_tokens += sum(row["num_image_tokens"] for _, row in rows)
         self.seen += len(rows) + len(quarantined)
         self.quarantined += len(quarantined)

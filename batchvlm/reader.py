@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from batchvlm.dedup import excluded_rows
 from batchvlm.encode import EXTRA_OUTPUTS
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -89,20 +90,35 @@ def tensors_of(table: pa.Table, index: int) -> RecordTensors:
     )
 
 
-def read_shard(path: str | Path) -> Iterator[RecordTensors]:
-    table = pq.read_table(path)
-    for index in range(table.num_rows):
-        yield tensors_of(table, index)
+def read_shard(path: str | Path, skip_rows: set[int] = frozenset()) -> Iterator[RecordTensors]:
+    """A shard's rows as tensors, a row group at a time; `skip_rows` are input rows to leave out."""
+    file = pq.ParquetFile(path)
+    for group in range(file.num_row_groups):
+        table = file.read_row_group(group)
+        rows = table.column("row").to_pylist()
+        for index in range(table.num_rows):
+            if rows[index] not in skip_rows:
+                yield tensors_of(table, index)
+
+
+def committed_units(run_dir: str | Path, kind: str = "data") -> list[tuple[str, Path]]:
+    """(unit, shard) for every shard of `kind` that a manifest lists: the only ones a reader may trust.
+    A unit with no record of that kind has no such shard."""
+    run_dir = Path(run_dir)
+    units = []
+    for manifest_file in sorted((run_dir / "manifest").glob("*.json")):
+        listed = json.loads(manifest_file.read_text())["files"].get(kind)
+        if listed is not None:
+            units.append((manifest_file.stem, run_dir / listed["path"]))
+    return units
 
 
 def committed_shards(run_dir: str | Path, kind: str = "data") -> list[Path]:
-    """The shards that manifests list: the only ones a reader may trust. A manifest that lists no shard of
-    this kind adds none."""
-    run_dir = Path(run_dir)
-    files = [json.loads(m.read_text())["files"] for m in sorted((run_dir / "manifest").glob("*.json"))]
-    return [run_dir / listed[kind]["path"] for listed in files if kind in listed]
+    return [shard for _, shard in committed_units(run_dir, kind)]
 
 
 def read_run(run_dir: str | Path) -> Iterator[RecordTensors]:
-    for shard in committed_shards(run_dir):
-        yield from read_shard(shard)
+    """Every committed record, leaving out the later occurrences of an id that the duplicate pass listed."""
+    excluded = excluded_rows(Path(run_dir))
+    for unit, shard in committed_units(run_dir):
+        yield from read_shard(shard, excluded.get(unit, frozenset()))

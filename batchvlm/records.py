@@ -10,34 +10,40 @@ import torch
 
 @dataclass(frozen=True)
 class WorkUnit:
-    """A contiguous row range of one input file: the unit of assignment, commit and resume."""
+    """A contiguous row range of one input (a Parquet file's row groups, a tar shard, a dataset shard):
+    the unit of claiming, commit and resume. Planned from metadata alone, so `stop` is None where the
+    input's row count is only known once it is read (tar shards, streamed datasets)."""
 
     unit_id: str
-    source: str
+    source: str  # the input's name in the plan
     start: int
-    stop: int
+    stop: int | None
+    nbytes: int = 0  # encoded input bytes, as the metadata tells them (the order units are claimed in)
 
     @property
-    def num_rows(self) -> int:
-        return self.stop - self.start
+    def num_rows(self) -> int | None:
+        return None if self.stop is None else self.stop - self.start
 
 
 @dataclass
 class ImageRef:
-    """An image as the dataset holds it: raw bytes, or a path to read them from."""
+    """An image as the dataset holds it: raw bytes, or a path (local, or an fsspec URL) to read them from."""
 
     data: bytes | None = None
     path: str | None = None
+    storage_options: dict | None = None  # fsspec options for a URL path (the dataset's own)
 
 
 @dataclass
 class SourceRecord:
-    id: str
+    id: str | None
     unit_id: str
     source: str
     row: int
     text: str
     images: list[ImageRef]
+    seq: int = 0  # position within its unit: shards list records in this order
+    failure: "Failure | None" = None  # a source.* check this record failed as it was read
 
 
 @dataclass
@@ -127,6 +133,14 @@ class Failure:
 class QuarantinedRecord:
     source: SourceRecord
     failure: Failure
+
+
+@dataclass
+class UnitStart:
+    """Sent by a worker before the first record of a unit it has claimed."""
+
+    unit: WorkUnit
+    claim: object  # claims.Claim: the sink commits the unit only while it still holds it
 
 
 @dataclass

@@ -26,9 +26,10 @@ from batchvlm.assemble import QUARANTINE_SCHEMA
 from batchvlm.config import DecodeConfig, ModelConfig
 from batchvlm.distributions import Distribution, written_distributions
 from batchvlm.preprocess import merged_stats
+from batchvlm.dedup import duplicate_rows
 from batchvlm.reader import committed_shards
 from batchvlm.requeue import read_lineage
-from batchvlm.sink import read_json
+from batchvlm.durable import read_json
 from batchvlm.thumbnails import Thumbnail, Thumbnailer
 
 log = logging.getLogger("batchvlm")
@@ -47,7 +48,7 @@ class Card:
     """One quarantined record shown in full: its quarantine row (images aside) and their thumbnails."""
 
     row: dict
-    shard: Path
+    shard: Path | None
     index: int  # row in the shard, to find its image bytes in the second pass
     thumbnails: list[Thumbnail] = field(default_factory=list)
 
@@ -101,6 +102,7 @@ def build_report(run_dir: Path, max_cards_per_check: int = 50, thumbnails: bool 
     report.placeholder = config.get("dataset", {}).get("placeholder", report.placeholder)
     for shard in committed_shards(run_dir, "quarantine"):
         _scan_shard(report, shard)
+    _scan_duplicates(report, run_dir)
     report.written_data = written_distributions(run_dir)
     if thumbnails:
         _attach_thumbnails(report, config)
@@ -145,6 +147,27 @@ def _scan_shard(report: Report, shard: Path) -> None:
         offset += batch.num_rows
 
 
+def _scan_duplicates(report: Report, run_dir: Path) -> None:
+    """Later occurrences of an id that sit in data shards: set aside by the reader, so quarantined here."""
+    for duplicate in duplicate_rows(run_dir):
+        if duplicate["kind"] != "data":
+            continue  # already quarantined under its own check
+        earlier = f"unit {duplicate['first_unit']}, row {duplicate['first_row']}"
+        row = {name: None for name in ROW_COLUMNS} | {
+            "id": duplicate["id"], "source": duplicate["source"], "row": duplicate["row"], "unit": duplicate["unit"],
+            "stage": "source", "check": "source.duplicate_id", "exception_type": "CheckFailed",
+            "message": f"id {duplicate['id']!r} appeared earlier ({earlier}); this later occurrence is left out",
+            "expected": "a unique id", "observed": f"also at {earlier}", "image_paths": [], "text": ""}
+        report.quarantined += 1
+        report.written -= 1
+        report.by_check[row["check"]] += 1
+        report.by_stage["source"] += 1
+        report.by_source[row["source"]] += 1
+        report.messages[(row["check"], "id appeared earlier; this later occurrence is left out")] += 1
+        if len(report.cards.get(row["check"], [])) < report.max_cards_per_check:
+            report.cards.setdefault(row["check"], []).append(Card(row, None, -1))
+
+
 def _value_counts(column) -> dict:
     return {item["values"].as_py(): item["counts"].as_py() for item in pc.value_counts(column)}
 
@@ -153,7 +176,8 @@ def _attach_thumbnails(report: Report, config: dict) -> None:
     cards_by_shard: dict[Path, list[Card]] = {}
     for cards in report.cards.values():
         for card in cards:
-            cards_by_shard.setdefault(card.shard, []).append(card)
+            if card.shard is not None:  # a duplicate's images are in its data shard, not kept for the report
+                cards_by_shard.setdefault(card.shard, []).append(card)
     if not cards_by_shard:
         return
     thumbnailer = Thumbnailer(DecodeConfig(**config.get("decode", {})), _planner(config))

@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 from batchvlm.config import ConfigError, DatasetConfig, JobConfig
 from batchvlm.reader import committed_shards
 from batchvlm.records import WorkUnit
-from batchvlm.sink import durable_write_json, read_json
-from batchvlm.source import Source
+from batchvlm.durable import durable_write_json, read_json
+from batchvlm.sources import Source, make_source
 
 log = logging.getLogger("batchvlm")
 
@@ -62,38 +62,30 @@ def quarantined_records(run_dir: Path, checks: list[str] | None) -> list[Quarant
     return records
 
 
-def _ids_at(source: Source, name: str, rows: list[int]) -> list[str | None]:
-    """The ids of some rows of one input, as the job reads them (None where the id is empty)."""
-    item = source.inputs[name]
-    if source.cfg.id_column in item.dataset.column_names:  # that column of those rows, not the images
-        values = item.dataset.select_columns([source.cfg.id_column])[rows][source.cfg.id_column] if rows else []
-        return [None if value is None or str(value) == "" else str(value) for value in values]
-    return [next(source.records(WorkUnit(name, name, row, row + 1))).id for row in rows]
-
-
 def _index_by_id(source: Source) -> dict[str, tuple[str, int]]:
     """Every id of the dataset -> its first (input, row); built only when some record moved."""
     index: dict[str, tuple[str, int]] = {}
-    for name, item in source.inputs.items():
-        for row, record_id in enumerate(_ids_at(source, name, list(range(len(item.dataset))))):
+    for name in source.inputs:
+        for row, record_id in source.all_ids(name):
             index.setdefault(record_id, (name, row))
     return index
 
 
 def locate(source: Source, wanted: list[Quarantined]) -> tuple[list[Located], list[Quarantined]]:
     """Find each wanted record in the current dataset: by file and row with the same id, else by id."""
-    by_location = {os.path.realpath(item.location): name for name, item in source.inputs.items()}
+    by_location = {_same_place(item.location): name for name, item in source.inputs.items()}
     rows_of: dict[str, list[int]] = {}
     for record in wanted:
-        name = by_location.get(os.path.realpath(record.source))
-        if name is not None and record.row < len(source.inputs[name].dataset):
+        name = by_location.get(_same_place(record.source))
+        if name is not None:
             rows_of.setdefault(name, []).append(record.row)
-    id_at = {(name, row): record_id for name, rows in rows_of.items()
-             for row, record_id in zip(rows, _ids_at(source, name, rows))}
+    id_at = {}
+    for name, rows in rows_of.items():
+        id_at.update({(name, record.row): record.id for record in source.records_at(name, sorted(set(rows)))})
     by_id = None
     found, missing, taken = [], [], set()
     for record in wanted:
-        here = (by_location.get(os.path.realpath(record.source)), record.row)
+        here = (by_location.get(_same_place(record.source)), record.row)
         # a record quarantined for a missing id had no id to compare: its row is all there is
         if here in id_at and (id_at[here] == record.id or record.check == "source.missing_id"):
             place, matched_by = here, "row"
@@ -108,21 +100,26 @@ def locate(source: Source, wanted: list[Quarantined]) -> tuple[list[Located], li
     return found, missing
 
 
+def _same_place(location: str) -> str:
+    return location if "://" in location else os.path.realpath(location)
+
+
 class RequeueSource(Source):
     """The current dataset narrowed to the rows that an earlier run quarantined, in input order.
 
-    Records keep their input file, row and id; units are runs of `dataset.unit_size` chosen rows whose
+    Records keep their input file, row and id; units are runs of `dataset.unit_records` chosen rows whose
     ids carry a digest of the rows, so a changed selection can never resume into the old plan.
     """
 
     def __init__(self, cfg: DatasetConfig, run_dir: Path, checks: list[str] | None):
-        super().__init__(cfg)  # duplicates are found over the whole dataset, not just the chosen rows
+        self.base = make_source(cfg)
+        super().__init__(cfg, list(self.base.inputs.values()))
         self.from_run, self.checks = run_dir.resolve(), checks
         wanted = quarantined_records(run_dir, checks)
         if not wanted:
             raise ConfigError(f"nothing to requeue: {run_dir} has no quarantined records"
                               + (f" under check={','.join(checks)}" if checks else ""))
-        self.found, self.not_found = locate(self, wanted)
+        self.found, self.not_found = locate(self.base, wanted)
         if not self.found:
             raise ConfigError(f"none of the {len(wanted)} quarantined records of {run_dir} is in the current dataset "
                               f"(dataset.kind={cfg.kind}, dataset.path={cfg.path}); requeue with the dataset "
@@ -130,12 +127,11 @@ class RequeueSource(Source):
         self.rows: dict[str, list[int]] = {}
         for located in self.found:
             self.rows.setdefault(located.input, []).append(located.row)
-        for name, rows in self.rows.items():
+        for rows in self.rows.values():
             rows.sort()
-            self.inputs[name].dataset = self.inputs[name].dataset.select(rows)
 
-    def units(self) -> list[WorkUnit]:
-        size = self.cfg.unit_size
+    def plan(self) -> list[WorkUnit]:
+        size = self.cfg.unit_records
         units = []
         for name, rows in self.rows.items():
             digest = hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:8]
@@ -144,9 +140,8 @@ class RequeueSource(Source):
         return units
 
     def records(self, unit: WorkUnit):
-        rows = self.rows[unit.source]
-        for record in super().records(unit):
-            record.row = rows[record.row]  # the row in the input file, as the first run knew it
+        for seq, record in enumerate(self.base.records_at(unit.source, self.rows[unit.source][unit.start:unit.stop])):
+            record.unit_id, record.seq = unit.unit_id, seq
             yield record
 
     def lineage(self) -> dict:

@@ -19,9 +19,10 @@ from omegaconf import OmegaConf
 
 import batchvlm
 from batchvlm.config import ConfigError, JobConfig
+from batchvlm.dedup import bucket_results
 from batchvlm.faults import crash_point
 from batchvlm.preprocess import merged_stats
-from batchvlm.sink import durable_write, durable_write_json, read_json
+from batchvlm.durable import durable_write, durable_write_json, read_json
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -90,30 +91,35 @@ class RunDir:
         """The totals of a finished run (its `_SUCCESS`), or None."""
         return read_json(self.path / "_SUCCESS")
 
-    def finish(self, unit_ids: list[str], seconds: float, records_seen: int, image_tokens: int) -> dict:
-        """Rank 0, after every rank is done: merged totals, and `_SUCCESS` if every unit is committed."""
-        manifests = {}
-        for unit_id in unit_ids:
-            file = self.path / "manifest" / f"{unit_id}.json"
-            if file.exists():
-                manifests[unit_id] = json.loads(file.read_text())
+    def finish(self, plan, seconds: float, records_seen: int, image_tokens: int) -> dict:
+        """Rank 0, once every unit and duplicate bucket is committed: totals, and `_SUCCESS` if complete.
+
+        Later occurrences of an id that the duplicate pass found in data shards count as quarantined under
+        source.duplicate_id (the reader leaves them out), so records_in == written + quarantined holds."""
+        manifests = [m for unit in plan.units if (m := read_json(self.path / "manifest" / f"{unit.unit_id}.json"))]
+        buckets = bucket_results(self.path, plan.dedup_buckets)
+        moved = sum(result["in_data"] for result in buckets if result)
         by_check: dict[str, int] = {}
-        for manifest in manifests.values():
+        for manifest in manifests:
             for check, count in manifest["checks"].items():
                 by_check[check] = by_check.get(check, 0) + count
+        if moved:
+            by_check["source.duplicate_id"] = by_check.get("source.duplicate_id", 0) + moved
         summary = {
             "run_dir": str(self.path),
-            "units": len(unit_ids), "units_committed": len(manifests),
-            "records_in": sum(m["records_in"] for m in manifests.values()),
-            "written": sum(m["written"] for m in manifests.values()),
-            "quarantined": sum(m["quarantined"] for m in manifests.values()),
-            "by_check": by_check,
-            "complete": len(manifests) == len(unit_ids),
+            "units": len(plan.units), "units_committed": len(manifests),
+            "records_in": sum(m["records_in"] for m in manifests),
+            "written": sum(m["written"] for m in manifests) - moved,
+            "quarantined": sum(m["quarantined"] for m in manifests) + moved,
+            "by_check": dict(sorted(by_check.items())),
+            "duplicates": {"later_occurrences": sum(result["duplicates"] for result in buckets if result),
+                           "in_data": moved},
+            "complete": len(manifests) == len(plan.units) and all(buckets),
             "seconds": seconds,
             "records_per_s": records_seen / seconds if seconds else 0.0,
             "tokens_per_s": image_tokens / seconds if seconds else 0.0,
             # images redone on the CPU path, by check, and the parity sample, from every unit's manifest
-            **merged_stats(list(manifests.values())),
+            **merged_stats(manifests),
             "host": platform.node(),
         }
         if summary["complete"] and not (self.path / "_SUCCESS").exists():

@@ -1,15 +1,17 @@
-"""Sink: Parquet shards committed atomically per work unit, quarantine shards, manifests, `_SUCCESS`.
+"""Sink: Parquet shards streamed to disk per work unit and committed atomically, ids files, manifests.
 
-A unit commits once every one of its records is either a row or a quarantine row: each file is
-written to a temporary name in its final directory, fsynced, renamed, the directory fsynced; the
-manifest entry comes last and is the commit. Readers and resume trust only what a manifest lists.
+Rows of an open unit go to temporary Parquet files a row group at a time (memory is a row group,
+not a unit), in the unit's input order (a short reorder buffer absorbs the batching). A unit commits
+once every record is a row or a quarantine row, if this rank still holds its claim: each file is
+fsynced and renamed to a name carrying the claim's token (two holders of one unit never write the
+same file), then the manifest is published exclusively and is the commit. A unit with no quarantined
+record writes no quarantine file. Readers and resume trust only what a manifest lists.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
+import logging
 import queue
 import threading
 from collections import Counter
@@ -20,73 +22,91 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchvlm.assemble import DATA_SCHEMA, QUARANTINE_SCHEMA
+from batchvlm.claims import Claim, Claims
+from batchvlm.dedup import write_ids
+from batchvlm.durable import TMP_MARK, json_bytes, publish, publish_exclusive, sha256_file, temporary_name
 from batchvlm.faults import crash_point
 from batchvlm.preprocess import merged_stats
 from batchvlm.records import WorkUnit
 
-TMP_MARK = ".tmp-"
+log = logging.getLogger("batchvlm")
+
+SCHEMAS = {"data": DATA_SCHEMA, "quarantine": QUARANTINE_SCHEMA}
+FOLDERS = ("data", "quarantine", "ids", "manifest")
+ROW_GROUP_ROWS = 256
+ROW_GROUP_BYTES = 64 * 1024 * 1024
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class ShardWriter:
+    """One shard written to a temporary file a row group at a time; opened on its first row."""
 
+    def __init__(self, path: Path, schema: pa.Schema, metadata: dict, compression: str | None):
+        self.path, self.schema, self.metadata, self.compression = path, schema, metadata, compression
+        self.tmp = temporary_name(path)
+        self.writer: pq.ParquetWriter | None = None
+        self.buffer: list[dict] = []
+        self.buffered_bytes = 0
+        self.rows = 0
 
-def durable_write(path: Path, write) -> None:
-    """Write via `write(tmp_path)` to a temporary name beside `path`, fsync, rename, fsync the directory."""
-    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
-    write(tmp)
-    crash_point("commit.before_rename")
-    with open(tmp, "rb+") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    def append(self, row: dict) -> None:
+        self.buffer.append(row)
+        self.buffered_bytes += sum(len(v) for v in row.values() if isinstance(v, (bytes, str)))
+        self.rows += 1
+        if len(self.buffer) >= ROW_GROUP_ROWS or self.buffered_bytes >= ROW_GROUP_BYTES:
+            self._flush()
 
+    def _flush(self) -> None:
+        if not self.buffer:
+            return
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.tmp, self.schema.with_metadata(self.metadata),
+                                           compression=self.compression or "none")
+        self.writer.write_table(pa.Table.from_pylist(self.buffer, schema=self.writer.schema))
+        self.buffer, self.buffered_bytes = [], 0
 
-def durable_write_json(path: Path, payload: dict) -> None:
-    durable_write(path, lambda tmp: tmp.write_text(json.dumps(payload, indent=2, sort_keys=True)))
+    def finish(self) -> None:
+        self._flush()
+        if self.writer is not None:
+            self.writer.close()
 
-
-def read_json(path: Path) -> dict | None:
-    """A JSON file batchvlm wrote durably, or None where it has not been written (yet)."""
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    def discard(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.tmp.unlink(missing_ok=True)
 
 
 @dataclass
 class OpenUnit:
     unit: WorkUnit
-    rows: list = field(default_factory=list)
-    quarantined: list = field(default_factory=list)
+    claim: Claim
+    shards: dict[str, ShardWriter]
+    pending: dict[int, tuple[str, dict, dict]] = field(default_factory=dict)  # seq -> (kind, row, preprocess)
+    next_seq: int = 0
+    ids: list[tuple[str, int, str]] = field(default_factory=list)
+    checks: Counter = field(default_factory=Counter)
     preprocess: list = field(default_factory=list)  # each record's PreprocessGuard.take()
     expected: int | None = None
 
     @property
     def complete(self) -> bool:
-        return self.expected is not None and len(self.rows) + len(self.quarantined) == self.expected
+        return self.expected is not None and self.next_seq == self.expected and not self.pending
 
 
 class RunSink:
-    """Owns the run directory's data/, quarantine/ and manifest/ folders."""
+    """Owns the run directory's data/, quarantine/, ids/ and manifest/ folders for one rank."""
 
-    def __init__(self, run_dir: Path, metadata: dict[str, str], compression: str, rank: int = 0):
+    def __init__(self, run_dir: Path, metadata: dict[str, str], compression: str, rank: int = 0,
+                 dedup_buckets: int = 1):
         self.run_dir = run_dir
         self.rank = rank
+        self.dedup_buckets = dedup_buckets
         self.metadata = {k.encode(): v.encode() for k, v in metadata.items()}
         self.compression = None if compression == "none" else compression
-        for name in ("data", "quarantine", "manifest"):
+        for name in FOLDERS:
             (run_dir / name).mkdir(parents=True, exist_ok=True)
         self.open: dict[str, OpenUnit] = {}
+        self.claims: Claims | None = None
+        self.lost: list[str] = []  # units another rank committed or took over first
 
     # -- state on disk --------------------------------------------------------------------------
     def manifest_path(self, unit_id: str) -> Path:
@@ -95,62 +115,97 @@ class RunSink:
     def committed(self) -> set[str]:
         return {path.stem for path in (self.run_dir / "manifest").glob("*.json")}
 
+    def manifests(self) -> dict[str, dict]:
+        return {path.stem: json.loads(path.read_text()) for path in (self.run_dir / "manifest").glob("*.json")}
+
     def remove_orphans(self) -> list[Path]:
-        """What a crashed attempt left: temporary files, and shards renamed into place whose manifest
-        never landed. No manifest lists them, so no reader trusts them; their units are redone."""
-        committed = self.committed()
-        orphans = [p for name in ("data", "quarantine", "manifest") for p in (self.run_dir / name).iterdir()
-                   if TMP_MARK in p.name or (name != "manifest" and p.stem not in committed)]
+        """What crashed or outrun holders left: temporary files, and files no manifest lists. No reader
+        trusts them; their units are redone (or were committed by another holder)."""
+        listed = {listed["path"] for manifest in self.manifests().values() for listed in manifest["files"].values()}
+        orphans = [path for name in FOLDERS for path in (self.run_dir / name).iterdir()
+                   if TMP_MARK in path.name or (name != "manifest" and f"{name}/{path.name}" not in listed)]
         for path in orphans:
             path.unlink(missing_ok=True)
         return orphans
 
     # -- records --------------------------------------------------------------------------------
-    def _unit(self, unit: WorkUnit) -> OpenUnit:
-        return self.open.setdefault(unit.unit_id, OpenUnit(unit))
+    def start_unit(self, unit: WorkUnit, claim: Claim) -> None:
+        shards = {kind: ShardWriter(self.run_dir / kind / f"{unit.unit_id}.{claim.token}.parquet", schema,
+                                    self.metadata, self.compression) for kind, schema in SCHEMAS.items()}
+        self.open[unit.unit_id] = OpenUnit(unit, claim, shards)
 
-    def add_row(self, unit: WorkUnit, row: dict, preprocess: dict) -> None:
-        self._unit(unit).rows.append(row)
-        self._unit(unit).preprocess.append(preprocess)
-        self._maybe_commit(unit.unit_id)
-
-    def add_quarantine(self, unit: WorkUnit, row: dict, preprocess: dict) -> None:
-        self._unit(unit).quarantined.append(row)
-        self._unit(unit).preprocess.append(preprocess)
-        self._maybe_commit(unit.unit_id)
+    def add(self, unit_id: str, seq: int, kind: str, row: dict, preprocess: dict) -> None:
+        """A record's row (`kind` data or quarantine) at its position `seq` in the unit."""
+        state = self.open[unit_id]
+        state.pending[seq] = (kind, row, preprocess)
+        while state.next_seq in state.pending:
+            kind, row, preprocess = state.pending.pop(state.next_seq)
+            state.shards[kind].append(row)
+            state.ids.append((row["id"], row["row"], kind))
+            if kind == "quarantine":
+                state.checks[row["check"]] += 1
+            state.preprocess.append(preprocess)
+            state.next_seq += 1
+        self._maybe_commit(unit_id)
 
     def end_unit(self, unit: WorkUnit, num_records: int) -> None:
-        self._unit(unit).expected = num_records
+        self.open[unit.unit_id].expected = num_records
         self._maybe_commit(unit.unit_id)
 
     def _maybe_commit(self, unit_id: str) -> None:
         if self.open[unit_id].complete:
             self.commit(self.open.pop(unit_id))
 
-    def commit(self, state: OpenUnit) -> dict:
+    def commit(self, state: OpenUnit) -> dict | None:
+        """Publish the unit's files and its manifest; None where another holder won the unit."""
         unit = state.unit
-        # Rows arrive in batch order; a shard lists them in input order so reruns are byte-identical.
-        rows = sorted(state.rows, key=lambda r: r["row"])
-        quarantined = sorted(state.quarantined, key=lambda r: r["row"])
-        files = {
-            "data": self._write_shard("data", unit.unit_id, rows, DATA_SCHEMA),
-            "quarantine": self._write_shard("quarantine", unit.unit_id, quarantined, QUARANTINE_SCHEMA),
-        }
+        if self.claims is not None and not self.claims.holds(state.claim):
+            return self._give_up(state, "another rank took the unit over")
+        files = {}
+        for kind, shard in state.shards.items():
+            shard.finish()
+            if shard.rows:
+                publish(shard.tmp, shard.path)
+                files[kind] = self._listing(shard.path, shard.rows)
+        ids_path = self.run_dir / "ids" / f"{unit.unit_id}.{state.claim.token}.parquet"
+        ids_tmp = temporary_name(ids_path)
+        buckets = write_ids(ids_tmp, state.ids, self.dedup_buckets)
+        publish(ids_tmp, ids_path)
+        files["ids"] = {**self._listing(ids_path, len(state.ids)), "buckets": buckets}
         crash_point("commit.before_manifest")
-        checks = Counter(row["check"] for row in quarantined)
+        written = state.shards["data"].rows
         manifest = {"unit": unit.unit_id, "source": unit.source, "start": unit.start, "stop": unit.stop,
-                    "records_in": state.expected, "written": len(rows), "quarantined": len(quarantined),
-                    "checks": dict(sorted(checks.items())), **merged_stats(state.preprocess), "files": files,
-                    "rank": self.rank}
-        durable_write_json(self.manifest_path(unit.unit_id), manifest)
+                    "records_in": state.expected, "written": written, "quarantined": state.shards["quarantine"].rows,
+                    "checks": dict(sorted(state.checks.items())), **merged_stats(state.preprocess), "files": files,
+                    "rank": self.rank, "claim": state.claim.token}
+        path = self.manifest_path(unit.unit_id)
+        tmp = temporary_name(path)
+        tmp.write_text(json_bytes(manifest))
+        if not publish_exclusive(tmp, path):
+            for listed in files.values():
+                (self.run_dir / listed["path"]).unlink(missing_ok=True)
+            self.lost.append(unit.unit_id)
+            log.info("unit %s was committed by another rank first; this rank's copy is removed", unit.unit_id)
+            return None
         return manifest
 
-    def _write_shard(self, kind: str, unit_id: str, rows: list[dict], schema: pa.Schema) -> dict:
-        path = self.run_dir / kind / f"{unit_id}.parquet"
-        table = pa.Table.from_pylist(rows, schema=schema).replace_schema_metadata(self.metadata)
-        durable_write(path, lambda tmp: pq.write_table(table, tmp, compression=self.compression))
-        return {"path": f"{kind}/{path.name}", "rows": len(rows), "bytes": path.stat().st_size,
+    def _give_up(self, state: OpenUnit, why: str) -> None:
+        for shard in state.shards.values():
+            shard.discard()
+        self.lost.append(state.unit.unit_id)
+        log.warning("unit %s not committed: %s", state.unit.unit_id, why)
+        return None
+
+    def _listing(self, path: Path, rows: int) -> dict:
+        return {"path": f"{path.parent.name}/{path.name}", "rows": rows, "bytes": path.stat().st_size,
                 "sha256": sha256_file(path)}
+
+    def abandon_open_units(self) -> None:
+        """Units left open when the stream ended early (a job abort): their temporary files go."""
+        for state in self.open.values():
+            for shard in state.shards.values():
+                shard.discard()
+        self.open.clear()
 
 
 class SinkWriter:

@@ -1,78 +1,89 @@
-"""Work units: their estimated cost, the plan every rank reads, and each rank's deterministic share.
+"""The unit plan: made once by rank 0 from the inputs' metadata, read by every rank of every restart.
 
-Rank 0 estimates each unit's image tokens from the image headers (no pixels decoded, only the
-allowlisted formats' header parsers run), writes `units.json` once, and every rank, in this run
-and every restart, assigns from that file: the largest units first, each to the rank with the
-fewest estimated tokens so far (ties to the lowest rank).
+`units.json` holds the inputs (name, location, size), the parameters that cut them, the units and
+the number of hash partitions of the duplicate pass. A restart lists the inputs again (O(files))
+and refuses a plan whose inputs or parameters changed; it never reads a footer or an image twice.
+Ranks claim units dynamically (claims.py), the largest first, so the run ends on small units.
 """
 
 from __future__ import annotations
 
-import io
 import json
-import warnings
-from dataclasses import asdict
+import math
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from PIL import Image
-
-from batchvlm.config import ConfigError, DecodeConfig
-from batchvlm.decode import read_bytes
+from batchvlm.config import ConfigError, DatasetConfig
 from batchvlm.records import WorkUnit
-from batchvlm.sink import durable_write_json
-from batchvlm.source import Source
+from batchvlm.durable import durable_write_json
+from batchvlm.sources import InputFile, Source
+
+PLAN_FILE = "units.json"
+IDS_PER_BUCKET = 2_000_000
+"""Planned records per hash partition of the duplicate pass: its memory is one partition's ids."""
+BYTES_PER_UNKNOWN_RECORD = 100_000
+"""For units whose record count only reading tells (tar shards): a guess from their bytes."""
 
 
-def header_tokens(data: bytes, family, cfg: DecodeConfig) -> int:
-    """Planned tokens from the header alone; 0 for what decode will refuse anyway."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with Image.open(io.BytesIO(data), formats=list(cfg.formats)) as image:
-                width, height = image.size
-    except Exception:
-        return 0
-    if width * height > cfg.max_pixels or width < 1 or height < 1:
-        return 0
-    return family.plan(height, width).num_tokens
+@dataclass
+class Plan:
+    inputs: list[InputFile]
+    params: dict
+    units: list[WorkUnit]
+    dedup_buckets: int
+
+    @property
+    def known_records(self) -> int:
+        return sum(unit.num_rows or 0 for unit in self.units)
+
+    def claim_order(self) -> list[WorkUnit]:
+        """Largest first (bytes, then rows), so the last units any rank takes are small ones."""
+        return sorted(self.units, key=lambda u: (-u.nbytes, -(u.num_rows or 0), u.unit_id))
 
 
-def estimate(source: Source, unit: WorkUnit, family, cfg: DecodeConfig) -> int:
-    total = 0
-    for record in source.records(unit):
-        for index, ref in enumerate(record.images):
-            try:
-                total += header_tokens(read_bytes(ref, index), family, cfg)
-            except Exception:
-                continue
-    return total
+def plan_params(cfg: DatasetConfig) -> dict:
+    """What cuts the inputs into units: a plan made with other values is another plan."""
+    return {"kind": cfg.kind, "unit_records": cfg.unit_records, "unit_bytes": cfg.unit_bytes, "limit": cfg.limit}
 
 
-def plan_units(path: Path, source: Source, family, cfg: DecodeConfig) -> list[dict]:
-    """The run's unit plan: read from `units.json`, or computed and written (rank 0 only calls this)."""
-    units = source.units()
+def _buckets(units: list[WorkUnit], configured: int | None) -> int:
+    if configured is not None:
+        return configured
+    records = sum(u.num_rows if u.num_rows is not None else u.nbytes // BYTES_PER_UNKNOWN_RECORD + 1 for u in units)
+    return max(1, math.ceil(records / IDS_PER_BUCKET))
+
+
+def make_plan(run_dir: Path, source: Source, cfg: DatasetConfig, dedup_buckets: int | None) -> Plan:
+    """Rank 0: the run's plan, read back (after checking the inputs did not change) or made and written."""
+    path = run_dir / PLAN_FILE
+    inputs = list(source.inputs.values())
     if path.exists():
-        plan = json.loads(path.read_text())
-        if [entry["unit_id"] for entry in plan] != [unit.unit_id for unit in units]:
-            raise ConfigError(f"{path} lists other work units than the dataset has now (the input files or "
-                              "dataset.unit_size changed); use another run_name=... for a new run")
+        plan = read_plan(run_dir)
+        _check_same_inputs(path, plan, inputs, plan_params(cfg))
         return plan
-    plan = [{**asdict(unit), "estimated_tokens": estimate(source, unit, family, cfg)} for unit in units]
-    durable_write_json(path, plan)
+    units = source.plan()
+    if not units:
+        raise ConfigError(f"dataset.path={cfg.path!r}: the inputs hold no rows")
+    plan = Plan(inputs, plan_params(cfg), units, _buckets(units, dedup_buckets))
+    durable_write_json(path, {"inputs": [asdict(i) for i in inputs], "params": plan.params,
+                              "dedup_buckets": plan.dedup_buckets, "units": [asdict(u) for u in units]})
     return plan
 
 
-def read_plan(path: Path) -> list[dict]:
-    return json.loads(path.read_text())
+def _check_same_inputs(path: Path, plan: Plan, inputs: list[InputFile], params: dict) -> None:
+    changed = [f"{key}: {plan.params.get(key)!r} -> {value!r}" for key, value in params.items()
+               if plan.params.get(key) != value]
+    before, now = {i.name: i for i in plan.inputs}, {i.name: i for i in inputs}
+    changed += [f"input {name} is gone" for name in before.keys() - now.keys()]
+    changed += [f"input {now[name].location} is new" for name in now.keys() - before.keys()]
+    changed += [f"input {now[name].location} changed size ({before[name].size} -> {now[name].size} bytes)"
+                for name in before.keys() & now.keys() if before[name].size != now[name].size]
+    if changed:
+        raise ConfigError(f"{path} was planned from other inputs ({'; '.join(sorted(changed)[:5])}); "
+                          "use another run_name=... for a new run")
 
 
-def assign(plan: list[dict], world: int) -> list[list[WorkUnit]]:
-    """Longest-processing-time-first: deterministic, balanced by estimated tokens (rows break ties)."""
-    shares: list[list[WorkUnit]] = [[] for _ in range(world)]
-    load = [0] * world
-    order = sorted(plan, key=lambda e: (-(e["estimated_tokens"] + e["stop"] - e["start"]), e["unit_id"]))
-    for entry in order:
-        rank = min(range(world), key=lambda r: (load[r], r))
-        shares[rank].append(WorkUnit(entry["unit_id"], entry["source"], entry["start"], entry["stop"]))
-        load[rank] += entry["estimated_tokens"] + entry["stop"] - entry["start"]
-    return [sorted(share, key=lambda u: u.unit_id) for share in shares]
+def read_plan(run_dir: Path) -> Plan:
+    raw = json.loads((run_dir / PLAN_FILE).read_text())
+    return Plan([InputFile(**i) for i in raw["inputs"]], raw["params"], [WorkUnit(**u) for u in raw["units"]],
+                raw["dedup_buckets"])

@@ -7,7 +7,6 @@ import os
 import sys
 from pathlib import Path
 
-import datasets
 import hydra
 import transformers
 from hydra.core.hydra_config import HydraConfig
@@ -22,7 +21,6 @@ register_schemas()
 
 @hydra.main(config_path="pkg://batchvlm.conf", config_name="embed", version_base=None)
 def main(cfg: DictConfig) -> None:
-    datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:

@@ -50,8 +50,8 @@ def test_unknown_key_fails_naming_it():
 
 
 def test_wrong_type_fails_naming_the_key():
-    with pytest.raises(Exception, match="unit_size"):
-        job("dataset.unit_size=many")
+    with pytest.raises(Exception, match="unit_records"):
+        job("dataset.unit_records=many")
 
 
 @pytest.mark.parametrize("override,key", [

@@ -34,7 +34,7 @@ def corpus_parquet(tmp_path_factory) -> tuple[Path, list[str]]:
 def test_every_corpus_file_is_embedded_or_quarantined_with_a_reason(corpus_parquet, tmp_path):
     path, ids = corpus_parquet
     result = run_embed("dataset=parquet", f"dataset.path={path}", f"output.root={tmp_path}", "run_name=corpus",
-                       "dataset.unit_size=50", "checks.max_quarantine_fraction=1.0")
+                       "dataset.unit_records=50", "checks.max_quarantine_fraction=1.0")
     assert result.returncode == 0, result.stderr[-4000:]
     run = tmp_path / "corpus"
     written = [r["id"] for p in (run / "data").glob("*.parquet") for r in pq.read_table(p, columns=["id"]).to_pylist()]

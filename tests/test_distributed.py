@@ -48,7 +48,7 @@ def test_two_processes_under_accelerate_split_the_work_and_match_one_process(tmp
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                str(REPO / "jobs" / "embed.py"), f"output.root={tmp_path}", "run_name=two", "model.device=cpu",
-               "dataset.unit_size=3", "runtime.num_workers=1"]
+               "dataset.unit_records=3", "runtime.num_workers=1"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = tmp_path / "two"
@@ -66,12 +66,12 @@ KILLS = ["crash.decode=4", "crash.encode=2", "crash.commit.before_rename=3", "cr
 def test_killed_at_every_stage_and_restarted_the_run_is_exactly_once(tmp_path, monkeypatch, clean_rows):
     for fault in KILLS:  # each restart resumes the run the previous kill left
         monkeypatch.setenv("BATCHVLM_FAULTS", fault)
-        result = run_embed(f"output.root={tmp_path}", "run_name=killed", "dataset.unit_size=3",
+        result = run_embed(f"output.root={tmp_path}", "run_name=killed", "dataset.unit_records=3",
                            "runtime.num_workers=1")
         assert result.returncode != 0, f"{fault} did not fire"
         assert not (tmp_path / "killed" / "_SUCCESS").exists()
     monkeypatch.delenv("BATCHVLM_FAULTS")
-    result = run_embed(f"output.root={tmp_path}", "run_name=killed", "dataset.unit_size=3", "runtime.num_workers=1")
+    result = run_embed(f"output.root={tmp_path}", "run_name=killed", "dataset.unit_records=3", "runtime.num_workers=1")
     assert result.returncode == 0, result.stderr[-3000:]
     assert_exactly_once(tmp_path / "killed", clean_rows)
 
@@ -95,13 +95,14 @@ def test_verify_passes_a_good_run_and_names_the_unit_of_a_truncated_shard(demo_r
     shard = sorted((copy / "data").glob("*.parquet"))[1]
     shard.write_bytes(shard.read_bytes()[:-1])
     result = verify(copy)
-    assert result.returncode == 1 and f"unit {shard.stem}:" in result.stdout
+    assert result.returncode == 1 and f"unit {shard.name.split('.')[0]}:" in result.stdout  # <unit>.<claim>.parquet
 
 
 def test_verify_names_the_unit_whose_manifest_checksum_disagrees(demo_run, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(demo_run, copy)
-    manifest_file = sorted((copy / "manifest").glob("*.json"))[2]
+    manifest_file = next(m for m in sorted((copy / "manifest").glob("*.json"))
+                         if "quarantine" in json.loads(m.read_text())["files"])
     manifest = json.loads(manifest_file.read_text())
     manifest["files"]["quarantine"]["sha256"] = "0" * 64
     manifest_file.write_text(json.dumps(manifest))

@@ -8,6 +8,7 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchvlm import distributions
 from batchvlm.distributions import Distribution, written_distributions
 
 
@@ -39,8 +40,9 @@ def _run_with_rows(run_dir, rows: dict) -> None:
     """A run directory with one committed data shard holding just the columns the distributions read."""
     (run_dir / "data").mkdir(parents=True)
     (run_dir / "manifest").mkdir()
-    schema = pa.schema([("image_num_tokens", pa.list_(pa.int32())), ("token_tags", pa.list_(pa.int8())),
-                        ("original_size", pa.list_(pa.list_(pa.int32(), 2)))])
+    schema = pa.schema([("row", pa.int64()), ("image_num_tokens", pa.list_(pa.int32())),
+                        ("token_tags", pa.list_(pa.int8())), ("original_size", pa.list_(pa.list_(pa.int32(), 2)))])
+    rows = {"row": list(range(len(rows["token_tags"]))), **rows}
     pq.write_table(pa.table(rows, schema=schema), run_dir / "data" / "u.parquet")
     (run_dir / "manifest" / "u.json").write_text(json.dumps({"files": {"data": {"path": "data/u.parquet"}}}))
 
@@ -59,3 +61,12 @@ def test_written_distributions_count_images_and_records_and_keep_thin_strips_apa
 def test_a_run_with_no_written_record_has_empty_distributions(tmp_path):
     _run_with_rows(tmp_path, {"image_num_tokens": [], "token_tags": [], "original_size": []})
     assert [distribution.total for distribution in written_distributions(tmp_path)] == [0, 0, 0]
+
+
+def test_later_occurrences_of_an_id_are_left_out_as_read_run_leaves_them(tmp_path, monkeypatch):
+    _run_with_rows(tmp_path, {"image_num_tokens": [[5], [7], [9]], "token_tags": [[0] * 3, [0] * 4, [0] * 5],
+                              "original_size": [[[10, 10]], [[10, 20]], [[10, 40]]]})
+    monkeypatch.setattr(distributions, "excluded_rows", lambda run_dir: {"u": {1}})  # the duplicate pass's list
+    tokens, lengths, aspect = written_distributions(tmp_path)
+    assert (tokens.counts, lengths.counts) == (Counter({5: 1, 9: 1}), Counter({3: 1, 5: 1}))
+    assert sorted(aspect.counts) == [1.0, 4.0]

@@ -47,7 +47,7 @@ def test_run_directory_follows_the_output_contract(demo_run):
     for name in ("config.yaml", "fingerprint.json", "_SUCCESS"):
         assert (demo_run / name).exists(), name
     manifests = [json.loads(p.read_text()) for p in sorted((demo_run / "manifest").glob("*.json"))]
-    assert len(manifests) == 4  # two Parquet files, unit_size 6
+    assert len(manifests) == 4  # two Parquet files of 11 and 10 rows, unit_records 6
     for manifest in manifests:
         assert manifest["records_in"] == manifest["written"] + manifest["quarantined"]
         for entry in manifest["files"].values():

@@ -1,0 +1,81 @@
+"""The local durable write primitive (write beside, fsync, rename, fsync the directory), and its exclusive
+variant for commits that only one writer may make."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from batchvlm.faults import crash_point
+
+TMP_MARK = ".tmp-"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temporary_name(path: Path) -> Path:
+    """A name beside `path` that readers and resume recognise as not committed."""
+    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """fsync a finished temporary file, rename it to its final name, fsync the directory."""
+    fsync_file(tmp)
+    crash_point("commit.before_rename")
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def publish_exclusive(tmp: Path, path: Path) -> bool:
+    """Like `publish`, but only if `path` does not exist yet (a hard link fails where a rename would
+    replace): of two writers of one commit, exactly one wins. False for the loser, whose file is removed."""
+    fsync_file(tmp)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+    fsync_dir(path.parent)
+    return True
+
+
+def durable_write(path: Path, write) -> None:
+    """Write via `write(tmp_path)` to a temporary name beside `path`, then `publish` it."""
+    tmp = temporary_name(path)
+    write(tmp)
+    publish(tmp, path)
+
+
+def json_bytes(payload: dict) -> str:
+    return json.dumps(payload, indent=2, sort_keys=True)
+
+
+def durable_write_json(path: Path, payload: dict) -> None:
+    durable_write(path, lambda tmp: tmp.write_text(json_bytes(payload)))
+
+
+def read_json(path: Path) -> dict | None:
+    """A JSON file batchvlm wrote durably, or None where it has not been written (yet)."""
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

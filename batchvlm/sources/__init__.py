@@ -1,0 +1,197 @@
+"""Sources: a job's inputs, cut into work units from metadata alone, and read back a unit at a time.
+
+One module per kind of input (datatrove's readers/): `parquet` (pyarrow, a row group at a time,
+never copied), `webdataset` (tar shards streamed member by member), `hf` (Hugging Face `datasets`:
+save_to_disk folders, imagefolders, streamed hub datasets). Every input path may be an fsspec URL
+(`s3://`, `gs://`, `hf://`, `file://`); `dataset.storage_options` reach the file system.
+
+Rank 0 lists the inputs and plans the units (`plan`), which costs O(files): Parquet footers, tar
+sizes, dataset shard counts; no image byte is read before work starts. Every rank then reads the
+units it claims through `records(unit)`, from the inputs the plan names (`from_plan`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import posixpath
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import fsspec
+
+from batchvlm.config import ConfigError, DatasetConfig
+from batchvlm.records import Failure, ImageRef, SourceRecord, WorkUnit
+
+KINDS = {"demo": "parquet", "parquet": "parquet", "webdataset": "webdataset", "disk": "hf", "imagefolder": "hf",
+         "hub": "hf"}
+"""dataset.kind -> the module under batchvlm/sources/ that reads it."""
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One input as the plan records it."""
+
+    name: str  # stable, human-readable, unique within the run
+    location: str  # what a user would open: a path or URL
+    size: int | None = None  # bytes, where a listing tells it (a changed size refuses the old plan)
+
+
+class Source:
+    """A kind of input: list the inputs, plan their units from metadata, read a unit's records."""
+
+    def __init__(self, cfg: DatasetConfig, inputs: list[InputFile] | None = None):
+        self.cfg = cfg
+        self.inputs = {item.name: item for item in (inputs if inputs is not None else self.list_inputs())}
+
+    def list_inputs(self) -> list[InputFile]:
+        raise NotImplementedError
+
+    def plan(self) -> list[WorkUnit]:
+        raise NotImplementedError
+
+    def records(self, unit: WorkUnit) -> Iterator[SourceRecord]:
+        """The unit's records in input order, each with `seq` (its position in the unit) set."""
+        raise NotImplementedError
+
+    def records_at(self, name: str, rows: list[int]) -> Iterator[SourceRecord]:
+        """Chosen rows (sorted) of one input, for a requeue; stream sources scan to them."""
+        raise NotImplementedError
+
+    def all_ids(self, name: str) -> Iterator[tuple[int, str | None]]:
+        """(row, id) of every row of an input: what a requeue scans when a record moved."""
+        raise NotImplementedError
+
+
+def make_source(cfg: DatasetConfig, inputs: list[InputFile] | None = None) -> Source:
+    """The source of `dataset.kind`; with `inputs` (a plan's), nothing is listed again."""
+    module = importlib.import_module(f"batchvlm.sources.{KINDS[cfg.kind]}")
+    return module.SOURCE(cfg, inputs)
+
+
+# -- files ---------------------------------------------------------------------------------------
+def file_system(location: str, storage_options: dict):
+    try:
+        return fsspec.core.url_to_fs(location, **storage_options)
+    except (ImportError, ValueError) as error:  # an unknown protocol, or its package is missing
+        raise ConfigError(f"dataset.path={location!r}: {error}") from None
+
+
+def list_files(pattern: str, suffixes: tuple[str, ...], storage_options: dict) -> list[InputFile]:
+    """A file, a folder (searched recursively for the suffixes) or a glob; local or any fsspec URL."""
+    fs, root = file_system(pattern, storage_options)
+    if fs.isdir(root):
+        found = {path: info for path, info in fs.find(root, detail=True).items() if path.endswith(suffixes)}
+    else:
+        found = fs.glob(root, detail=True) if fs.exists(root) or glob_pattern(root) else {}
+    found = {path: info for path, info in found.items() if info.get("type") != "directory"}
+    if not found:
+        raise ConfigError(f"dataset.path={pattern!r} matches no {' or '.join(suffixes)} file")
+    locations = {path: (path if _is_local(fs) else fs.unstrip_protocol(path)) for path in found}
+    common = posixpath.commonpath([posixpath.dirname(path) for path in found])
+    return [InputFile(stable_name(path, common), locations[path], found[path].get("size")) for path in sorted(found)]
+
+
+def glob_pattern(path: str) -> bool:
+    return any(char in path for char in "*?[")
+
+
+def _is_local(fs) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def stable_name(path: str, root: str) -> str:
+    """A name from the path below the inputs' common folder, with a digest that keeps it unique."""
+    relative = posixpath.relpath(path, root) if root else posixpath.basename(path)
+    relative = re.sub(r"\.(parquet|tar)$", "", relative)
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", relative).strip("_.") or "input"
+    return f"{stem}-{hashlib.sha256(relative.encode()).hexdigest()[:8]}"
+
+
+def open_input(location: str, storage_options: dict, **options):
+    """A binary file object for an input, local or remote; `options` go to the file (e.g. block_size)."""
+    fs, path = file_system(location, storage_options)
+    return fs.open(path, "rb", **options)
+
+
+# -- rows to records -------------------------------------------------------------------------------
+def cut_units(name: str, groups: list[tuple[int, int]], max_records: int, max_bytes: int) -> list[WorkUnit]:
+    """Consecutive (rows, bytes) groups (Parquet row groups) joined into units of at most max_records rows
+    and max_bytes bytes; a group larger than either is cut into row ranges of one size (the last shorter)."""
+    units: list[WorkUnit] = []
+    start = stop = nbytes = 0
+
+    def close() -> None:
+        nonlocal start, nbytes
+        if stop > start:
+            units.append(WorkUnit(f"{name}-{start:08d}-{stop:08d}", name, start, stop, nbytes))
+        start, nbytes = stop, 0
+
+    for rows, size in groups:
+        if stop > start and (stop - start + rows > max_records or nbytes + size > max_bytes):
+            close()
+        pieces = max(1, -(-rows // max_records), -(-size // max_bytes))
+        chunk = -(-rows // pieces) if rows else 0
+        for first in range(0, rows, chunk) if rows else []:
+            piece_rows = min(chunk, rows - first)
+            stop += piece_rows
+            nbytes += size * piece_rows // rows
+            if pieces > 1:
+                close()
+    close()
+    return units
+
+
+def record_from_row(cfg: DatasetConfig, row: dict, unit_id: str, source: str, index: int, seq: int,
+                    base: str, id_value=None) -> SourceRecord:
+    """A dataset row (column -> value, as pyarrow or datasets give it) as a SourceRecord."""
+    images = _as_list(row.get(cfg.images_column))
+    record_id = row.get(cfg.id_column) if id_value is None else id_value
+    record = SourceRecord(id=None if record_id is None or str(record_id) == "" else str(record_id),
+                          unit_id=unit_id, source=source, row=index, text=row.get(cfg.text_column) or "",
+                          images=[image_ref(image, base, cfg) for image in images], seq=seq)
+    record.failure = source_failure(cfg, row, record)
+    return record
+
+
+def source_failure(cfg: DatasetConfig, row: dict, record: SourceRecord) -> Failure | None:
+    """img2dataset's failed downloads (status != success), and image-less rows where images are required."""
+    if cfg.status_column is not None and row.get(cfg.status_column) != "success":
+        error = row.get("error_message")
+        return Failure("source.download_failed", "source", f"the image was not downloaded: {cfg.status_column}="
+                       f"{row.get(cfg.status_column)!r}" + (f" ({error})" if error else ""),
+                       expected="success", observed=repr(row.get(cfg.status_column)), exception_type="CheckFailed")
+    if cfg.require_images and not any(ref.data or ref.path for ref in record.images):
+        return Failure("source.missing_image", "source", f"the row has no image in {cfg.images_column!r}",
+                       expected="at least one image", observed="none", exception_type="CheckFailed")
+    return None
+
+
+def image_ref(image, base: str, cfg: DatasetConfig) -> ImageRef:
+    """Bytes, an HF Image struct ({bytes, path}) or a path; relative paths resolve against `base`
+    (dataset.image_root, else the input's own folder, which may be remote)."""
+    if isinstance(image, dict):
+        if image.get("bytes") is not None:
+            return ImageRef(data=image["bytes"], path=image.get("path"))
+        image = image.get("path")
+    if isinstance(image, (bytes, bytearray)):
+        return ImageRef(data=bytes(image))
+    if isinstance(image, str) and image:
+        if "://" in image:
+            return ImageRef(path=image, storage_options=cfg.storage_options if cfg.fetch_urls else None)
+        root = cfg.image_root or base
+        path = image if os.path.isabs(image) else posixpath.join(root, image)
+        return ImageRef(path=path, storage_options=cfg.storage_options if "://" in path else None)
+    return ImageRef(data=b"")
+
+
+def _as_list(images) -> list:
+    if images is None:
+        return []
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def parent_of(location: str) -> str:
+    return location.rsplit("/", 1)[0] if "://" in location else os.path.dirname(os.path.abspath(location))

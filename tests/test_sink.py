@@ -1,0 +1,101 @@
+"""The sink on its own: units committed once, in input order, a row group at a time, no empty shard files."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+
+from batchvlm.claims import Claims
+from batchvlm.records import WorkUnit
+from batchvlm.sink import ROW_GROUP_ROWS, RunSink
+
+UNIT = WorkUnit("input-00000000-00000004", "input", 0, 4)
+NO_EVENTS = {"fallbacks": {}, "parity": {"checked_images": 0, "failed_images": 0}}
+
+
+def data_row(row: int) -> dict:
+    return {"id": f"r{row}", "source": "input.parquet", "row": row, "text": "t", "input_ids": [1, 2],
+            "image_spans": [], "token_tags": [0, 0], "grid_thw": [], "original_size": [], "resized_size": [],
+            "image_sha256": [], "image_num_tokens": [], "num_image_tokens": 0, "image_embeds": b""}
+
+
+def quarantine_row(row: int) -> dict:
+    return {"id": f"r{row}", "source": "input.parquet", "row": row, "unit": UNIT.unit_id, "stage": "decode",
+            "check": "decode.unreadable", "message": "m", "expected": "e", "observed": "o",
+            "exception_type": "CheckFailed", "image_index": 0, "image_bytes": [None], "image_paths": [None],
+            "text": "t", "fingerprint": "f"}
+
+
+def sink_with_claim(run_dir, owner: str):
+    sink = RunSink(run_dir, {"batchvlm.family": "test"}, "zstd")
+    sink.claims = Claims(run_dir / "claims", owner, lease_s=60)
+    return sink, sink.claims
+
+
+def fill(sink: RunSink, unit: WorkUnit, order: list[int], quarantined: set[int] = frozenset()) -> None:
+    for row in order:
+        kind, make = ("quarantine", quarantine_row) if row in quarantined else ("data", data_row)
+        sink.add(unit.unit_id, row - unit.start, kind, make(row), NO_EVENTS)
+    sink.end_unit(unit, len(order))
+
+
+def test_rows_arriving_out_of_order_are_written_in_unit_order(tmp_path):
+    sink, claims = sink_with_claim(tmp_path, "rank00000-a")
+    sink.start_unit(UNIT, claims.try_claim(UNIT.unit_id))
+    fill(sink, UNIT, [2, 0, 3, 1], quarantined={3})
+    manifest = json.loads(sink.manifest_path(UNIT.unit_id).read_text())
+    assert pq.read_table(tmp_path / manifest["files"]["data"]["path"], columns=["row"]).column("row").to_pylist() \
+        == [0, 1, 2]
+    assert (manifest["written"], manifest["quarantined"], manifest["checks"]) == (3, 1, {"decode.unreadable": 1})
+
+
+def test_a_unit_without_quarantined_records_writes_no_quarantine_file(tmp_path):
+    sink, claims = sink_with_claim(tmp_path, "rank00000-a")
+    sink.start_unit(UNIT, claims.try_claim(UNIT.unit_id))
+    fill(sink, UNIT, [0, 1, 2, 3])
+    manifest = json.loads(sink.manifest_path(UNIT.unit_id).read_text())
+    assert sorted(manifest["files"]) == ["data", "ids"]
+    assert list((tmp_path / "quarantine").iterdir()) == []
+
+
+def test_a_large_unit_reaches_disk_a_row_group_at_a_time(tmp_path):
+    unit = WorkUnit("big-00000000-00001000", "big", 0, 1000)
+    sink, claims = sink_with_claim(tmp_path, "rank00000-a")
+    sink.start_unit(unit, claims.try_claim(unit.unit_id))
+    for row in range(ROW_GROUP_ROWS + 1):
+        sink.add(unit.unit_id, row, "data", data_row(row), NO_EVENTS)
+    assert len(sink.open[unit.unit_id].shards["data"].buffer) == 1  # the first row group is already written
+    for row in range(ROW_GROUP_ROWS + 1, 1000):
+        sink.add(unit.unit_id, row, "data", data_row(row), NO_EVENTS)
+    sink.end_unit(unit, 1000)
+    manifest = json.loads(sink.manifest_path(unit.unit_id).read_text())
+    assert pq.ParquetFile(tmp_path / manifest["files"]["data"]["path"]).num_row_groups == -(-1000 // ROW_GROUP_ROWS)
+
+
+def test_a_holder_whose_unit_was_taken_over_does_not_commit_it(tmp_path):
+    first, first_claims = sink_with_claim(tmp_path, "rank00000-slow")
+    second, second_claims = sink_with_claim(tmp_path, "rank00001-fast")
+    first.start_unit(UNIT, first_claims.try_claim(UNIT.unit_id))
+    second_claims.lease_s = -1  # the slow holder's heartbeat counts as expired: the unit is taken over
+    taken = second_claims.try_claim(UNIT.unit_id)
+    second.start_unit(UNIT, taken)
+    fill(second, UNIT, [0, 1, 2, 3])
+    fill(first, UNIT, [0, 1, 2, 3])
+    assert first.lost == [UNIT.unit_id] and second.lost == []
+    manifest = json.loads(second.manifest_path(UNIT.unit_id).read_text())
+    assert manifest["claim"] == taken.token
+    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*/*.parquet"))
+    assert files == sorted(entry["path"] for entry in manifest["files"].values())  # nothing of the loser is left
+
+
+def test_of_two_commits_of_one_unit_only_the_first_lands(tmp_path):
+    sinks = [RunSink(tmp_path, {"batchvlm.family": "test"}, "zstd") for _ in range(2)]
+    for index, sink in enumerate(sinks):  # no claims: the exclusive manifest is the last line of defence
+        sink.start_unit(UNIT, Claims(tmp_path / "claims", f"rank0000{index}-x{index}", 60).try_claim(f"u{index}"))
+    fill(sinks[0], UNIT, [0, 1, 2, 3])
+    fill(sinks[1], UNIT, [0, 1, 2, 3], quarantined={0})
+    manifest = json.loads(sinks[0].manifest_path(UNIT.unit_id).read_text())
+    assert sinks[1].lost == [UNIT.unit_id] and manifest["written"] == 4
+    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*/*.parquet"))
+    assert files == sorted(entry["path"] for entry in manifest["files"].values())
