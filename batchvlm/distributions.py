@@ -58,20 +58,18 @@ class Distribution:
     def histogram(self, bins: int = HISTOGRAM_BINS) -> list[tuple[float, float, int]]:
         """(low, high, count) per bin, low included, high excluded: whole-number bins for counts, bins of equal
         width in log2 for ratios."""
+        scale = math.log2 if self.log_bins else float
+        low, high = scale(min(self.counts)), scale(max(self.counts))
         if self.log_bins:
-            low, high = math.log2(min(self.counts)), math.log2(max(self.counts))
             width = (high - low) / bins or 1.0
             edges = [2.0 ** (low + i * width) for i in range(bins + 1)]
-            position = lambda value: (math.log2(value) - low) / width  # noqa: E731
         else:
-            low, high = min(self.counts), max(self.counts)
             width = math.ceil((high - low + 1) / bins)
             bins = math.ceil((high - low + 1) / width)
-            edges = [low + i * width for i in range(bins + 1)]
-            position = lambda value: (value - low) / width  # noqa: E731
+            edges = [int(low) + i * width for i in range(bins + 1)]
         tally = [0] * bins
         for value, count in self.counts.items():
-            tally[min(int(position(value)), bins - 1)] += count  # the top edge of the log bins holds the max
+            tally[min(int((scale(value) - low) / width), bins - 1)] += count  # the top log edge holds the max
         return [(edges[i], edges[i + 1], n) for i, n in enumerate(tally)]
 
     def label(self, low: float, high: float) -> str:
