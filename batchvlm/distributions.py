@@ -1,10 +1,10 @@
 """What the written data looks like, for choosing training settings: tokens per image, sequence length
 and aspect ratio, over the committed data shards.
 
-One streamed pass reads three narrow columns batch by batch and keeps exact counts per distinct value.
+One streamed pass reads four narrow columns batch by batch and keeps exact counts per distinct value.
 Distinct values are few (token counts follow the grids, lengths are bounded by the longest sequence,
-aspect ratios are rounded in log space), so memory stays flat in the number of rows, percentiles are exact, and
-the histogram bins are chosen once the whole range is known.
+aspect ratios are rounded in log space), so memory stays flat in the number of rows, percentiles are
+exact, and the histogram bins are chosen once the whole range is known.
 """
 
 from __future__ import annotations
@@ -92,15 +92,16 @@ def written_distributions(run_dir: Path) -> list[Distribution]:
         for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=columns):
             if unit in excluded:
                 batch = batch.filter(pc.invert(pc.is_in(batch.column("row"), pa.array(sorted(excluded[unit])))))
-            tokens.update(_value_counts(pc.list_flatten(batch.column("image_num_tokens"))))
-            lengths.update(_value_counts(pc.list_value_length(batch.column("token_tags"))))
+            tokens.update(value_counts(pc.list_flatten(batch.column("image_num_tokens"))))
+            lengths.update(value_counts(pc.list_value_length(batch.column("token_tags"))))
             aspects.update(_aspect_counts(batch.column("original_size")))
     return [Distribution("tokens per image", "images", tokens),
             Distribution("sequence length (tokens)", "records", lengths),
             Distribution("aspect ratio (width / height)", "images", aspects, log_bins=True)]
 
 
-def _value_counts(values: pa.Array) -> dict:
+def value_counts(values: pa.Array) -> dict:
+    """Distinct value -> how often it occurs, for one Arrow column."""
     return {item["values"].as_py(): item["counts"].as_py() for item in pc.value_counts(values)}
 
 

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from batchvlm.assemble import QUARANTINE_SCHEMA
 from batchvlm.config import DecodeConfig, ModelConfig
-from batchvlm.distributions import Distribution, written_distributions
+from batchvlm.distributions import Distribution, value_counts, written_distributions
 from batchvlm.preprocess import merged_stats
 from batchvlm.dedup import duplicate_rows
 from batchvlm.reader import committed_shards
@@ -131,11 +131,11 @@ def _scan_shard(report: Report, shard: Path) -> None:
     for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=ROW_COLUMNS):
         report.quarantined += batch.num_rows
         for counter, column in ((report.by_check, "check"), (report.by_stage, "stage"), (report.by_source, "source")):
-            counter.update(_value_counts(batch.column(column)))
+            counter.update(value_counts(batch.column(column)))
         # sizes and counts differ in every message of a kind: count the kinds, with numbers as '#'
         kinds = pc.replace_substring_regex(pc.fill_null(batch.column("message"), ""), r"\d+", "#")
         pairs = pc.binary_join_element_wise(batch.column("check"), kinds, "\x00")
-        report.messages.update({tuple(key.split("\x00", 1)): n for key, n in _value_counts(pairs).items()})
+        report.messages.update({tuple(key.split("\x00", 1)): n for key, n in value_counts(pairs).items()})
         shown = Counter({check: len(cards) for check, cards in report.cards.items()})
         chosen = []
         for index, check in enumerate(batch.column("check").to_pylist()):
@@ -166,10 +166,6 @@ def _scan_duplicates(report: Report, run_dir: Path) -> None:
         report.messages[(row["check"], "id appeared earlier; this later occurrence is left out")] += 1
         if len(report.cards.get(row["check"], [])) < report.max_cards_per_check:
             report.cards.setdefault(row["check"], []).append(Card(row, None, -1))
-
-
-def _value_counts(column) -> dict:
-    return {item["values"].as_py(): item["counts"].as_py() for item in pc.value_counts(column)}
 
 
 def _attach_thumbnails(report: Report, config: dict) -> None:
