@@ -70,6 +70,12 @@ def test_a_packed_batch_covers_its_length_with_restarted_positions_and_masked_la
     assert torch.equal(batch.image_embeds, torch.cat([r.image_embeds for r in chosen]))
 
 
+def test_a_packed_batch_moves_every_tensor_to_the_device(records):
+    batch = pack(records[:3], max_tokens=2048).to("meta")
+    tensors = [v for v in vars(batch).values() if isinstance(v, torch.Tensor)] + list(batch.extras.values())
+    assert len(tensors) >= 9 and all(t.device.type == "meta" for t in tensors)
+
+
 def test_a_batch_that_does_not_add_up_is_refused(records):
     batch = pack(records[:3], max_tokens=2048)
     unrestarted = batch.position_ids.clone()

@@ -9,7 +9,7 @@ Concatenated positions that do not restart silently let every record attend to t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,6 +43,12 @@ class PackedBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """Every tensor of the batch on `device`, cu_seqlens included (flash-attention reads it there)."""
+        moved = {name: value.to(device) for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
+        layers = [layer.to(device) for layer in self.deepstack_embeds] if self.deepstack_embeds is not None else None
+        return replace(self, **moved, extras={k: v.to(device) for k, v in self.extras.items()}, deepstack_embeds=layers)
 
     def flash_attn_kwargs(self) -> dict:
         """transformers' FlashAttentionKwargs, for flash_attention_2 without deriving them from positions."""
