@@ -1,4 +1,5 @@
-"""`python jobs/bench.py task=preprocess`: triton vs torch vs the family's HF processor, in one run."""
+"""`python jobs/bench.py task=preprocess`: triton vs torch vs the family's HF processor, in one run;
+`task=loader`: the training loader vs a bare pyarrow scan of the same shards, and packing efficiency."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import transformers
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from batchvlm.bench import BenchConfig, bench_preprocess, format_preprocess
+from batchvlm.bench import BenchConfig, bench_loader, bench_preprocess, format_loader, format_preprocess
 from batchvlm.config import ConfigError
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,12 +21,15 @@ ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
 @hydra.main(config_path="../conf", config_name="bench", version_base=None)
 def main(cfg: DictConfig) -> None:
     transformers.utils.logging.disable_progress_bar()
+    tasks = {"preprocess": (bench_preprocess, format_preprocess), "loader": (bench_loader, format_loader)}
     try:
-        result = bench_preprocess(OmegaConf.to_object(cfg))
+        config = OmegaConf.to_object(cfg)
+        run, report = tasks[config.task]
+        result = run(config)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    print(format_preprocess(result))
+    print(report(result))
 
 
 if __name__ == "__main__":

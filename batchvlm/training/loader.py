@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -122,18 +121,24 @@ def packing_efficiency(index: RunIndex, packs: list[list[RecordRef]], max_tokens
 
 
 class _ShardTables:
-    """The most recently used shards, memory-mapped, so a pack's rows cost no re-read of their shard."""
+    """Each shard read once per worker and epoch: kept open until the last of this worker's packs that needs it.
 
-    def __init__(self, paths: list[Path], size: int = 8):
-        self.paths, self.size, self.open = paths, size, OrderedDict()
+    Memory is therefore the shards the shuffle window spans (records wait in the shuffle buffer as
+    references to their open shard), as a shuffle buffer of materialized records would cost.
+    """
+
+    def __init__(self, paths: list[Path], packs: list[list[RecordRef]]):
+        self.paths, self.open = paths, {}
+        self.last_use = {shard: k for k, refs in enumerate(packs) for shard, _ in refs}
 
     def __getitem__(self, shard: int):
         if shard not in self.open:
             self.open[shard] = pq.read_table(self.paths[shard], memory_map=True)
-            if len(self.open) > self.size:
-                self.open.popitem(last=False)
-        self.open.move_to_end(shard)
         return self.open[shard]
+
+    def done_with(self, pack: int) -> None:
+        for shard in [s for s in self.open if self.last_use[s] <= pack]:
+            del self.open[shard]
 
 
 class _RankPacks(IterableDataset):
@@ -145,9 +150,11 @@ class _RankPacks(IterableDataset):
     def __iter__(self) -> Iterator[PackedBatch]:
         worker = get_worker_info()
         mine = self.packs[worker.id::worker.num_workers] if worker else self.packs
-        tables = _ShardTables(self.shards)
-        for refs in mine:
-            yield pack([tensors_of(tables[shard], row) for shard, row in refs], self.max_tokens)
+        tables = _ShardTables(self.shards, mine)
+        for k, refs in enumerate(mine):
+            batch = pack([tensors_of(tables[shard], row) for shard, row in refs], self.max_tokens)
+            tables.done_with(k)
+            yield batch
 
 
 def _as_is(batch: PackedBatch) -> PackedBatch:
