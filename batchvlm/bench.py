@@ -187,7 +187,13 @@ def bench_loader(config: BenchConfig) -> dict:
         assert sum(batch.num_tokens for batch in loader) == tokens
 
     cpu = torch.device("cpu")
-    seconds = {"pyarrow scan": best_seconds(scan, cpu, config.repeats), "loader": best_seconds(epoch, cpu, config.repeats)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a DataLoader worker: a batch's small ops gain nothing from intra-op threads
+    try:
+        seconds = {"pyarrow scan": best_seconds(scan, cpu, config.repeats),
+                   "loader": best_seconds(epoch, cpu, config.repeats)}
+    finally:
+        torch.set_num_threads(threads)
     packs = loader.epoch_packs()
     return {"run_dir": str(run_dir), "shards": len(shards), "records": sum(map(len, loader.index.lengths)),
             "tokens": tokens, "max_tokens": config.max_tokens, "workers": config.workers, "repeats": config.repeats,

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from batchvlm.reader import committed_shards, tensors_of
+from batchvlm.reader import RecordTensors, committed_shards, table_tensors
 from batchvlm.training.packing import PackedBatch, PackingError, first_fit_decreasing, pack
 
 RecordRef = tuple[int, int]  # (shard index, row)
@@ -120,8 +120,8 @@ def packing_efficiency(index: RunIndex, packs: list[list[RecordRef]], max_tokens
     return tokens / (len(packs) * max_tokens) if packs else 0.0
 
 
-class _ShardTables:
-    """Each shard read once per worker and epoch: kept open until the last of this worker's packs that needs it.
+class _OpenShards:
+    """Each shard read and converted once per worker and epoch, kept until the last of this worker's packs that needs it.
 
     Memory is therefore the shards the shuffle window spans (records wait in the shuffle buffer as
     references to their open shard), as a shuffle buffer of materialized records would cost.
@@ -131,10 +131,10 @@ class _ShardTables:
         self.paths, self.open = paths, {}
         self.last_use = {shard: k for k, refs in enumerate(packs) for shard, _ in refs}
 
-    def __getitem__(self, shard: int):
+    def record(self, shard: int, row: int) -> RecordTensors:
         if shard not in self.open:
-            self.open[shard] = pq.read_table(self.paths[shard], memory_map=True)
-        return self.open[shard]
+            self.open[shard] = table_tensors(pq.read_table(self.paths[shard]))
+        return self.open[shard][row]
 
     def done_with(self, pack: int) -> None:
         for shard in [s for s in self.open if self.last_use[s] <= pack]:
@@ -150,10 +150,10 @@ class _RankPacks(IterableDataset):
     def __iter__(self) -> Iterator[PackedBatch]:
         worker = get_worker_info()
         mine = self.packs[worker.id::worker.num_workers] if worker else self.packs
-        tables = _ShardTables(self.shards, mine)
+        shards = _OpenShards(self.shards, mine)
         for k, refs in enumerate(mine):
-            batch = pack([tensors_of(tables[shard], row) for shard, row in refs], self.max_tokens)
-            tables.done_with(k)
+            batch = pack([shards.record(shard, row) for shard, row in refs], self.max_tokens)
+            shards.done_with(k)
             yield batch
 
 

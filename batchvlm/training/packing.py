@@ -74,9 +74,7 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 def text_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """0, 1, 2, ... restarting at every record boundary: the row transformers reads documents from."""
-    lengths = cu_seqlens.diff().long()
-    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
-    return torch.arange(int(cu_seqlens[-1])) - starts
+    return torch.cat([torch.arange(int(n)) for n in cu_seqlens.diff()])
 
 
 def pack(records: list[RecordTensors], max_tokens: int) -> PackedBatch:
@@ -95,7 +93,7 @@ def pack(records: list[RecordTensors], max_tokens: int) -> PackedBatch:
     image_embeds = torch.cat([r.image_embeds for r in records])
     batch = PackedBatch(
         ids=[r.id for r in records], input_ids=input_ids[None], labels=_labels(input_ids, token_tags, cu_seqlens)[None],
-        token_tags=token_tags[None], document_ids=torch.repeat_interleave(torch.arange(len(records)), lengths)[None],
+        token_tags=token_tags[None], document_ids=torch.cat([torch.full((int(n),), i) for i, n in enumerate(lengths)])[None],
         position_ids=_position_ids(records, cu_seqlens), cu_seqlens=cu_seqlens, max_seqlen=int(lengths.max()),
         image_embeds=image_embeds, image_positions=image_positions,
         grid_thw=torch.cat([r.grid_thw for r in records]), extras=extras,
