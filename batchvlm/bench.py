@@ -111,6 +111,17 @@ def best_seconds(run, device: torch.device, repeats: int) -> float:
     return min(times)
 
 
+def best_interleaved(runs: dict, repeats: int) -> dict[str, float]:
+    """Best time of each run, the runs taking turns, so that a machine busy for a while slows them alike."""
+    times = {name: [] for name in runs}
+    for _ in range(repeats + 1):  # the first round warms caches and is not counted
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - started)
+    return {name: min(values[1:]) for name, values in times.items()}
+
+
 def bench_preprocess(config: BenchConfig) -> dict:
     device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
                           "cpu" if config.device == "auto" else config.device)
@@ -166,9 +177,11 @@ def repeated_demo_run(config: BenchConfig) -> Path:
     if not (root / name / "_SUCCESS").exists():
         job = Path(__file__).resolve().parents[1] / "jobs" / "embed.py"
         model = [f"model.family={config.model.family}"] + ([f"model.path={config.model.path}"] if config.model.path else [])
-        subprocess.run([sys.executable, str(job), "dataset=parquet", f"dataset.path={data}/*.parquet",
-                        f"output.root={root}", f"run_name={name}", "runtime.progress=false", *model],
-                       check=True, capture_output=True, text=True)
+        result = subprocess.run([sys.executable, str(job), "dataset=parquet", f"dataset.path={data}/*.parquet",
+                                 f"output.root={root}", f"run_name={name}", "runtime.progress=false", *model],
+                                capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"the embed job for the loader bench failed:\n{result.stderr[-3000:]}")
     return root / name
 
 
@@ -186,12 +199,10 @@ def bench_loader(config: BenchConfig) -> dict:
     def epoch() -> None:
         assert sum(batch.num_tokens for batch in loader) == tokens
 
-    cpu = torch.device("cpu")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in a DataLoader worker: a batch's small ops gain nothing from intra-op threads
     try:
-        seconds = {"pyarrow scan": best_seconds(scan, cpu, config.repeats),
-                   "loader": best_seconds(epoch, cpu, config.repeats)}
+        seconds = best_interleaved({"pyarrow scan": scan, "loader": epoch}, config.repeats)
     finally:
         torch.set_num_threads(threads)
     packs = loader.epoch_packs()
