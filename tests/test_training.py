@@ -13,9 +13,10 @@ import torch
 from conftest import run_embed
 from transformers import Qwen2VLForConditionalGeneration
 
+from batchvlm.bench import BenchConfig, bench_loader, format_loader
 from batchvlm.config import ModelConfig
 from batchvlm.families import load_family
-from batchvlm.reader import committed_shards, read_run
+from batchvlm.reader import committed_shards, read_run, table_tensors, tensors_of
 from batchvlm.tokens import IMAGE
 from batchvlm.training import (IGNORE_INDEX, DatasetRows, LoaderConfig, PackedLoader, PackingError, RunNotFinished,
                                first_fit_decreasing, mm_token_type_ids, pack, vllm_qwen2_vl_image_input)
@@ -198,3 +199,39 @@ def test_only_the_shards_a_manifest_lists_are_read(qwen_run, records):
     finally:
         stray.unlink()
     assert sorted(read) == sorted(r.id for r in records)
+
+
+def test_a_shard_converted_whole_gives_the_rows_read_one_by_one(qwen_run):
+    table = pq.read_table(committed_shards(qwen_run)[0])
+    for index, whole in enumerate(table_tensors(table)):
+        alone = tensors_of(table, index)
+        assert whole.id == alone.id and whole.rope_delta == alone.rope_delta
+        for name in ("input_ids", "image_embeds", "grid_thw", "image_spans", "token_tags", "position_ids"):
+            assert torch.equal(getattr(whole, name), getattr(alone, name)), name
+        assert whole.position_ids.shape == (3, len(whole.input_ids)) and whole.image_spans.shape[1] == 2
+
+
+def test_the_loader_bench_reports_the_ratio_to_a_pyarrow_scan_and_packing_efficiency(qwen_run):
+    result = bench_loader(BenchConfig(task="loader", run_dir=str(qwen_run), repeats=1, max_tokens=1024))
+    assert result["tokens"] == sum(len(ids) for shard in committed_token_counts(qwen_run) for ids in shard)
+    assert result["ratio"] > 0 and 0 < result["packing_efficiency"] <= 1
+    report = format_loader(result)
+    assert "loader / pyarrow scan: " in report and "packing efficiency: " in report
+
+
+def committed_token_counts(run_dir: Path) -> list[list[int]]:
+    return [pq.read_table(path, columns=["input_ids"]).column("input_ids").to_pylist() for path in committed_shards(run_dir)]
+
+
+def test_the_bench_config_takes_task_loader_and_refuses_an_unknown_task():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from batchvlm.config import ConfigError
+
+    ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
+        assert OmegaConf.to_object(compose(config_name="bench", overrides=["task=loader"])).task == "loader"
+        with pytest.raises(ConfigError, match="task='train' is not one of preprocess, loader"):
+            OmegaConf.to_object(compose(config_name="bench", overrides=["task=train"]))
