@@ -235,3 +235,17 @@ def test_the_bench_config_takes_task_loader_and_refuses_an_unknown_task():
         assert OmegaConf.to_object(compose(config_name="bench", overrides=["task=loader"])).task == "loader"
         with pytest.raises(ConfigError, match="task='train' is not one of preprocess, loader"):
             OmegaConf.to_object(compose(config_name="bench", overrides=["task=train"]))
+
+
+def test_the_readme_training_loop_trains_on_the_run_and_checkpoints_a_resumable_loader(qwen_run, tmp_path,
+                                                                                       monkeypatch):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Training on the output"):]
+    code = section[section.index("```python") + len("```python"):section.index("```\n", section.index("```python"))]
+    monkeypatch.chdir(tmp_path)  # the loop writes checkpoint.pt where it runs
+    scope: dict = {}
+    exec(code.replace('"outputs/demo-qwen2_vl_tiny"', repr(str(qwen_run))), scope)
+    assert scope["loader"].epoch == 2 and torch.isfinite(scope["loss"])
+    resumed = PackedLoader(qwen_run, LoaderConfig(max_tokens=1024, seed=0))
+    resumed.load_state_dict(torch.load(tmp_path / "checkpoint.pt")["loader"])
+    assert (resumed.epoch, resumed.next_pack) == (1, 1)
