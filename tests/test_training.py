@@ -233,7 +233,7 @@ def test_the_bench_config_takes_task_loader_and_refuses_an_unknown_task():
     ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
         assert OmegaConf.to_object(compose(config_name="bench", overrides=["task=loader"])).task == "loader"
-        with pytest.raises(ConfigError, match="task='train' is not one of preprocess, loader"):
+        with pytest.raises(ConfigError, match="task='train' is not one of preprocess, scale, loader"):
             OmegaConf.to_object(compose(config_name="bench", overrides=["task=train"]))
 
 

@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from batchvlm.reader import RecordTensors, committed_shards, table_tensors
+from batchvlm.dedup import excluded_rows
+from batchvlm.reader import RecordTensors, committed_units, table_tensors
 from batchvlm.training.packing import PackedBatch, PackingError, first_fit_decreasing, pack
 
 RecordRef = tuple[int, int]  # (shard index, row)
@@ -57,9 +58,11 @@ class LoaderConfig:
 
 @dataclass(frozen=True)
 class RunIndex:
-    """The committed shards of a run and the token count of each of their rows."""
+    """The committed shards of a run, the token count of each of their rows, and the rows to read: all but the
+    later occurrences of an id that the run's duplicate pass listed."""
     shards: list[Path]
     lengths: list[np.ndarray]
+    kept: list[np.ndarray]
 
     @classmethod
     def of(cls, run_dir: str | Path, allow_unfinished: bool = False) -> RunIndex:
@@ -67,21 +70,23 @@ class RunIndex:
         if not (run_dir / "_SUCCESS").exists() and not allow_unfinished:
             raise RunNotFinished(f"{run_dir} has no _SUCCESS: the run is unfinished or still running; "
                                  "finish it, or pass allow_unfinished=True to train on its committed units")
-        shards = committed_shards(run_dir)
-        lengths = [pc.list_value_length(pq.read_table(path, columns=["input_ids"]).column("input_ids"))
-                   .to_numpy().astype(np.int64) for path in shards]
-        return cls(shards, lengths)
+        units, excluded = committed_units(run_dir), excluded_rows(run_dir)
+        tables = [pq.read_table(path, columns=["input_ids", "row"]) for _, path in units]
+        lengths = [pc.list_value_length(table.column("input_ids")).to_numpy().astype(np.int64) for table in tables]
+        kept = [np.flatnonzero(~np.isin(table.column("row").to_numpy(), list(excluded.get(unit, ()))))
+                for (unit, _), table in zip(units, tables)]
+        return cls([path for _, path in units], lengths, kept)
 
     def digest(self) -> str:
         """Names and row counts of the shards: a resumed loader must see the same data."""
-        text = "\n".join(f"{path.name}:{len(rows)}" for path, rows in zip(self.shards, self.lengths))
+        text = "\n".join(f"{path.name}:{len(rows)}" for path, rows in zip(self.shards, self.kept))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def epoch_order(index: RunIndex, seed: int, epoch: int, buffer: int) -> list[RecordRef]:
     """Every record once: shards in a seeded order, streamed through a seeded shuffle buffer."""
     rng = np.random.default_rng([seed, epoch])
-    stream = ((int(s), row) for s in rng.permutation(len(index.shards)) for row in range(len(index.lengths[s])))
+    stream = ((int(s), int(row)) for s in rng.permutation(len(index.shards)) for row in index.kept[s])
     order, pending = [], []
     for ref in stream:
         if len(pending) < buffer:
