@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset
 from tqdm import tqdm
 
@@ -147,6 +148,7 @@ class Device:
     preprocessor: object
     encoder: object
     guard: PreprocessGuard = field(default_factory=PreprocessGuard)
+    out_dtype: torch.dtype | None = None  # the stored dtype: outputs cross to the host in it, once per batch
 
     def encode(self, records: list[PreparedRecord]) -> tuple[list[EncodedRecord], list[QuarantinedRecord]]:
         """Encode a batch; pin every failure on the record that caused it and encode the rest unchanged."""
@@ -154,7 +156,7 @@ class Device:
             return [], []
         crash_point("encode")
         try:
-            return encode_batch(self.encoder, pack(records, self.preprocessor, self.guard)), []
+            return encode_batch(self.encoder, pack(records, self.preprocessor, self.guard), self.out_dtype), []
         except CheckFailed as failure:
             if failure.record is not None:
                 rest = [record for record in records if record is not failure.record]
@@ -189,7 +191,8 @@ class Job:
         self.hidden_sizes = encoder.hidden_sizes
         self.on_device = Device(make_preprocessor(job.preprocess.backend, self.family, self.device,
                                                   job.preprocess.background), encoder,
-                                PreprocessGuard.from_config(job.preprocess, self.family, job.preprocess.background))
+                                PreprocessGuard.from_config(job.preprocess, self.family, job.preprocess.background),
+                                self.embed_dtype)
         self.seen = 0
         self.quarantined = 0
         self.image_tokens = 0
