@@ -1,6 +1,7 @@
 """Benchmarks measured side by side in one run (DESIGN.md, Performance model).
 
 task=scale: batchvlm/bench_scale.py (start-up and memory as the dataset grows).
+task=e2e: batchvlm/bench_e2e.py (the job against its tower, the sink against a bare write, stage by stage).
 
 task=preprocess: one fixed mix of image sizes (real photos, plus synthetic extremes) through the
 Triton kernels (where CUDA is), the torch ops and the family's HF processor (with `device=` where
@@ -61,10 +62,15 @@ class BenchConfig:
     """task=loader: tokens per packed sequence."""
     workers: int = 0
     """task=loader: DataLoader workers of the loader (0: in this process, like the scan)."""
+    records: int = 16
+    """task=e2e: records (one 512x384 JPEG each) run through the job and through each stage."""
+    tower: str = "base"
+    """task=e2e: base (a ViT-B-sized MoonViT, built once) | tiny (the demo tower)."""
 
     def __post_init__(self) -> None:
-        _one_of("task", self.task, ("preprocess", "scale", "loader"))
-        for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens"):
+        _one_of("task", self.task, ("preprocess", "scale", "loader", "e2e"))
+        _one_of("tower", self.tower, ("base", "tiny"))
+        for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens", "records"):
             _positive(key, getattr(self, key))
         if self.workers < 0:
             raise ConfigError(f"workers={self.workers} must be >= 0")

@@ -54,11 +54,16 @@ def prepare(record: SourceRecord, family, job: JobConfig, decoder: Decoder) -> P
         text = place_images(record.text, job.dataset.placeholder, len(record.images),
                             job.dataset.missing_placeholder)
         images = [decoder(ref, index) for index, ref in enumerate(record.images)]
-        plans = [family.plan(image.height, image.width) for image in images]
-        layout = build_layout(text, job.dataset.placeholder, plans, family)
-        attach_positions(layout, plans, family)
+        return plan_and_lay_out(record, text, images, family, job)
     except CheckFailed as failure:
         return QuarantinedRecord(record, failure.to_failure())
+
+
+def plan_and_lay_out(record: SourceRecord, text: str, images: list, family, job: JobConfig) -> PreparedRecord:
+    """The plan of each decoded image and the record's token layout (raises CheckFailed)."""
+    plans = [family.plan(image.height, image.width) for image in images]
+    layout = build_layout(text, job.dataset.placeholder, plans, family)
+    attach_positions(layout, plans, family)
     return PreparedRecord(source=record, images=images, plans=plans, layout=layout)
 
 

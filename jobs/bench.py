@@ -1,4 +1,4 @@
-"""`python jobs/bench.py task=preprocess|scale|loader`: measurements side by side in one run (batchvlm/bench.py):
+"""`python jobs/bench.py task=preprocess|scale|loader|e2e`: measurements side by side in one run (batchvlm/bench.py):
 triton vs torch vs the family's HF processor; start-up and memory as the dataset grows; the training loader vs a
 bare pyarrow scan of the same shards, and packing efficiency."""
 
@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from batchvlm.bench import BenchConfig, bench_loader, bench_preprocess, format_loader, format_preprocess
+from batchvlm.bench_e2e import bench_e2e, format_e2e
 from batchvlm.bench_scale import bench_scale, format_scale
 from batchvlm.config import ConfigError
 
@@ -24,7 +25,7 @@ ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
 def main(cfg: DictConfig) -> None:
     transformers.utils.logging.disable_progress_bar()
     tasks = {"preprocess": (bench_preprocess, format_preprocess), "loader": (bench_loader, format_loader),
-             "scale": (bench_scale, format_scale)}
+             "scale": (bench_scale, format_scale), "e2e": (bench_e2e, format_e2e)}
     try:
         config = OmegaConf.to_object(cfg)
         run, report = tasks[config.task]
