@@ -290,20 +290,20 @@ class Job:
             self.sink.abandon_open_units()
 
     def _find_duplicates(self, plan: Plan, claims: Claims) -> None:
-        """Ranks claim the hash partitions of the ids and list the later occurrences of each id."""
+        """Ranks claim the hash partitions of the ids one at a time and list the later occurrences of each id."""
         locations = {item.name: item.location for item in plan.inputs}
         manifests = None
         while missing := [b for b in range(plan.dedup_buckets) if not result_path(self.run.path, b).exists()]:
-            claimed = [claim for bucket in missing if (claim := claims.try_claim(f"dedup-{bucket:05d}"))]
-            for claim in claimed:
-                if manifests is None:  # in plan order: the first occurrence is the one kept
-                    manifests = [read_json(self.sink.manifest_path(unit.unit_id)) for unit in plan.units]
-                bucket = int(claim.task.rsplit("-", 1)[1])
-                duplicates = find_duplicates(self.run.path, manifests, bucket, locations)
-                if claims.holds(claim):
-                    commit_bucket(self.run.path, bucket, duplicates)
-            if not claimed:
+            claim = next((c for bucket in missing if (c := claims.try_claim(f"dedup-{bucket:05d}"))), None)
+            if claim is None:  # the rest are held by live ranks: wait for them (or for their leases to expire)
                 time.sleep(self.job.runtime.poll_s)
+                continue
+            if manifests is None:  # in plan order: the first occurrence is the one kept
+                manifests = [read_json(self.sink.manifest_path(unit.unit_id)) for unit in plan.units]
+            bucket = int(claim.task.rsplit("-", 1)[1])
+            duplicates = find_duplicates(self.run.path, manifests, bucket, locations)
+            if claims.holds(claim):
+                commit_bucket(self.run.path, bucket, duplicates)
 
     def _show(self, progress) -> None:
         """Rank 0's bar shows every rank's records, read from their progress files."""
