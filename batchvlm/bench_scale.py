@@ -106,7 +106,9 @@ def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
 
 
-def bench_scale(rows: int, files: int, rss_records: int, first_unit_records: int) -> dict:
+def bench_scale(config) -> dict:
+    """`config`: bench.BenchConfig (rows, files, rss_records, first_unit_records)."""
+    rows, files, rss_records, first_unit_records = config.rows, config.files, config.rss_records, config.first_unit_records
     cache = Path(os.environ.get("BATCHVLM_BENCH_DIR", Path(tempfile.gettempdir()) / "batchvlm-bench"))
     path = write_dataset(cache, rows, files)
     out = Path(tempfile.mkdtemp(prefix="batchvlm-scale-"))

@@ -143,7 +143,14 @@ def _caption_corpus() -> list[str]:
     return captions + [f"image {w}x{h}" for w in range(0, 1000, 7) for h in (10, 99, 512)]
 
 
-def _write_kimi_k25(folder: Path) -> None:
+TINY_KIMI_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        pos_emb_height=16, pos_emb_width=16)
+BASE_KIMI_VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                        pos_emb_height=64, pos_emb_width=64)
+"""A ViT-B-sized MoonViT for the end-to-end benchmark, where the tower must cost what a real one does."""
+
+
+def _write_kimi_k25(folder: Path, vision: dict = TINY_KIMI_VISION) -> None:
     import torch
     from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration, Kimi_K25ImageProcessor
 
@@ -155,9 +162,7 @@ def _write_kimi_k25(folder: Path) -> None:
                          n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                          kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
                          max_position_embeddings=8192, n_group=1, topk_group=1),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           pos_emb_height=16, pos_emb_width=16, patch_size=14,
-                           rope_parameters={"rope_type": "axial", "rope_theta": 10000.0}),
+        vision_config=dict(**vision, patch_size=14, rope_parameters={"rope_type": "axial", "rope_theta": 10000.0}),
         projection_hidden_size=32, image_token_id=ids["<|media_pad|>"],
         video_token_id=ids["<|kimi_k25_video_placeholder|>"], vision_start_token_id=ids["<|media_begin|>"],
         vision_end_token_id=ids["<|media_end|>"], tie_word_embeddings=False)
@@ -210,6 +215,11 @@ TINY_CHECKPOINTS = {"kimi_k25": _write_kimi_k25, "qwen2_vl": _write_qwen2_vl, "s
 
 def tiny_checkpoint(family: str) -> Path:
     return _build_once(home() / f"demo-{DEMO_VERSION}" / f"{family}_tiny", TINY_CHECKPOINTS[family])
+
+
+def base_kimi_checkpoint() -> Path:
+    return _build_once(home() / f"demo-{DEMO_VERSION}" / "kimi_k25_base",
+                       lambda folder: _write_kimi_k25(folder, BASE_KIMI_VISION))
 
 
 def resolve_checkpoint(model: ModelConfig) -> Path:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from batchvlm.assemble import EMBED_DTYPES, data_row, quarantine_row
@@ -53,11 +54,16 @@ def prepare(record: SourceRecord, family, job: JobConfig, decoder: Decoder) -> P
         text = place_images(record.text, job.dataset.placeholder, len(record.images),
                             job.dataset.missing_placeholder)
         images = [decoder(ref, index) for index, ref in enumerate(record.images)]
-        plans = [family.plan(image.height, image.width) for image in images]
-        layout = build_layout(text, job.dataset.placeholder, plans, family)
-        attach_positions(layout, plans, family)
+        return plan_and_lay_out(record, text, images, family, job)
     except CheckFailed as failure:
         return QuarantinedRecord(record, failure.to_failure())
+
+
+def plan_and_lay_out(record: SourceRecord, text: str, images: list, family, job: JobConfig) -> PreparedRecord:
+    """The plan of each decoded image and the record's token layout (raises CheckFailed)."""
+    plans = [family.plan(image.height, image.width) for image in images]
+    layout = build_layout(text, job.dataset.placeholder, plans, family)
+    attach_positions(layout, plans, family)
     return PreparedRecord(source=record, images=images, plans=plans, layout=layout)
 
 
@@ -147,6 +153,7 @@ class Device:
     preprocessor: object
     encoder: object
     guard: PreprocessGuard = field(default_factory=PreprocessGuard)
+    out_dtype: torch.dtype | None = None  # the stored dtype: outputs cross to the host in it, once per batch
 
     def encode(self, records: list[PreparedRecord]) -> tuple[list[EncodedRecord], list[QuarantinedRecord]]:
         """Encode a batch; pin every failure on the record that caused it and encode the rest unchanged."""
@@ -154,7 +161,7 @@ class Device:
             return [], []
         crash_point("encode")
         try:
-            return encode_batch(self.encoder, pack(records, self.preprocessor, self.guard)), []
+            return encode_batch(self.encoder, pack(records, self.preprocessor, self.guard), self.out_dtype), []
         except CheckFailed as failure:
             if failure.record is not None:
                 rest = [record for record in records if record is not failure.record]
@@ -189,7 +196,8 @@ class Job:
         self.hidden_sizes = encoder.hidden_sizes
         self.on_device = Device(make_preprocessor(job.preprocess.backend, self.family, self.device,
                                                   job.preprocess.background), encoder,
-                                PreprocessGuard.from_config(job.preprocess, self.family, job.preprocess.background))
+                                PreprocessGuard.from_config(job.preprocess, self.family, job.preprocess.background),
+                                self.embed_dtype)
         self.seen = 0
         self.quarantined = 0
         self.image_tokens = 0
@@ -282,20 +290,20 @@ class Job:
             self.sink.abandon_open_units()
 
     def _find_duplicates(self, plan: Plan, claims: Claims) -> None:
-        """Ranks claim the hash partitions of the ids and list the later occurrences of each id."""
+        """Ranks claim the hash partitions of the ids one at a time and list the later occurrences of each id."""
         locations = {item.name: item.location for item in plan.inputs}
         manifests = None
         while missing := [b for b in range(plan.dedup_buckets) if not result_path(self.run.path, b).exists()]:
-            claimed = [claim for bucket in missing if (claim := claims.try_claim(f"dedup-{bucket:05d}"))]
-            for claim in claimed:
-                if manifests is None:  # in plan order: the first occurrence is the one kept
-                    manifests = [read_json(self.sink.manifest_path(unit.unit_id)) for unit in plan.units]
-                bucket = int(claim.task.rsplit("-", 1)[1])
-                duplicates = find_duplicates(self.run.path, manifests, bucket, locations)
-                if claims.holds(claim):
-                    commit_bucket(self.run.path, bucket, duplicates)
-            if not claimed:
+            claim = next((c for bucket in missing if (c := claims.try_claim(f"dedup-{bucket:05d}"))), None)
+            if claim is None:  # the rest are held by live ranks: wait for them (or for their leases to expire)
                 time.sleep(self.job.runtime.poll_s)
+                continue
+            if manifests is None:  # in plan order: the first occurrence is the one kept
+                manifests = [read_json(self.sink.manifest_path(unit.unit_id)) for unit in plan.units]
+            bucket = int(claim.task.rsplit("-", 1)[1])
+            duplicates = find_duplicates(self.run.path, manifests, bucket, locations)
+            if claims.holds(claim):
+                commit_bucket(self.run.path, bucket, duplicates)
 
     def _show(self, progress) -> None:
         """Rank 0's progress counts every rank's records, read from their progress files."""

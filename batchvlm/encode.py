@@ -34,35 +34,75 @@ def check_packing(batch: PackedBatch) -> None:
             expected=f"0 .. {rows}, increasing", observed=cu.tolist())
 
 
-def encode_batch(encoder, batch: PackedBatch) -> list[EncodedRecord]:
+def encode_batch(encoder, batch: PackedBatch, out_dtype: torch.dtype | None = None) -> list[EncodedRecord]:
+    """Run the tower on a packed batch and split its outputs per record, checked.
+
+    The checks of the whole batch cost one device sync (non-finite values counted per image on the
+    device, read back at once), and the outputs come back to the host in one copy per output (in
+    `out_dtype`, the stored one, so only the stored bytes cross the bus)."""
     check_packing(batch)
     outputs = encoder(batch.pixel_values, batch.grid_thw)  # {output name: one tensor per image}
+    plans = [plan for record in batch.records for plan in record.plans]
+    for name, tensors in outputs.items():
+        require(len(tensors) == len(plans), "encode.output_tokens", f"the tower returned {name} for a different "
+                "number of images", expected=len(plans), observed=len(tensors))
+    owners = [(record, index) for record in batch.records for index in range(len(record.plans))]
+    for name, tensors in outputs.items():
+        for (record, index), plan, embed in zip(owners, plans, tensors):
+            _pinned(record, check_shape, name, index, plan, embed, encoder.hidden_sizes[name])
+    for (record, index), (name, count) in zip(owners * len(outputs), non_finite_counts(outputs)):
+        _pinned(record, require, count == 0, "encode.finite", f"image {index}: {count} NaN/Inf values in {name}",
+                expected="all finite", observed=f"{count} non-finite", image_index=index)
+    host = {name: to_host(tensors, out_dtype) for name, tensors in outputs.items()}
     encoded, cursor = [], 0
     for record in batch.records:
-        mine = {name: tensors[cursor:cursor + len(record.plans)] for name, tensors in outputs.items()}
+        mine = {name: tensors[cursor:cursor + len(record.plans)] for name, tensors in host.items()}
         cursor += len(record.plans)
-        try:
-            for name, tensors in mine.items():
-                check_outputs(name, record.plans, tensors, encoder.hidden_sizes[name])
-        except CheckFailed as failure:
-            failure.record = record
-            raise
         embeds = mine.pop("image_embeds")
         encoded.append(EncodedRecord(prepared=record, image_embeds=embeds, extras=mine))
-    for name, tensors in outputs.items():
-        require(cursor == len(tensors), "encode.output_tokens", f"the tower returned {name} for a different number "
-                "of images", expected=cursor, observed=len(tensors))
     return encoded
 
 
-def check_outputs(name: str, plans: list[ImagePlan], embeds: list[torch.Tensor], hidden_size: int) -> None:
-    require(len(embeds) == len(plans), "encode.output_tokens", f"the tower returned {name} for a different number "
-            "of images", expected=len(plans), observed=len(embeds))
-    for index, (plan, embed) in enumerate(zip(plans, embeds)):
-        shape = (expected_rows(name, plan), hidden_size)
-        require(tuple(embed.shape) == shape, "encode.output_tokens",
-                f"image {index}: the tower produced {name} of shape {tuple(embed.shape)}, the plan expects {shape}",
-                expected=shape, observed=tuple(embed.shape), image_index=index)
-        finite = torch.isfinite(embed)
-        require(bool(finite.all()), "encode.finite", f"image {index}: {int((~finite).sum())} NaN/Inf values in "
-                f"{name}", expected="all finite", observed=f"{int((~finite).sum())} non-finite", image_index=index)
+def _pinned(record, check, *args, **kwargs) -> None:
+    """Run a per-image check; a failure names the record it belongs to, so the rest of the batch goes on."""
+    try:
+        check(*args, **kwargs)
+    except CheckFailed as failure:
+        failure.record = record
+        raise
+
+
+def non_finite_counts(outputs: dict[str, list[torch.Tensor]]) -> list[tuple[str, int]]:
+    """(output name, NaN/Inf count) per output and image, counted on the device, read back in one sync."""
+    names, counts = [], []
+    for name, tensors in outputs.items():
+        if tensors:
+            rows = torch.cat([t.reshape(len(t), -1) for t in tensors])
+            per_row = (~torch.isfinite(rows)).sum(-1)
+            image = torch.repeat_interleave(torch.arange(len(tensors), device=rows.device),
+                                            torch.tensor([len(t) for t in tensors], device=rows.device))
+            counts.append(torch.zeros(len(tensors), dtype=per_row.dtype, device=rows.device).index_add_(0, image, per_row))
+        names += [name] * len(tensors)
+    values = torch.cat(counts).tolist() if counts else []
+    return list(zip(names, values))
+
+
+def to_host(tensors: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """Per-image tensors copied to the host in one transfer (from pinned memory where it can overlap)."""
+    if not tensors:
+        return []
+    joined = torch.cat(tensors)
+    joined = joined.to(dtype) if dtype is not None else joined
+    if joined.device.type == "cuda":
+        host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
+        host.copy_(joined, non_blocking=True)
+        torch.cuda.current_stream(joined.device).synchronize()
+        joined = host
+    return list(joined.split([len(t) for t in tensors]))
+
+
+def check_shape(name: str, index: int, plan: ImagePlan, embed: torch.Tensor, hidden_size: int) -> None:
+    shape = (expected_rows(name, plan), hidden_size)
+    require(tuple(embed.shape) == shape, "encode.output_tokens",
+            f"image {index}: the tower produced {name} of shape {tuple(embed.shape)}, the plan expects {shape}",
+            expected=shape, observed=tuple(embed.shape), image_index=index)

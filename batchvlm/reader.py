@@ -8,7 +8,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -68,26 +70,48 @@ def _value_buffer(column: pa.ChunkedArray, index: int) -> pa.Buffer:
     raise IndexError(index)
 
 
+def _row_tensors(column: pa.ChunkedArray, dtype: torch.dtype) -> list[torch.Tensor]:
+    """A (nested) list column as one flat tensor per row, converted in one pass: every level flattened,
+    the values split where their row changes. A struct's fields become the columns of an [n, fields] tensor."""
+    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    rows = np.arange(len(array))
+    while pa.types.is_list(array.type) or pa.types.is_fixed_size_list(array.type):
+        rows = rows[pc.list_parent_indices(array).to_numpy()]
+        array = pc.list_flatten(array)
+    fields = array.flatten() if pa.types.is_struct(array.type) else [array]
+    values = torch.from_numpy(np.stack([f.to_numpy(zero_copy_only=False) for f in fields], axis=-1)).to(dtype)
+    return list(values.split(np.bincount(rows, minlength=len(column)).tolist()))
+
+
+def table_tensors(table: pa.Table) -> list[RecordTensors]:
+    """Every row of a data shard as tensors, each column converted once; embeddings are views on the Arrow buffers."""
+    dtype, hidden = embedding_layout(table.schema)
+    column = table.column
+    extras = [(name, size) for name in EXTRA_OUTPUTS if name in table.column_names
+              and (size := _hidden_size(table.schema, name)) is not None]
+    has_extra = {name: column(name).is_valid().to_pylist() for name, _ in extras}
+    tags = _row_tensors(column("token_tags"), torch.int8)
+    positions = _row_tensors(column("position_ids"), torch.int64) if "position_ids" in table.column_names else None
+    has_positions = column("position_ids").is_valid().to_pylist() if positions is not None else None
+    rope = column("rope_delta").to_pylist() if "rope_delta" in table.column_names else [None] * table.num_rows
+    return [RecordTensors(
+        id=record_id,
+        input_ids=input_ids[:, 0],
+        image_embeds=_embeddings(table, "image_embeds", index, dtype, hidden),
+        grid_thw=grid.view(-1, 3),
+        image_spans=spans,
+        token_tags=tags[index][:, 0],
+        extras={name: _embeddings(table, name, index, dtype, size) for name, size in extras if has_extra[name][index]},
+        position_ids=positions[index].view(3, -1) if positions is not None and has_positions[index] else None,
+        rope_delta=rope[index],
+    ) for index, (record_id, input_ids, grid, spans) in enumerate(zip(
+        column("id").to_pylist(), _row_tensors(column("input_ids"), torch.int64),
+        _row_tensors(column("grid_thw"), torch.int64), _row_tensors(column("image_spans"), torch.int64)))]
+
+
 def tensors_of(table: pa.Table, index: int) -> RecordTensors:
     """Row `index` of a data shard as tensors; image_embeds is a view on the Arrow buffer."""
-    dtype, hidden = embedding_layout(table.schema)
-    column = lambda name: table.column(name)[index]  # noqa: E731
-    extras = {name: _embeddings(table, name, index, dtype, size) for name in EXTRA_OUTPUTS
-              if name in table.column_names and column(name).is_valid
-              and (size := _hidden_size(table.schema, name)) is not None}
-    positions = column("position_ids").as_py() if "position_ids" in table.column_names else None
-    spans = [(s["start"], s["length"]) for s in column("image_spans").as_py()]
-    return RecordTensors(
-        id=column("id").as_py(),
-        input_ids=torch.tensor(column("input_ids").as_py(), dtype=torch.int64),
-        image_embeds=_embeddings(table, "image_embeds", index, dtype, hidden),
-        grid_thw=torch.tensor(column("grid_thw").as_py(), dtype=torch.int64).reshape(-1, 3),
-        image_spans=torch.tensor(spans, dtype=torch.int64).reshape(-1, 2),
-        token_tags=torch.tensor(column("token_tags").as_py(), dtype=torch.int8),
-        extras=extras,
-        position_ids=torch.tensor(positions, dtype=torch.int64) if positions is not None else None,
-        rope_delta=column("rope_delta").as_py() if "rope_delta" in table.column_names else None,
-    )
+    return table_tensors(table.slice(index, 1))[0]
 
 
 def read_shard(path: str | Path, skip_rows: set[int] = frozenset()) -> Iterator[RecordTensors]:
@@ -96,9 +120,7 @@ def read_shard(path: str | Path, skip_rows: set[int] = frozenset()) -> Iterator[
     for group in range(file.num_row_groups):
         table = file.read_row_group(group)
         rows = table.column("row").to_pylist()
-        for index in range(table.num_rows):
-            if rows[index] not in skip_rows:
-                yield tensors_of(table, index)
+        yield from (record for row, record in zip(rows, table_tensors(table)) if row not in skip_rows)
 
 
 def committed_units(run_dir: str | Path, kind: str = "data") -> list[tuple[str, Path]]:

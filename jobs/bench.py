@@ -1,4 +1,6 @@
-"""`python jobs/bench.py task=preprocess|scale`: measurements side by side in one run (batchvlm/bench.py)."""
+"""`python jobs/bench.py task=preprocess|scale|loader|e2e`: measurements side by side in one run (batchvlm/bench.py):
+triton vs torch vs the family's HF processor; start-up and memory as the dataset grows; the training loader vs a
+bare pyarrow scan of the same shards, and packing efficiency."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import transformers
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from batchvlm.bench import BenchConfig, bench_preprocess, format_preprocess
+from batchvlm.bench import BenchConfig, bench_loader, bench_preprocess, format_loader, format_preprocess
+from batchvlm.bench_e2e import bench_e2e, format_e2e
 from batchvlm.bench_scale import bench_scale, format_scale
 from batchvlm.config import ConfigError
 
@@ -21,15 +24,16 @@ ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
 @hydra.main(config_path="pkg://batchvlm.conf", config_name="bench", version_base=None)
 def main(cfg: DictConfig) -> None:
     transformers.utils.logging.disable_progress_bar()
+    tasks = {"preprocess": (bench_preprocess, format_preprocess), "loader": (bench_loader, format_loader),
+             "scale": (bench_scale, format_scale), "e2e": (bench_e2e, format_e2e)}
     try:
         config = OmegaConf.to_object(cfg)
+        run, report = tasks[config.task]
+        result = run(config)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    if config.task == "scale":
-        print(format_scale(bench_scale(config.rows, config.files, config.rss_records, config.first_unit_records)))
-    else:
-        print(format_preprocess(bench_preprocess(config)))
+    print(report(result))
 
 
 if __name__ == "__main__":

@@ -32,3 +32,14 @@ def test_the_bench_config_composes_and_refuses_bad_values():
         assert OmegaConf.to_object(compose(config_name="bench")).task == "preprocess"
         with pytest.raises(ConfigError, match="repeats"):
             OmegaConf.to_object(compose(config_name="bench", overrides=["repeats=0"]))
+
+
+@pytest.mark.slow
+def test_e2e_bench_puts_the_job_beside_its_tower_and_the_sink_beside_a_bare_write():
+    from batchvlm.bench_e2e import bench_e2e, format_e2e
+
+    result = bench_e2e(BenchConfig(task="e2e", tower="tiny", records=4, device="cpu"))
+    assert set(result["stages"]) == {"decode", "plan+layout", "preprocess", "tower+checks", "assemble", "sink"}
+    assert all(rate > 0 for rate in result["stages"].values())
+    assert result["job_images_per_s"] > 0 and result["tower_images_per_s"] > 0
+    assert "end-to-end" in format_e2e(result) and "bare pq.write_table" in format_e2e(result)

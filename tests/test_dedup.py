@@ -15,6 +15,7 @@ from skimage import data
 
 from batchvlm.dedup import duplicate_rows
 from batchvlm.reader import read_run
+from batchvlm.training.loader import RunIndex, epoch_order
 from batchvlm.report import build_report
 from batchvlm.verify import verify_run
 from conftest import REPO
@@ -73,6 +74,8 @@ def test_duplicates_across_two_files_and_two_ranks_keep_the_first_occurrence(tmp
     assert (success["records_in"], success["written"], success["quarantined"]) == (12, 9, 3)
     assert success["duplicates"] == {"later_occurrences": 3, "in_data": 2}
     assert verify_run(run_dir) == []
+    index = RunIndex.of(run_dir)  # the training loader reads what read_run reads
+    assert len(epoch_order(index, seed=0, epoch=0, buffer=4)) == len(kept) == 9
     report = build_report(run_dir, thumbnails=False)
     assert report.by_check["source.duplicate_id"] == 3 and report.written == 9
     assert sorted(card.row["id"] for card in report.cards["source.duplicate_id"]) == ["inside", "shared", "twice"]

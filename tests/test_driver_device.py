@@ -70,7 +70,7 @@ class Tower:
 def device(monkeypatch):
     """A Device whose preprocessing passes records through and whose tower is a Tower."""
     monkeypatch.setattr(driver, "pack", lambda records, preprocessor, guard: records)
-    monkeypatch.setattr(driver, "encode_batch", lambda tower, records: tower(records))
+    monkeypatch.setattr(driver, "encode_batch", lambda tower, records, out_dtype=None: tower(records))
     return lambda raises: Device(preprocessor=None, encoder=Tower(raises))
 
 

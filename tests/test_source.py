@@ -146,3 +146,20 @@ def test_a_streamed_dataset_is_one_unit_per_shard_and_copies_nothing(tmp_path, m
     assert sorted(r.id for r in records) == ["cat", "coins", "cup"]
     assert records[0].images[0].data[:2] == b"\xff\xd8"
     assert not any(path.is_file() for path in (tmp_path / "cache").rglob("*"))
+
+
+def test_an_image_given_as_a_url_is_refused_by_name_unless_fetching_is_allowed(tmp_path):
+    from batchvlm.checks import CheckFailed
+    from batchvlm.sources import image_ref
+
+    photo = tmp_path / "cat.jpg"
+    photo.write_bytes(jpeg(PHOTOS["cat"]))
+    url = photo.as_uri()  # file:///...: fsspec reads it like any remote URL, with no network
+    refused = image_ref(url, str(tmp_path), DatasetConfig(kind="parquet", path="x"))
+    with pytest.raises(CheckFailed, match="given as a URL .*dataset.fetch_urls=true") as caught:
+        read_bytes(refused, 0)
+    assert caught.value.check == "decode.missing_file"
+    allowed = image_ref(url, str(tmp_path), DatasetConfig(kind="parquet", path="x", fetch_urls=True))
+    assert read_bytes(allowed, 0) == photo.read_bytes()
+    relative = image_ref("cat.jpg", str(tmp_path), DatasetConfig(kind="parquet", path="x"))
+    assert relative.path == str(photo)  # resolved against the input's folder, not mangled

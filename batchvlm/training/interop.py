@@ -1,0 +1,84 @@
+"""The output in other libraries' conventions: transformers' token types, `datasets` rows, vLLM's embedding input.
+
+token_tags -> mm_token_type_ids: batchvlm tags 0 text, 1 image token, 2 frame token (the
+vision_start / media_begin ... tokens around a span); transformers' `mm_token_type_ids` are 0 text,
+1 image, 2 video, and a frame token is text to it (`get_rope_index` gives it a text position). So
+image tokens map to 1 and everything else to 0; batchvlm writes no video.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from batchvlm.encode import EXTRA_OUTPUTS
+from batchvlm.reader import RecordTensors, committed_shards, embedding_layout
+from batchvlm.tokens import IMAGE
+
+
+def mm_token_type_ids(token_tags: torch.Tensor) -> torch.Tensor:
+    """transformers' `mm_token_type_ids` (int64, same shape) for batchvlm `token_tags`."""
+    return (token_tags == IMAGE).long()
+
+
+class DatasetRows:
+    """Rows of `datasets.load_dataset("parquet", ...)` over a run's shards, as RecordTensors.
+
+    `datasets` keeps only its own `huggingface` key of a shard's schema metadata, so the embedding
+    columns arrive as bare bytes; their dtype and hidden sizes are read here from the committed
+    shards themselves, the one place they are written.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        shards = committed_shards(run_dir)
+        if not shards:
+            raise ValueError(f"{run_dir} has no committed shards")
+        schema = pq.read_schema(shards[0])
+        self.dtype, hidden = embedding_layout(schema)
+        meta = schema.metadata
+        self.hidden_sizes = {"image_embeds": hidden, **{
+            name: int(meta[key]) for name in EXTRA_OUTPUTS if (key := f"batchvlm.hidden_size.{name}".encode()) in meta}}
+        self.data_files = [str(path) for path in shards]
+
+    def load_dataset(self, **kwargs):
+        """`datasets.load_dataset("parquet")` over the committed shards only (never a glob of data/)."""
+        import datasets
+
+        return datasets.load_dataset("parquet", data_files=self.data_files, split="train", **kwargs)
+
+    def _embeddings(self, blob: bytes | None, name: str) -> torch.Tensor:
+        hidden = self.hidden_sizes[name]
+        if not blob:
+            return torch.zeros((0, hidden), dtype=self.dtype)
+        return torch.frombuffer(bytearray(blob), dtype=self.dtype).view(-1, hidden)
+
+    def tensors(self, row: dict) -> RecordTensors:
+        """One `datasets` row (a dict of Python values) as the tensors `batchvlm.reader` gives for it."""
+        positions = row.get("position_ids")
+        return RecordTensors(
+            id=row["id"],
+            input_ids=torch.tensor(row["input_ids"], dtype=torch.int64),
+            image_embeds=self._embeddings(row["image_embeds"], "image_embeds"),
+            grid_thw=torch.tensor(row["grid_thw"], dtype=torch.int64).reshape(-1, 3),
+            image_spans=torch.tensor([(s["start"], s["length"]) for s in row["image_spans"]],
+                                     dtype=torch.int64).reshape(-1, 2),
+            token_tags=torch.tensor(row["token_tags"], dtype=torch.int8),
+            extras={name: self._embeddings(row[name], name) for name in self.hidden_sizes
+                    if name != "image_embeds" and row.get(name) is not None},
+            position_ids=torch.tensor(positions, dtype=torch.int64) if positions is not None else None,
+            rope_delta=row.get("rope_delta"),
+        )
+
+
+def vllm_qwen2_vl_image_input(record: RecordTensors, merge_size: int = 2) -> dict[str, torch.Tensor]:
+    """vLLM's Qwen2-VL image-embedding input for one record: `multi_modal_data={"image": this}` with the
+    record's prompt. image_embeds is [n_tokens, hidden] over all its images, image_grid_thw [n_images, 3]
+    in patches, as vLLM splits the rows per image by prod(grid) / merge_size**2."""
+    per_image = (record.grid_thw.prod(-1) // merge_size ** 2).tolist()
+    stored = record.image_spans[:, 1].tolist()
+    if per_image != stored or sum(stored) != len(record.image_embeds):
+        raise ValueError(f"record {record.id}: grids give {per_image} tokens per image, its spans {stored} and "
+                         f"image_embeds {len(record.image_embeds)} rows; merge_size={merge_size} is not its checkpoint's")
+    return {"image_embeds": record.image_embeds, "image_grid_thw": record.grid_thw}

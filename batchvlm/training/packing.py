@@ -1,0 +1,154 @@
+"""Records packed into one varlen sequence, with the positions each model family needs, checked as built.
+
+A packed sequence is only correct if every per-token tensor covers exactly the packed length and
+every record's positions restart where its segment starts: transformers finds the documents of a
+packed batch from the text position row alone (`find_packed_sequence_indices`: a new document
+wherever a position does not follow its predecessor by 1), and flash-attention from `cu_seqlens`.
+Concatenated positions that do not restart silently let every record attend to the ones before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from batchvlm.reader import RecordTensors
+from batchvlm.tokens import IMAGE
+
+IGNORE_INDEX = -100
+"""The label transformers' cross-entropy skips."""
+
+
+class PackingError(ValueError):
+    """A packed batch whose parts do not add up; never handed to a trainer."""
+
+
+@dataclass
+class PackedBatch:
+    ids: list[str]  # the records, in packed order
+    input_ids: torch.Tensor  # [1, L] int64
+    labels: torch.Tensor  # [1, L] int64: -100 on image tokens and on each record's first token
+    token_tags: torch.Tensor  # [1, L] int8: 0 text, 1 image token, 2 frame token
+    document_ids: torch.Tensor  # [1, L] int64: index of the record each token belongs to
+    position_ids: torch.Tensor  # [4, 1, L] (text row, then M-RoPE t, h, w) for Qwen, else [1, L]; restarted per record
+    cu_seqlens: torch.Tensor  # [n_records + 1] int32
+    max_seqlen: int
+    image_embeds: torch.Tensor  # [n_image_tokens, hidden], all records' image tokens in sequence order
+    image_positions: torch.Tensor  # [n_image_tokens] int64: where each row of image_embeds goes in the sequence
+    grid_thw: torch.Tensor  # [n_images, 3]
+    extras: dict[str, torch.Tensor]  # the records' other embedding columns, concatenated in order
+    deepstack_embeds: list[torch.Tensor] | None  # Qwen3-VL: one [n_image_tokens, hidden] tensor per deepstack layer
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """Every tensor of the batch on `device`, cu_seqlens included (flash-attention reads it there)."""
+        moved = {name: value.to(device) for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
+        layers = [layer.to(device) for layer in self.deepstack_embeds] if self.deepstack_embeds is not None else None
+        return replace(self, **moved, extras={k: v.to(device) for k, v in self.extras.items()}, deepstack_embeds=layers)
+
+    def flash_attn_kwargs(self) -> dict:
+        """transformers' FlashAttentionKwargs, for flash_attention_2 without deriving them from positions."""
+        cu = self.cu_seqlens.to(torch.int32)
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": self.max_seqlen,
+                "max_length_k": self.max_seqlen}
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` in bins of at most `capacity` tokens: longest first, each into the first bin it fits."""
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        target = next((b for b, room in enumerate(free) if lengths[index] <= room), None)
+        if target is None:
+            bins.append([])
+            free.append(capacity)
+            target = len(bins) - 1
+        bins[target].append(index)
+        free[target] -= lengths[index]
+    return bins
+
+
+def text_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... restarting at every record boundary: the row transformers reads documents from."""
+    return torch.cat([torch.arange(int(n)) for n in cu_seqlens.diff()])
+
+
+def pack(records: list[RecordTensors], max_tokens: int) -> PackedBatch:
+    """The records as one checked sequence of at most `max_tokens` tokens."""
+    if not records:
+        raise PackingError("nothing to pack")
+    lengths = torch.tensor([len(r.input_ids) for r in records])
+    cu_seqlens = torch.zeros(len(records) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = lengths.cumsum(0)
+    input_ids = torch.cat([r.input_ids for r in records])
+    token_tags = torch.cat([r.token_tags for r in records])
+    image_positions = torch.cat([r.image_token_positions() + int(start) for r, start in zip(records, cu_seqlens)])
+    # A record without images may store no extra at all: it contributes no rows.
+    names = dict.fromkeys(name for r in records for name in r.extras)
+    extras = {name: torch.cat([r.extras[name] for r in records if name in r.extras]) for name in names}
+    image_embeds = torch.cat([r.image_embeds for r in records])
+    batch = PackedBatch(
+        ids=[r.id for r in records], input_ids=input_ids[None], labels=_labels(input_ids, token_tags, cu_seqlens)[None],
+        token_tags=token_tags[None], document_ids=torch.cat([torch.full((int(n),), i) for i, n in enumerate(lengths)])[None],
+        position_ids=_position_ids(records, cu_seqlens), cu_seqlens=cu_seqlens, max_seqlen=int(lengths.max()),
+        image_embeds=image_embeds, image_positions=image_positions,
+        grid_thw=torch.cat([r.grid_thw for r in records]), extras=extras,
+        deepstack_embeds=_deepstack_layers(extras.get("deepstack_embeds"), image_embeds.shape[1]))
+    check_packed(batch, max_tokens)
+    return batch
+
+
+def _labels(input_ids: torch.Tensor, token_tags: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    # A record's first token would otherwise be the target of the previous record's last token.
+    labels = input_ids.clone()
+    labels[token_tags == IMAGE] = IGNORE_INDEX
+    labels[cu_seqlens[:-1].long()] = IGNORE_INDEX
+    return labels
+
+
+def _position_ids(records: list[RecordTensors], cu_seqlens: torch.Tensor) -> torch.Tensor:
+    text = text_positions(cu_seqlens)
+    if records[0].position_ids is None:
+        return text[None]
+    # Stored M-RoPE rows start at 0 in every record already; the text row on top is what tells
+    # transformers where the records are (a [3, B, L] tensor gives it nothing to detect).
+    mrope = torch.cat([r.position_ids for r in records], dim=1)
+    return torch.cat([text[None], mrope])[:, None]
+
+
+def _deepstack_layers(stacked: torch.Tensor | None, hidden: int) -> list[torch.Tensor] | None:
+    # Stored with the layers side by side along hidden, each as wide as image_embeds.
+    return list(stacked.split(hidden, dim=1)) if stacked is not None else None
+
+
+def check_packed(batch: PackedBatch, max_tokens: int) -> None:
+    """The invariants of a packed sequence (prompts-and-checks.md C11, A5, A6); PackingError names the first broken one."""
+    length = batch.num_tokens
+    cu = batch.cu_seqlens.long()
+    _require(0 < length <= max_tokens, f"packed length {length} is not within 1..max_tokens={max_tokens}")
+    for name in ("labels", "token_tags", "document_ids"):
+        _require(getattr(batch, name).shape == (1, length),
+                 f"{name} must cover the packed sequence [1, {length}], got {list(getattr(batch, name).shape)}")
+    _require(batch.position_ids.shape[-1] == length,
+             f"position_ids must cover the packed sequence ({length}), got {list(batch.position_ids.shape)}")
+    _require(len(cu) == len(batch.ids) + 1 and int(cu[0]) == 0 and bool((cu.diff() > 0).all()) and int(cu[-1]) == length,
+             f"cu_seqlens {cu.tolist()} must start at 0, increase and end at the packed length {length}")
+    _require(batch.max_seqlen == int(cu.diff().max()), f"max_seqlen {batch.max_seqlen} != longest record")
+    text_row = batch.position_ids.reshape(-1, length)[0]
+    _require(torch.equal(text_row, text_positions(batch.cu_seqlens)),
+             "the text position row must restart at 0 at every cu_seqlens boundary and count up by 1")
+    image_tokens = batch.token_tags[0] == IMAGE
+    _require(len(batch.image_positions) == len(batch.image_embeds) == int(image_tokens.sum()),
+             f"{len(batch.image_embeds)} image_embeds rows, {len(batch.image_positions)} positions and "
+             f"{int(image_tokens.sum())} image tokens must be equal")
+    _require(bool(image_tokens[batch.image_positions].all()), "an image position is not on an image token")
+    _require(bool((batch.labels[0][image_tokens] == IGNORE_INDEX).all()), "an image token has a label")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise PackingError(message)
