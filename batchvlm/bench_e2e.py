@@ -80,6 +80,8 @@ def bench_e2e(config) -> dict:
         model = ModelConfig(path=str(base_kimi_checkpoint()) if config.tower == "base" else None, device=config.device)
         job = Job(job_config(path, out, model, config.records), out / "e2e")
         summary = job.run_all()
+        if summary["written"] != config.records:  # a ratio over quarantined records would measure nothing
+            raise RuntimeError(f"the e2e job quarantined records: {summary['by_check']}")
         stages, batches, rows = stage_rates(job, images)
         tower_s = sum(timed(lambda b=b: job.on_device.encoder(b.pixel_values, b.grid_thw))[0] for b in batches)
         sink_s, bare_s = sink_against_bare_write(job, rows, out)

@@ -163,7 +163,7 @@ def _write_kimi_k25(folder: Path, vision: dict = TINY_KIMI_VISION) -> None:
                          kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
                          max_position_embeddings=8192, n_group=1, topk_group=1),
         vision_config=dict(**vision, patch_size=14, rope_parameters={"rope_type": "axial", "rope_theta": 10000.0}),
-        projection_hidden_size=32, image_token_id=ids["<|media_pad|>"],
+        projection_hidden_size=vision["hidden_size"], image_token_id=ids["<|media_pad|>"],
         video_token_id=ids["<|kimi_k25_video_placeholder|>"], vision_start_token_id=ids["<|media_begin|>"],
         vision_end_token_id=ids["<|media_end|>"], tie_word_embeddings=False)
     torch.manual_seed(0)
