@@ -21,7 +21,7 @@ import torch
 from batchvlm.checks import CheckFailed, require
 from batchvlm.config import ConfigError
 from batchvlm.faults import fault
-from batchvlm.kernels.reference import normalized_image
+from batchvlm.kernels.reference import composite, resize_image
 from batchvlm.records import DecodedImage, ImagePlan, PackedBatch, PreparedRecord
 
 log = logging.getLogger("batchvlm")
@@ -61,19 +61,50 @@ def _images_and_plans(records: list[PreparedRecord]) -> tuple[list[DecodedImage]
 
 
 class TorchPreprocessor:
-    """The family's pixel contract in plain torch ops (kernels/reference.py), image by image."""
+    """The family's pixel contract in plain torch ops (kernels/reference.py), image by image.
+
+    The image stays uint8 through padding and is normalized where it has the fewest values: as rows, after a
+    uint8 patchify that moves a quarter of the bytes a float one would (Kimi, SigLIP2), or before patchify where
+    a row repeats the image over frames (Qwen). Every value before normalization is an integer in 0..255 (the
+    resize rounds and clamps, compositing floors), so the rows equal reference.normalized_image's patchified,
+    bit for bit.
+    """
 
     def __init__(self, family, device: torch.device, background: str):
         self.family = family
         self.device = device
         self.background = background
         self.scale, self.bias = (t.view(3, 1, 1) for t in normalization(family, device))
+        self.row_scale, self.row_bias = (self._as_row(t) for t in (self.scale, self.bias))
+
+    def _as_row(self, per_channel: torch.Tensor) -> torch.Tensor:
+        """A (3, 1, 1) per-channel value laid out as one row of the family's layout (broadcasts over the rows)."""
+        window = self.family.layout.patch_size * self.family.layout.merge_size
+        return self.family.patchify(per_channel.expand(3, window, window))[:1]
+
+    def padded_uint8(self, pixels: torch.Tensor, plan: ImagePlan) -> torch.Tensor:
+        """HWC uint8 (RGB or RGBA) -> CHW uint8 at the padded size: resized, composited, padded with raw 0."""
+        image = pixels.permute(2, 0, 1)
+        # Kimi never scales up, so most images keep their size: a same-size resize is a whole filter pass for nothing.
+        if tuple(image.shape[1:]) != plan.resized:
+            image = resize_image(image, plan.resized, self.family.resample)
+        image = composite(image, self.background)
+        height, width = image.shape[1:]
+        # Channels last, as decoded: rows of the image go in whole; patchify then reads it through a CHW view.
+        canvas = torch.zeros((*plan.padded, 3), dtype=torch.uint8, device=pixels.device)
+        canvas[:height, :width] = image.permute(1, 2, 0)
+        return canvas.permute(2, 0, 1)
+
+    def normalized_rows(self, canvas: torch.Tensor) -> torch.Tensor:
+        """The padded uint8 image as normalized rows, normalized where it has the fewest values."""
+        if self.family.layout.temporal_patch_size > 1:
+            # A still image is repeated in every frame of a row: normalize it once, before it is repeated.
+            return self.family.patchify(canvas.float().mul_(self.scale).add_(self.bias))
+        return self.family.patchify(canvas).float().mul_(self.row_scale).add_(self.row_bias)
 
     def image_rows(self, image: DecodedImage, plan: ImagePlan) -> tuple[torch.Tensor, tuple]:
-        pixels = torch.from_numpy(image.pixels).to(self.device)
-        normalized = normalized_image(pixels, plan.resized, plan.padded, self.family.resample, self.background,
-                                      self.scale, self.bias)
-        return self.family.patchify(normalized), self.family.grid_of(normalized)
+        canvas = self.padded_uint8(torch.from_numpy(image.pixels).to(self.device), plan)
+        return self.normalized_rows(canvas), self.family.grid_of(canvas)
 
     def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
         rows, grids = [], []
