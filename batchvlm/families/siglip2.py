@@ -114,8 +114,8 @@ def packed_attention(module, query, key, value, attention_mask: PackedImages, sc
     for start, count, length in images.runs():
         batch = [t[0, :, start:start + count * length].unflatten(1, (count, length)).transpose(0, 1)
                  for t in (query, key, value)]
-        output, _ = attend(module, *batch, None, scaling=scaling, dropout=dropout, **kwargs)  # [count, length, heads, d]
-        outputs.append(output.flatten(0, 1))
+        output, _ = attend(module, *batch, None, scaling=scaling, dropout=dropout, **kwargs)
+        outputs.append(output.flatten(0, 1))  # [count * length, heads, head_dim]
     return torch.cat(outputs)[None], None
 
 
