@@ -17,6 +17,7 @@ import os
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
 
 from batchvlm.checks import CheckFailed, require
 from batchvlm.config import ConfigError
@@ -55,6 +56,14 @@ def backend_plan(image: DecodedImage, plan: ImagePlan, layout) -> ImagePlan:
     return plan
 
 
+def _resized(image: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Tensor:
+    """reference.resize_image, but left in uint8 on the CPU, where torch runs PIL's own uint8 algorithm; elsewhere
+    its float passes, whose values are whole numbers (each pass rounds and clamps)."""
+    if image.device.type == "cpu":
+        return F.interpolate(image[None], size=size, mode=mode, align_corners=False, antialias=True)[0]
+    return resize_image(image, size, mode)
+
+
 def _images_and_plans(records: list[PreparedRecord]) -> tuple[list[DecodedImage], list[ImagePlan]]:
     return ([image for record in records for image in record.images],
             [plan for record in records for plan in record.plans])
@@ -87,13 +96,16 @@ class TorchPreprocessor:
         image = pixels.permute(2, 0, 1)
         # Kimi never scales up, so most images keep their size: a same-size resize is a whole filter pass for nothing.
         if tuple(image.shape[1:]) != plan.resized:
-            image = resize_image(image, plan.resized, self.family.resample)
+            image = _resized(image, plan.resized, self.family.resample)
         image = composite(image, self.background)
-        height, width = image.shape[1:]
-        # Channels last, as decoded: rows of the image go in whole; patchify then reads it through a CHW view.
-        canvas = torch.zeros((*plan.padded, 3), dtype=torch.uint8, device=pixels.device)
-        canvas[:height, :width] = image.permute(1, 2, 0)
-        return canvas.permute(2, 0, 1)
+        # The canvas takes the image's memory layout (HWC as decoded, CHW once resized), so that filling it copies
+        # whole rows; patchify reads either through a CHW view.
+        channels_last = image.stride(0) == 1
+        canvas = torch.zeros((*plan.padded, 3) if channels_last else (3, *plan.padded), dtype=torch.uint8,
+                             device=pixels.device)
+        canvas = canvas.permute(2, 0, 1) if channels_last else canvas
+        canvas[:, :image.shape[1], :image.shape[2]] = image
+        return canvas
 
     def normalized_rows(self, canvas: torch.Tensor) -> torch.Tensor:
         """The padded uint8 image as normalized rows, normalized where it has the fewest values."""
