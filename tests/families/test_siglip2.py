@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import Siglip2VisionModel
 
 from photos import demo_images, photo_of_size, preprocessed
@@ -119,6 +123,33 @@ def test_attention_across_an_image_boundary_is_caught(siglip, mixed_batch):
                                               .last_hidden_state)[0]
     tokens, _ = per_patch_count_forward(encoder, rows, grids)
     assert largest_difference(list(torch.split(hidden, lengths)), tokens) > 1e-2
+
+
+def test_flash_attention_2_is_handed_the_image_boundaries_as_cu_seqlens(monkeypatch, mixed_batch):
+    """No GPU or flash_attn here: a stand-in for flash_attn_varlen_func (sdpa on each cu_seqlens segment, in flash's
+    tokens-first layout) shows the packed path hands it the sorted images' boundaries and puts its output back
+    where the tokens belong."""
+    rows, grids = mixed_batch
+    encoder = load_family(ModelConfig(family="siglip2")).load_encoder(torch.device("cpu"), torch.float32)
+    tokens, pooled = per_patch_count_forward(encoder, rows, grids)
+    boundaries = []
+
+    def varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+        boundaries.append(cu_seqlens_q.tolist())
+        assert cu_seqlens_q.dtype == torch.int32 and torch.equal(cu_seqlens_q, cu_seqlens_k)
+        assert max_seqlen_q == max_seqlen_k == int(cu_seqlens_q.diff().max())
+        segments = zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist())
+        return torch.cat([F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (query, key, value)),
+                                                         scale=softmax_scale).transpose(0, 1) for a, b in segments])
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=varlen))
+    monkeypatch.setattr(encoder, "attention", "flash_attention_2")
+    packed = encoder(torch.cat(rows), torch.tensor(grids))
+    lengths = sorted(h * w for _, h, w in grids)
+    assert boundaries[0] == [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    assert len(boundaries) == encoder.tower.config.num_hidden_layers
+    assert largest_difference(packed["image_embeds"], tokens) <= 1e-5
+    assert largest_difference(packed["pooled_embeds"], pooled) <= 1e-5
 
 
 def test_packed_batches_carry_no_padding_rows_where_the_processor_pads(siglip):
