@@ -28,10 +28,10 @@ from batchvlm.tokens import FRAME, IMAGE
 
 IMAGE_TOKEN = "<image_soft_token>"
 FRAME_TOKENS = ("<start_of_image>", "<end_of_image>")
-# model_type: weight prefixes, the specific before the catch-all (vision models saved by transformers 4
-# keep a vision_model. prefix that 5.x strips on load)
 # The attention implementation the tower runs under once packed (registered with transformers by SiglipEncoder).
 PACKED_ATTENTION = "batchvlm_packed_images"
+# model_type: weight prefixes, the specific before the catch-all (vision models saved by transformers 4
+# keep a vision_model. prefix that 5.x strips on load)
 CHECKPOINTS = {"siglip2_vision_model": ("vision_model.", ""), "siglip2": ("vision_model.",)}
 
 
@@ -137,6 +137,8 @@ class SiglipEncoder(torch.nn.Module):
         from transformers import AttentionInterface
 
         super().__init__()
+        # Siglip2Attention hands its attention function nothing but the mask from the encoder's caller (no
+        # cu_seqlens), so the image boundaries ride in the mask argument, under an implementation of our own.
         AttentionInterface.register(PACKED_ATTENTION, packed_attention)
         self.attention = tower.config._attn_implementation
         tower.config._attn_implementation = PACKED_ATTENTION
