@@ -98,6 +98,8 @@ class TorchPreprocessor:
         if tuple(image.shape[1:]) != plan.resized:
             image = _resized(image, plan.resized, self.family.resample)
         image = composite(image, self.background)
+        if image.dtype == torch.uint8 and tuple(image.shape[1:]) == plan.padded:
+            return image  # nothing to pad (Qwen and SigLIP2 never pad)
         # The canvas takes the image's memory layout (HWC as decoded, CHW once resized), so that filling it copies
         # whole rows; patchify reads either through a CHW view.
         channels_last = image.stride(0) == 1
