@@ -1,4 +1,5 @@
-"""siglip2 (NaFlex) against the reference's worked examples and HF's padded forward, image by image."""
+"""siglip2 (NaFlex) against the reference's worked examples, HF's padded forward image by image, and the former one
+tower call per patch count (the one packed call must equal it)."""
 
 from __future__ import annotations
 
