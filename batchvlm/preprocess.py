@@ -17,11 +17,12 @@ import os
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
 
 from batchvlm.checks import CheckFailed, require
 from batchvlm.config import ConfigError
 from batchvlm.faults import fault
-from batchvlm.kernels.reference import normalized_image
+from batchvlm.kernels.reference import composite, resize_image
 from batchvlm.records import DecodedImage, ImagePlan, PackedBatch, PreparedRecord
 
 log = logging.getLogger("batchvlm")
@@ -55,25 +56,69 @@ def backend_plan(image: DecodedImage, plan: ImagePlan, layout) -> ImagePlan:
     return plan
 
 
+def _resized(image: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Tensor:
+    """reference.resize_image, but left in uint8 on the CPU, where torch runs PIL's own uint8 algorithm; elsewhere
+    its float passes, whose values are whole numbers (each pass rounds and clamps)."""
+    if image.device.type == "cpu":
+        return F.interpolate(image[None], size=size, mode=mode, align_corners=False, antialias=True)[0]
+    return resize_image(image, size, mode)
+
+
 def _images_and_plans(records: list[PreparedRecord]) -> tuple[list[DecodedImage], list[ImagePlan]]:
     return ([image for record in records for image in record.images],
             [plan for record in records for plan in record.plans])
 
 
 class TorchPreprocessor:
-    """The family's pixel contract in plain torch ops (kernels/reference.py), image by image."""
+    """The family's pixel contract in plain torch ops (kernels/reference.py), image by image.
+
+    The image stays uint8 through padding and is normalized where it has the fewest values: as rows, after a
+    uint8 patchify that moves a quarter of the bytes a float one would (Kimi, SigLIP2), or before patchify where
+    a row repeats the image over frames (Qwen). Every value before normalization is an integer in 0..255 (the
+    resize rounds and clamps, compositing floors), so the rows equal reference.normalized_image's patchified,
+    bit for bit.
+    """
 
     def __init__(self, family, device: torch.device, background: str):
         self.family = family
         self.device = device
         self.background = background
         self.scale, self.bias = (t.view(3, 1, 1) for t in normalization(family, device))
+        self.row_scale, self.row_bias = (self._as_row(t) for t in (self.scale, self.bias))
+
+    def _as_row(self, per_channel: torch.Tensor) -> torch.Tensor:
+        """A (3, 1, 1) per-channel value laid out as one row of the family's layout (broadcasts over the rows)."""
+        window = self.family.layout.patch_size * self.family.layout.merge_size
+        return self.family.patchify(per_channel.expand(3, window, window))[:1]
+
+    def padded_uint8(self, pixels: torch.Tensor, plan: ImagePlan) -> torch.Tensor:
+        """HWC uint8 (RGB or RGBA) -> CHW uint8 at the padded size: resized, composited, padded with raw 0."""
+        image = pixels.permute(2, 0, 1)
+        # Kimi never scales up, so most images keep their size: a same-size resize is a whole filter pass for nothing.
+        if tuple(image.shape[1:]) != plan.resized:
+            image = _resized(image, plan.resized, self.family.resample)
+        image = composite(image, self.background)
+        if image.dtype == torch.uint8 and tuple(image.shape[1:]) == plan.padded:
+            return image  # nothing to pad (Qwen and SigLIP2 never pad)
+        # The canvas takes the image's memory layout (HWC as decoded, CHW once resized), so that filling it copies
+        # whole rows; patchify reads either through a CHW view.
+        channels_last = image.stride(0) == 1
+        canvas = torch.zeros((*plan.padded, 3) if channels_last else (3, *plan.padded), dtype=torch.uint8,
+                             device=pixels.device)
+        canvas = canvas.permute(2, 0, 1) if channels_last else canvas
+        canvas[:, :image.shape[1], :image.shape[2]] = image
+        return canvas
+
+    def normalized_rows(self, canvas: torch.Tensor) -> torch.Tensor:
+        """The padded uint8 image as normalized rows, normalized where it has the fewest values."""
+        if self.family.layout.temporal_patch_size > 1:
+            # A still image is repeated in every frame of a row: normalize it once, before it is repeated.
+            return self.family.patchify(canvas.float().mul_(self.scale).add_(self.bias))
+        return self.family.patchify(canvas).float().mul_(self.row_scale).add_(self.row_bias)
 
     def image_rows(self, image: DecodedImage, plan: ImagePlan) -> tuple[torch.Tensor, tuple]:
-        pixels = torch.from_numpy(image.pixels).to(self.device)
-        normalized = normalized_image(pixels, plan.resized, plan.padded, self.family.resample, self.background,
-                                      self.scale, self.bias)
-        return self.family.patchify(normalized), self.family.grid_of(normalized)
+        canvas = self.padded_uint8(torch.from_numpy(image.pixels).to(self.device), plan)
+        return self.normalized_rows(canvas), self.family.grid_of(canvas)
 
     def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
         rows, grids = [], []

@@ -10,6 +10,7 @@ positional table. Stored: the patch tokens per image (image_embeds) and the atte
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from batchvlm.tokens import FRAME, IMAGE
 
 IMAGE_TOKEN = "<image_soft_token>"
 FRAME_TOKENS = ("<start_of_image>", "<end_of_image>")
+# The attention implementation the tower runs under once packed (registered with transformers by SiglipEncoder).
+PACKED_ATTENTION = "batchvlm_packed_images"
 # model_type: weight prefixes, the specific before the catch-all (vision models saved by transformers 4
 # keep a vision_model. prefix that 5.x strips on load)
 CHECKPOINTS = {"siglip2_vision_model": ("vision_model.", ""), "siglip2": ("vision_model.",)}
@@ -72,13 +75,73 @@ def naflex_plan(height: int, width: int, params: SiglipProcessorParams) -> Image
                      num_tokens=grid[1] * grid[2])
 
 
+@dataclass(frozen=True)
+class PackedImages:
+    """What the packed attention is given in place of a mask: the images of one packed sequence, in
+    sequence order (equal lengths adjacent), and the tower's own attention implementation."""
+
+    lengths: tuple[int, ...]
+    attention: str
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """(first token, image count, patch count) of each run of equal lengths, in sequence order."""
+        runs, start = [], 0
+        for length, run in itertools.groupby(self.lengths):
+            count = len(list(run))
+            runs.append((start, count, length))
+            start += count * length
+        return runs
+
+    def cu_seqlens(self, device: torch.device) -> torch.Tensor:
+        ends = torch.tensor(self.lengths, device=device).cumsum(0)
+        return torch.nn.functional.pad(ends, (1, 0)).to(torch.int32)
+
+
+def packed_attention(module, query, key, value, attention_mask: PackedImages, scaling: float, dropout: float = 0.0,
+                     **kwargs):
+    """Siglip2Attention's attention interface on a whole packed batch ([1, heads, tokens, head_dim]): every image
+    attends only to itself. flash_attention_2 takes the image boundaries (cu_seqlens) in one varlen call; the other
+    implementations run once per run of equal lengths, as a batch that needs no mask, so memory stays linear in the
+    batch and the numbers are those of one tower call per patch count."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.siglip2.modeling_siglip2 import eager_attention_forward
+
+    images = attention_mask
+    if images.attention == "flash_attention_2":
+        return _flash_varlen(query, key, value, images, scaling), None
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(images.attention, eager_attention_forward)
+    outputs = []
+    for start, count, length in images.runs():
+        batch = [t[0, :, start:start + count * length].unflatten(1, (count, length)).transpose(0, 1)
+                 for t in (query, key, value)]
+        output, _ = attend(module, *batch, None, scaling=scaling, dropout=dropout, **kwargs)
+        outputs.append(output.flatten(0, 1))  # [count * length, heads, head_dim]
+    return torch.cat(outputs)[None], None
+
+
+def _flash_varlen(query, key, value, images: PackedImages, scaling: float) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func
+
+    cu_seqlens = images.cu_seqlens(query.device)
+    longest = max(images.lengths)
+    tokens_first = [t[0].transpose(0, 1) for t in (query, key, value)]  # [tokens, heads, d], flash's varlen layout
+    return flash_attn_varlen_func(*tokens_first, cu_seqlens, cu_seqlens, longest, longest, softmax_scale=scaling)[None]
+
+
 class SiglipEncoder(torch.nn.Module):
     """Siglip2VisionModel's own modules on a packed batch: no padding rows to max_num_patches, each image
-    attending only to itself with its own resized positional table. Images with the same patch count
-    run through the encoder as one batch (no mask needed), so no attention is spent across images."""
+    attending only to itself with its own resized positional table. The whole batch runs through the
+    encoder in one call; only attention sees the image boundaries (`packed_attention`)."""
 
     def __init__(self, tower: torch.nn.Module):
+        from transformers import AttentionInterface
+
         super().__init__()
+        # Siglip2Attention hands its attention function nothing but the mask from the encoder's caller (no
+        # cu_seqlens), so the image boundaries ride in the mask argument, under an implementation of our own.
+        AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+        self.attention = tower.config._attn_implementation
+        tower.config._attn_implementation = PACKED_ATTENTION
         self.tower = tower
         size = tower.config.hidden_size
         self.hidden_sizes = {"image_embeds": size}
@@ -100,27 +163,26 @@ class SiglipEncoder(torch.nn.Module):
         shapes = [(int(h), int(w)) for _, h, w in grid_thw.tolist()]
         lengths = [h * w for h, w in shapes]
         embedded = torch.split(self.embed(pixel_values, shapes), lengths)
-        tokens: list[torch.Tensor | None] = [None] * len(shapes)
-        pooled: list[torch.Tensor | None] = [None] * len(shapes)
-        for members in _indices_by_value(lengths):
-            batch = torch.stack([embedded[i] for i in members])
-            hidden = self.tower.post_layernorm(self.tower.encoder(inputs_embeds=batch).last_hidden_state)
-            heads = self.tower.head(hidden) if self.tower.use_head else None  # [batch, hidden]
-            for row, i in enumerate(members):
-                tokens[i] = hidden[row]
-                if heads is not None:
-                    pooled[i] = heads[row:row + 1]
-        outputs = {"image_embeds": tokens}
+        # Sorted by length (stable), so that images of equal length are adjacent runs in the sequence.
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        images = PackedImages(tuple(lengths[i] for i in order), self.attention)
+        sequence = torch.cat([embedded[i] for i in order])[None]
+        hidden = self.tower.post_layernorm(self.tower.encoder(inputs_embeds=sequence, attention_mask=images)
+                                           .last_hidden_state)[0]
+        tokens = dict(zip(order, torch.split(hidden, images.lengths)))
+        outputs = {"image_embeds": [tokens[i] for i in range(len(lengths))]}
         if self.tower.use_head:
-            outputs["pooled_embeds"] = pooled
+            pooled = dict(zip(order, self.pooled(hidden, images)))
+            outputs["pooled_embeds"] = [pooled[i] for i in range(len(lengths))]
         return outputs
 
-
-def _indices_by_value(values: list[int]) -> list[list[int]]:
-    groups: dict[int, list[int]] = {}
-    for index, value in enumerate(values):
-        groups.setdefault(value, []).append(index)
-    return list(groups.values())
+    def pooled(self, hidden: torch.Tensor, images: PackedImages) -> list[torch.Tensor]:
+        """The attention-pooling head, one call per run of equal lengths (a batch that needs no mask); [1, hidden]
+        per image, in sequence order."""
+        pooled = []
+        for start, count, length in images.runs():
+            pooled.extend(self.tower.head(hidden[start:start + count * length].unflatten(0, (count, length))).split(1))
+        return pooled
 
 
 class Siglip2(PatchFamily):
