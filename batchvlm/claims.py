@@ -1,7 +1,7 @@
 """Work claiming through the run directory: exclusive, leased claims on named tasks.
 
-A claim on task T is the file `T.<generation>`, created with O_CREAT|O_EXCL, which exactly one
-process can do. Its holder keeps it alive through a per-process heartbeat file that a thread
+A claim on task T is the file `T.<generation>`, published with a hard link (which fails if the
+name exists, as O_EXCL does, and never shows a half-written file), which exactly one process can do. Its holder keeps it alive through a per-process heartbeat file that a thread
 touches; a claim whose holder's heartbeat is older than the lease is taken over by creating the
 next generation, again exclusively, so of several ranks that see a dead holder one wins. The
 newest generation is the claim that counts: a holder checks it still has it before it commits

@@ -60,12 +60,12 @@ def durable_write(path: Path, write) -> None:
     publish(tmp, path)
 
 
-def json_bytes(payload: dict) -> str:
+def json_text(payload: dict) -> str:
     return json.dumps(payload, indent=2, sort_keys=True)
 
 
 def durable_write_json(path: Path, payload: dict) -> None:
-    durable_write(path, lambda tmp: tmp.write_text(json_bytes(payload)))
+    durable_write(path, lambda tmp: tmp.write_text(json_text(payload)))
 
 
 def read_json(path: Path) -> dict | None:

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from batchvlm.assemble import DATA_SCHEMA, QUARANTINE_SCHEMA
 from batchvlm.claims import Claim, Claims
 from batchvlm.dedup import write_ids
-from batchvlm.durable import TMP_MARK, json_bytes, publish, publish_exclusive, sha256_file, temporary_name
+from batchvlm.durable import TMP_MARK, json_text, publish, publish_exclusive, sha256_file, temporary_name
 from batchvlm.faults import crash_point
 from batchvlm.preprocess import merged_stats
 from batchvlm.records import WorkUnit
@@ -161,17 +161,10 @@ class RunSink:
         unit = state.unit
         if self.claims is not None and not self.claims.holds(state.claim):
             return self._give_up(state, "another rank took the unit over")
-        files = {}
-        for kind, shard in state.shards.items():
-            shard.finish()
-            if shard.rows:
-                publish(shard.tmp, shard.path)
-                files[kind] = self._listing(shard.path, shard.rows)
-        ids_path = self.run_dir / "ids" / f"{unit.unit_id}.{state.claim.token}.parquet"
-        ids_tmp = temporary_name(ids_path)
-        buckets = write_ids(ids_tmp, state.ids, self.dedup_buckets)
-        publish(ids_tmp, ids_path)
-        files["ids"] = {**self._listing(ids_path, len(state.ids)), "buckets": buckets}
+        try:
+            files = self._publish_files(state)
+        except FileNotFoundError:  # a holder that outlived its lease: the run's end cleared its files
+            return self._give_up(state, "its files were removed after another rank committed the unit")
         crash_point("commit.before_manifest")
         written = state.shards["data"].rows
         manifest = {"unit": unit.unit_id, "source": unit.source, "start": unit.start, "stop": unit.stop,
@@ -180,7 +173,7 @@ class RunSink:
                     "rank": self.rank, "claim": state.claim.token}
         path = self.manifest_path(unit.unit_id)
         tmp = temporary_name(path)
-        tmp.write_text(json_bytes(manifest))
+        tmp.write_text(json_text(manifest))
         if not publish_exclusive(tmp, path):
             for listed in files.values():
                 (self.run_dir / listed["path"]).unlink(missing_ok=True)
@@ -188,6 +181,21 @@ class RunSink:
             log.info("unit %s was committed by another rank first; this rank's copy is removed", unit.unit_id)
             return None
         return manifest
+
+    def _publish_files(self, state: OpenUnit) -> dict:
+        """Shards with rows, then the ids file, each renamed to its final name; their manifest listings."""
+        files = {}
+        for kind, shard in state.shards.items():
+            shard.finish()
+            if shard.rows:
+                publish(shard.tmp, shard.path)
+                files[kind] = self._listing(shard.path, shard.rows)
+        ids_path = self.run_dir / "ids" / f"{state.unit.unit_id}.{state.claim.token}.parquet"
+        ids_tmp = temporary_name(ids_path)
+        buckets = write_ids(ids_tmp, state.ids, self.dedup_buckets)
+        publish(ids_tmp, ids_path)
+        files["ids"] = {**self._listing(ids_path, len(state.ids)), "buckets": buckets}
+        return files
 
     def _give_up(self, state: OpenUnit, why: str) -> None:
         for shard in state.shards.values():

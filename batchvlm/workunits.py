@@ -32,10 +32,6 @@ class Plan:
     units: list[WorkUnit]
     dedup_buckets: int
 
-    @property
-    def known_records(self) -> int:
-        return sum(unit.num_rows or 0 for unit in self.units)
-
     def claim_order(self) -> list[WorkUnit]:
         """Largest first (bytes, then rows), so the last units any rank takes are small ones."""
         return sorted(self.units, key=lambda u: (-u.nbytes, -(u.num_rows or 0), u.unit_id))

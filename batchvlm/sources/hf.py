@@ -79,9 +79,8 @@ class HFSource(Source):
 
     def _record(self, values: dict, unit_id: str, row: int, seq: int) -> SourceRecord:
         (item,) = self.inputs.values()
-        record = record_from_row(self.cfg, values, unit_id, item.location, row, seq, self.cfg.path,
-                                 id_value=None if self.cfg.id_column in values else self._path_id(values, row))
-        return record
+        return record_from_row(self.cfg, values, unit_id, item.location, row, seq, self.cfg.path,
+                               id_value=None if self.cfg.id_column in values else self._path_id(values, row))
 
     def _path_id(self, values: dict, row: int) -> str:
         """An imagefolder without an id column: the first image's path inside the folder is the record's key."""
