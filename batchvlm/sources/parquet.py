@@ -8,6 +8,7 @@ record batch of one row group at a time.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,6 +19,7 @@ from batchvlm.sources import InputFile, Source, cut_units, list_files, open_inpu
 
 FOOTER_BLOCK = 1 << 16
 """Read size for footers of remote files: fsspec's default blocks (MBs) would fetch data pages too."""
+FOOTER_READERS = 16
 BATCH_ROWS = 64
 
 
@@ -47,17 +49,18 @@ class ParquetSource(Source):
         return list(dict.fromkeys([*wanted.values(), *(["error_message"] if "error_message" in names else [])]))
 
     def plan(self) -> list[WorkUnit]:
-        units = []
-        for item in self.inputs.values():
-            file = self._open(item, block_size=FOOTER_BLOCK)
-            self._columns(item, file)
-            meta = file.metadata
-            groups = [(meta.row_group(i).num_rows,
-                       sum(meta.row_group(i).column(c).total_compressed_size for c in range(meta.num_columns)))
-                      for i in range(meta.num_row_groups)]
-            units += cut_units(item.name, _limited(groups, self.cfg.limit), self.cfg.unit_records,
-                               self.cfg.unit_bytes)
-        return units
+        # Footers are small reads whose time is latency on an object store: many at once, in input order.
+        with ThreadPoolExecutor(FOOTER_READERS) as pool:
+            return [unit for units in pool.map(self._plan_input, self.inputs.values()) for unit in units]
+
+    def _plan_input(self, item: InputFile) -> list[WorkUnit]:
+        file = self._open(item, block_size=FOOTER_BLOCK)
+        self._columns(item, file)
+        meta = file.metadata
+        groups = [(meta.row_group(i).num_rows,
+                   sum(meta.row_group(i).column(c).total_compressed_size for c in range(meta.num_columns)))
+                  for i in range(meta.num_row_groups)]
+        return cut_units(item.name, _limited(groups, self.cfg.limit), self.cfg.unit_records, self.cfg.unit_bytes)
 
     def _rows(self, item: InputFile, start: int, stop: int) -> Iterator[tuple[int, dict]]:
         """(row, values) for rows [start, stop) of a file, reading only the row groups that hold them."""
