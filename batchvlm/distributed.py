@@ -69,8 +69,7 @@ class Coordinator:
             self.root.mkdir(parents=True)
             durable_write_json(token, {"attempt": uuid.uuid4().hex, "world": ranks.world})
         ranks.barrier()
-        attempt = json.loads(token.read_text())["attempt"]
-        self.attempt = self.root / attempt
+        self.attempt = self.root / json.loads(token.read_text())["attempt"]
         self.attempt.mkdir(parents=True, exist_ok=True)
         self.owner = owner_name(ranks.rank, uuid.uuid4().hex[:8])
         self._last_report = 0.0

@@ -26,7 +26,6 @@ from batchvlm.decode import Decoder
 from batchvlm.claims import Claims, Heartbeat
 from batchvlm.dedup import commit_bucket, find_duplicates, result_path
 from batchvlm.distributed import Coordinator, init_ranks
-from batchvlm.durable import read_json
 from batchvlm.encode import encode_batch
 from batchvlm.faults import crash_point
 from batchvlm.families import load_family
@@ -299,7 +298,7 @@ class Job:
                 time.sleep(self.job.runtime.poll_s)
                 continue
             if manifests is None:  # in plan order: the first occurrence is the one kept
-                manifests = [read_json(self.sink.manifest_path(unit.unit_id)) for unit in plan.units]
+                manifests = plan.manifests(self.run.path)
             bucket = int(claim.task.rsplit("-", 1)[1])
             duplicates = find_duplicates(self.run.path, manifests, bucket, locations)
             if claims.holds(claim):

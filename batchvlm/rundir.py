@@ -96,7 +96,7 @@ class RunDir:
 
         Later occurrences of an id that the duplicate pass found in data shards count as quarantined under
         source.duplicate_id (the reader leaves them out), so records_in == written + quarantined holds."""
-        manifests = [m for unit in plan.units if (m := read_json(self.path / "manifest" / f"{unit.unit_id}.json"))]
+        manifests = [manifest for manifest in plan.manifests(self.path) if manifest is not None]
         buckets = bucket_results(self.path, plan.dedup_buckets)
         moved = sum(result["in_data"] for result in buckets if result)
         by_check: dict[str, int] = {}

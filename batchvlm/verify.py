@@ -96,10 +96,9 @@ def _verify_unit(run_dir: Path, unit, manifest: dict) -> list[str]:
 
 
 def _verify_duplicates(run_dir: Path, plan, manifests: list[dict]) -> list[str]:
-    """Bucket by bucket: the later occurrences found again must be exactly those the run listed."""
+    """Bucket by bucket: the later occurrences found again must be exactly those the run listed.
+    `manifests` are in plan order, as `verify_run` reads them."""
     locations = {item.name: item.location for item in plan.inputs}
-    order = {unit.unit_id: index for index, unit in enumerate(plan.units)}
-    manifests = sorted(manifests, key=lambda m: order[m["unit"]])
     results = bucket_results(run_dir, plan.dedup_buckets)
     problems = [f"{FOLDER}/{bucket:05d}.json: the duplicate pass did not commit this bucket"
                 for bucket, result in enumerate(results) if result is None]

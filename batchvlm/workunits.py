@@ -15,7 +15,7 @@ from pathlib import Path
 
 from batchvlm.config import ConfigError, DatasetConfig
 from batchvlm.records import WorkUnit
-from batchvlm.durable import durable_write_json
+from batchvlm.durable import durable_write_json, read_json
 from batchvlm.sources import InputFile, Source
 
 PLAN_FILE = "units.json"
@@ -31,6 +31,11 @@ class Plan:
     params: dict
     units: list[WorkUnit]
     dedup_buckets: int
+
+    def manifests(self, run_dir: Path) -> list[dict | None]:
+        """Each unit's manifest in plan order (the order the first occurrence of an id is decided by), None
+        where the unit is not committed."""
+        return [read_json(run_dir / "manifest" / f"{unit.unit_id}.json") for unit in self.units]
 
     def claim_order(self) -> list[WorkUnit]:
         """Largest first (bytes, then rows), so the last units any rank takes are small ones."""
