@@ -34,8 +34,14 @@ class RecordTensors:
 
     def image_token_positions(self) -> torch.Tensor:
         """Sequence positions of the image tokens, in the order of the rows of image_embeds."""
-        return torch.cat([torch.arange(s, s + n) for s, n in self.image_spans.tolist()]) \
-            if len(self.image_spans) else torch.zeros(0, dtype=torch.int64)
+        spans = self.image_spans.numpy()
+        return torch.from_numpy(span_positions(spans[:, 0], spans[:, 1]))
+
+
+def span_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """start, start+1, ..., start+length-1 for every span, in span order, in one pass over all spans."""
+    before = np.cumsum(lengths) - lengths  # the output index each span begins at
+    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts - before, lengths)
 
 
 def embedding_layout(schema: pa.Schema) -> tuple[torch.dtype, int]:
@@ -48,48 +54,53 @@ def _hidden_size(schema: pa.Schema, name: str) -> int | None:
     return int(value) if value is not None else None
 
 
-def _embeddings(table: pa.Table, name: str, index: int, dtype: torch.dtype, hidden: int) -> torch.Tensor:
-    """One row's embedding column as a [rows, hidden] view on the Arrow buffer (no copy)."""
-    blob = _value_buffer(table.column(name), index)
-    if blob.size == 0:
-        return torch.zeros((0, hidden), dtype=dtype)
+def _row_embeddings(column: pa.ChunkedArray, dtype: torch.dtype, hidden: int) -> list[torch.Tensor]:
+    """Every row of a large_binary embedding column as a [rows, hidden] view on the Arrow data buffer: one
+    tensor over the whole buffer, split at the row offsets (no copy). A null row is empty."""
+    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    _, offsets, data = array.buffers()
+    bounds = np.frombuffer(offsets, dtype=np.int64)[array.offset:array.offset + len(array) + 1]
+    if data is None or bounds[-1] == bounds[0]:
+        return [torch.zeros((0, hidden), dtype=dtype)] * len(array)
     with warnings.catch_warnings():
-        # Arrow buffers are read-only; the tensor is a view on them, which is the point.
+        # Arrow buffers are read-only; the tensors are views on them, which is the point.
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(memoryview(blob), dtype=dtype).view(-1, hidden)
-
-
-def _value_buffer(column: pa.ChunkedArray, index: int) -> pa.Buffer:
-    """The bytes of one large_binary value as a slice of the column's data buffer (no copy)."""
-    for chunk in column.chunks:
-        if index < len(chunk):
-            _, offsets, data = chunk.buffers()
-            start, stop = (int(v) for v in memoryview(offsets).cast("q")[chunk.offset + index:chunk.offset + index + 2])
-            return data.slice(start, stop - start) if data is not None else pa.py_buffer(b"")
-        index -= len(chunk)
-    raise IndexError(index)
+        values = torch.frombuffer(memoryview(data.slice(int(bounds[0]), int(bounds[-1] - bounds[0]))), dtype=dtype)
+    rows_per_record = (np.diff(bounds) // (values.element_size() * hidden)).tolist()
+    return list(values.view(-1, hidden).split(rows_per_record))
 
 
 def _row_tensors(column: pa.ChunkedArray, dtype: torch.dtype) -> list[torch.Tensor]:
-    """A (nested) list column as one flat tensor per row, converted in one pass: every level flattened,
-    the values split where their row changes. A struct's fields become the columns of an [n, fields] tensor."""
+    """A (nested) list column as one flat tensor per row, converted in one pass: the row bounds followed down
+    the offsets of every level to the values, which are split at them. A struct's fields become the columns
+    of an [n, fields] tensor."""
     array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    rows = np.arange(len(array))
-    while pa.types.is_list(array.type) or pa.types.is_fixed_size_list(array.type):
-        rows = rows[pc.list_parent_indices(array).to_numpy()]
-        array = pc.list_flatten(array)
+    bounds = np.arange(len(array) + 1)
+    while True:
+        if pa.types.is_fixed_size_list(array.type):
+            bounds = (bounds + array.offset) * array.type.list_size
+        elif pa.types.is_list(array.type):
+            bounds = array.offsets.to_numpy()[bounds]
+        else:
+            break
+        array = array.values  # the whole child, whatever slice of it this array covers: hence the bounds
     fields = array.flatten() if pa.types.is_struct(array.type) else [array]
-    values = torch.from_numpy(np.stack([f.to_numpy(zero_copy_only=False) for f in fields], axis=-1)).to(dtype)
-    return list(values.split(np.bincount(rows, minlength=len(column)).tolist()))
+    values = np.stack([f.to_numpy(zero_copy_only=False)[bounds[0]:bounds[-1]] for f in fields], axis=-1)
+    return list(torch.from_numpy(values).to(dtype).split(np.diff(bounds).tolist()))
+
+
+TENSOR_COLUMNS = ("id", "input_ids", "image_embeds", "grid_thw", "image_spans", "token_tags", "position_ids",
+                  "rope_delta", *EXTRA_OUTPUTS)
+"""The columns table_tensors reads; a reader that only wants tensors need not read the others."""
 
 
 def table_tensors(table: pa.Table) -> list[RecordTensors]:
     """Every row of a data shard as tensors, each column converted once; embeddings are views on the Arrow buffers."""
     dtype, hidden = embedding_layout(table.schema)
     column = table.column
-    extras = [(name, size) for name in EXTRA_OUTPUTS if name in table.column_names
-              and (size := _hidden_size(table.schema, name)) is not None]
-    has_extra = {name: column(name).is_valid().to_pylist() for name, _ in extras}
+    extras = {name: (column(name).is_valid().to_pylist(), _row_embeddings(column(name), dtype, size))
+              for name in EXTRA_OUTPUTS if name in table.column_names
+              and (size := _hidden_size(table.schema, name)) is not None}
     tags = _row_tensors(column("token_tags"), torch.int8)
     positions = _row_tensors(column("position_ids"), torch.int64) if "position_ids" in table.column_names else None
     has_positions = column("position_ids").is_valid().to_pylist() if positions is not None else None
@@ -97,16 +108,24 @@ def table_tensors(table: pa.Table) -> list[RecordTensors]:
     return [RecordTensors(
         id=record_id,
         input_ids=input_ids[:, 0],
-        image_embeds=_embeddings(table, "image_embeds", index, dtype, hidden),
+        image_embeds=embeds,
         grid_thw=grid.view(-1, 3),
         image_spans=spans,
         token_tags=tags[index][:, 0],
-        extras={name: _embeddings(table, name, index, dtype, size) for name, size in extras if has_extra[name][index]},
+        extras={name: rows[index] for name, (valid, rows) in extras.items() if valid[index]},
         position_ids=positions[index].view(3, -1) if positions is not None and has_positions[index] else None,
         rope_delta=rope[index],
-    ) for index, (record_id, input_ids, grid, spans) in enumerate(zip(
+    ) for index, (record_id, input_ids, grid, spans, embeds) in enumerate(zip(
         column("id").to_pylist(), _row_tensors(column("input_ids"), torch.int64),
-        _row_tensors(column("grid_thw"), torch.int64), _row_tensors(column("image_spans"), torch.int64)))]
+        _row_tensors(column("grid_thw"), torch.int64), _row_tensors(column("image_spans"), torch.int64),
+        _row_embeddings(column("image_embeds"), dtype, hidden)))]
+
+
+def read_tensor_columns(path: str | Path) -> pa.Table:
+    """The columns table_tensors reads, of one shard. (`pq.read_table` would first discover a dataset at the path.)"""
+    file = pq.ParquetFile(path)
+    present = set(file.schema_arrow.names)
+    return file.read(columns=[name for name in TENSOR_COLUMNS if name in present])
 
 
 def tensors_of(table: pa.Table, index: int) -> RecordTensors:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -20,6 +22,7 @@ from batchvlm.reader import committed_shards, read_run, table_tensors, tensors_o
 from batchvlm.tokens import IMAGE
 from batchvlm.training import (IGNORE_INDEX, DatasetRows, LoaderConfig, PackedLoader, PackingError, RunNotFinished,
                                first_fit_decreasing, mm_token_type_ids, pack, vllm_qwen2_vl_image_input)
+from batchvlm.training.loader import _OpenShards
 from batchvlm.training.packing import check_packed
 
 SMALL = LoaderConfig(max_tokens=800, shuffle_buffer=4, pack_buffer=8, num_workers=0)
@@ -223,6 +226,31 @@ def test_a_shard_converted_whole_gives_the_rows_read_one_by_one(qwen_run):
         for name in ("input_ids", "image_embeds", "grid_thw", "image_spans", "token_tags", "position_ids"):
             assert torch.equal(getattr(whole, name), getattr(alone, name)), name
         assert whole.position_ids.shape == (3, len(whole.input_ids)) and whole.image_spans.shape[1] == 2
+
+
+@pytest.mark.slow
+def test_a_table_in_several_chunks_gives_the_tensors_of_each_chunk(qwen_run):
+    table = pq.read_table(committed_shards(qwen_run)[0])
+    halves = table_tensors(pa.concat_tables([table, table.slice(1)]))
+    for whole, alone in zip(halves, table_tensors(table) + table_tensors(table.slice(1)), strict=True):
+        assert whole.id == alone.id
+        for name in ("input_ids", "image_embeds", "image_spans", "token_tags", "position_ids"):
+            assert torch.equal(getattr(whole, name), getattr(alone, name)), name
+
+
+@pytest.mark.slow
+def test_a_worker_holds_the_shards_its_remaining_packs_need_and_reads_one_ahead(qwen_run):
+    loader = PackedLoader(qwen_run, replace(SMALL, shuffle_buffer=1))
+    packs = loader.epoch_packs()
+    with ThreadPoolExecutor(1) as reader:
+        shards = _OpenShards(loader.index.shards, packs, reader)
+        for k, refs in enumerate(packs):
+            for shard, row in refs:
+                assert shards.record(shard, row).id == pack_ids(loader, [[(shard, row)]])[0][0]
+            shards.done_with(k)
+            still_needed = {shard for later in packs[k + 1:] for shard, _ in later}
+            assert set(shards.open) <= still_needed and len(shards.reading) <= 2
+    assert not shards.open and not shards.reading
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from batchvlm.dedup import excluded_rows
-from batchvlm.reader import RecordTensors, committed_units, table_tensors
+from batchvlm.reader import RecordTensors, committed_units, read_tensor_columns, table_tensors
 from batchvlm.training.packing import PackedBatch, PackingError, first_fit_decreasing, pack
 
 RecordRef = tuple[int, int]  # (shard index, row)
@@ -129,16 +130,27 @@ class _OpenShards:
     """Each shard read and converted once per worker and epoch, kept until the last of this worker's packs that needs it.
 
     Memory is therefore the shards the shuffle window spans (records wait in the shuffle buffer as
-    references to their open shard), as a shuffle buffer of materialized records would cost.
+    references to their open shard), as a shuffle buffer of materialized records would cost, plus
+    the one shard read ahead: a read is decompression in pyarrow, which runs without the GIL, so
+    the next shard (in the order the packs first need them) is read on a thread while this one packs.
     """
 
-    def __init__(self, paths: list[Path], packs: list[list[RecordRef]]):
-        self.paths, self.open = paths, {}
+    def __init__(self, paths: list[Path], packs: list[list[RecordRef]], reader: ThreadPoolExecutor):
+        self.paths, self.reader, self.open = paths, reader, {}
         self.last_use = {shard: k for k, refs in enumerate(packs) for shard, _ in refs}
+        self.to_read = iter(dict.fromkeys(shard for refs in packs for shard, _ in refs))
+        self.reading: dict[int, Future] = {}
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        while len(self.reading) < 2 and (shard := next(self.to_read, None)) is not None:
+            self.reading[shard] = self.reader.submit(read_tensor_columns, self.paths[shard])
 
     def record(self, shard: int, row: int) -> RecordTensors:
         if shard not in self.open:
-            self.open[shard] = table_tensors(pq.read_table(self.paths[shard]))
+            table = self.reading.pop(shard).result()
+            self._read_ahead()
+            self.open[shard] = table_tensors(table)
         return self.open[shard][row]
 
     def done_with(self, pack: int) -> None:
@@ -155,11 +167,12 @@ class _RankPacks(IterableDataset):
     def __iter__(self) -> Iterator[PackedBatch]:
         worker = get_worker_info()
         mine = self.packs[worker.id::worker.num_workers] if worker else self.packs
-        shards = _OpenShards(self.shards, mine)
-        for k, refs in enumerate(mine):
-            batch = pack([shards.record(shard, row) for shard, row in refs], self.max_tokens)
-            shards.done_with(k)
-            yield batch
+        with ThreadPoolExecutor(1, thread_name_prefix="batchvlm-shard-read") as reader:
+            shards = _OpenShards(self.shards, mine, reader)
+            for k, refs in enumerate(mine):
+                batch = pack([shards.record(shard, row) for shard, row in refs], self.max_tokens)
+                shards.done_with(k)
+                yield batch
 
 
 def _as_is(batch: PackedBatch) -> PackedBatch:

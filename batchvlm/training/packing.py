@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
-from batchvlm.reader import RecordTensors
+from batchvlm.reader import RecordTensors, span_positions
 from batchvlm.tokens import IMAGE
 
 IGNORE_INDEX = -100
@@ -72,46 +73,50 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def text_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
+def text_positions(cu_seqlens: np.ndarray) -> np.ndarray:
     """0, 1, 2, ... restarting at every record boundary: the row transformers reads documents from."""
-    return torch.cat([torch.arange(int(n)) for n in cu_seqlens.diff()])
+    return np.arange(int(cu_seqlens[-1]), dtype=np.int64) - np.repeat(cu_seqlens[:-1], np.diff(cu_seqlens))
 
 
+# The index arithmetic of a pack is done in numpy: a torch op on a tensor this small costs several times
+# a numpy op in dispatch alone, and a trainer's loader does it for every batch.
 def pack(records: list[RecordTensors], max_tokens: int) -> PackedBatch:
     """The records as one checked sequence of at most `max_tokens` tokens."""
     if not records:
         raise PackingError("nothing to pack")
-    lengths = torch.tensor([len(r.input_ids) for r in records])
-    cu_seqlens = torch.zeros(len(records) + 1, dtype=torch.int32)
-    cu_seqlens[1:] = lengths.cumsum(0)
+    lengths = np.array([r.input_ids.shape[0] for r in records], dtype=np.int64)
+    cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
     input_ids = torch.cat([r.input_ids for r in records])
     token_tags = torch.cat([r.token_tags for r in records])
-    image_positions = torch.cat([r.image_token_positions() + int(start) for r, start in zip(records, cu_seqlens)])
+    spans = torch.cat([r.image_spans for r in records]).numpy()
+    span_starts = spans[:, 0] + np.repeat(cu_seqlens[:-1], [r.image_spans.shape[0] for r in records])
     # A record without images may store no extra at all: it contributes no rows.
     names = dict.fromkeys(name for r in records for name in r.extras)
     extras = {name: torch.cat([r.extras[name] for r in records if name in r.extras]) for name in names}
     image_embeds = torch.cat([r.image_embeds for r in records])
     batch = PackedBatch(
-        ids=[r.id for r in records], input_ids=input_ids[None], labels=_labels(input_ids, token_tags, cu_seqlens)[None],
-        token_tags=token_tags[None], document_ids=torch.cat([torch.full((int(n),), i) for i, n in enumerate(lengths)])[None],
-        position_ids=_position_ids(records, cu_seqlens), cu_seqlens=cu_seqlens, max_seqlen=int(lengths.max()),
-        image_embeds=image_embeds, image_positions=image_positions,
+        ids=[r.id for r in records], input_ids=input_ids[None],
+        labels=torch.from_numpy(_labels(input_ids.numpy(), token_tags.numpy(), cu_seqlens))[None],
+        token_tags=token_tags[None], document_ids=torch.from_numpy(np.repeat(np.arange(len(records)), lengths))[None],
+        position_ids=_position_ids(records, cu_seqlens), cu_seqlens=torch.from_numpy(cu_seqlens.astype(np.int32)),
+        max_seqlen=int(lengths.max()), image_embeds=image_embeds,
+        image_positions=torch.from_numpy(span_positions(span_starts, spans[:, 1])),
         grid_thw=torch.cat([r.grid_thw for r in records]), extras=extras,
         deepstack_embeds=_deepstack_layers(extras.get("deepstack_embeds"), image_embeds.shape[1]))
     check_packed(batch, max_tokens)
     return batch
 
 
-def _labels(input_ids: torch.Tensor, token_tags: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def _labels(input_ids: np.ndarray, token_tags: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
     # A record's first token would otherwise be the target of the previous record's last token.
-    labels = input_ids.clone()
+    labels = input_ids.copy()
     labels[token_tags == IMAGE] = IGNORE_INDEX
-    labels[cu_seqlens[:-1].long()] = IGNORE_INDEX
+    labels[cu_seqlens[:-1]] = IGNORE_INDEX
     return labels
 
 
-def _position_ids(records: list[RecordTensors], cu_seqlens: torch.Tensor) -> torch.Tensor:
-    text = text_positions(cu_seqlens)
+def _position_ids(records: list[RecordTensors], cu_seqlens: np.ndarray) -> torch.Tensor:
+    text = torch.from_numpy(text_positions(cu_seqlens))
     if records[0].position_ids is None:
         return text[None]
     # Stored M-RoPE rows start at 0 in every record already; the text row on top is what tells
@@ -126,29 +131,31 @@ def _deepstack_layers(stacked: torch.Tensor | None, hidden: int) -> list[torch.T
 
 
 def check_packed(batch: PackedBatch, max_tokens: int) -> None:
-    """The invariants of a packed sequence (prompts-and-checks.md C11, A5, A6); PackingError names the first broken one."""
+    """The invariants of a packed sequence (prompts-and-checks.md C11, A5, A6); PackingError names the first broken one.
+
+    Messages are only formatted for a broken batch: this runs on every batch a trainer takes."""
     length = batch.num_tokens
-    cu = batch.cu_seqlens.long()
-    _require(0 < length <= max_tokens, f"packed length {length} is not within 1..max_tokens={max_tokens}")
+    cu = batch.cu_seqlens.numpy(force=True).astype(np.int64)
+    if not 0 < length <= max_tokens:
+        raise PackingError(f"packed length {length} is not within 1..max_tokens={max_tokens}")
     for name in ("labels", "token_tags", "document_ids"):
-        _require(getattr(batch, name).shape == (1, length),
-                 f"{name} must cover the packed sequence [1, {length}], got {list(getattr(batch, name).shape)}")
-    _require(batch.position_ids.shape[-1] == length,
-             f"position_ids must cover the packed sequence ({length}), got {list(batch.position_ids.shape)}")
-    _require(len(cu) == len(batch.ids) + 1 and int(cu[0]) == 0 and bool((cu.diff() > 0).all()) and int(cu[-1]) == length,
-             f"cu_seqlens {cu.tolist()} must start at 0, increase and end at the packed length {length}")
-    _require(batch.max_seqlen == int(cu.diff().max()), f"max_seqlen {batch.max_seqlen} != longest record")
-    text_row = batch.position_ids.reshape(-1, length)[0]
-    _require(torch.equal(text_row, text_positions(batch.cu_seqlens)),
-             "the text position row must restart at 0 at every cu_seqlens boundary and count up by 1")
-    image_tokens = batch.token_tags[0] == IMAGE
-    _require(len(batch.image_positions) == len(batch.image_embeds) == int(image_tokens.sum()),
-             f"{len(batch.image_embeds)} image_embeds rows, {len(batch.image_positions)} positions and "
-             f"{int(image_tokens.sum())} image tokens must be equal")
-    _require(bool(image_tokens[batch.image_positions].all()), "an image position is not on an image token")
-    _require(bool((batch.labels[0][image_tokens] == IGNORE_INDEX).all()), "an image token has a label")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise PackingError(message)
+        if getattr(batch, name).shape != (1, length):
+            raise PackingError(f"{name} must cover the packed sequence [1, {length}], "
+                               f"got {list(getattr(batch, name).shape)}")
+    if batch.position_ids.shape[-1] != length:
+        raise PackingError(f"position_ids must cover the packed sequence ({length}), got {list(batch.position_ids.shape)}")
+    if not (len(cu) == len(batch.ids) + 1 and cu[0] == 0 and (np.diff(cu) > 0).all() and cu[-1] == length):
+        raise PackingError(f"cu_seqlens {cu.tolist()} must start at 0, increase and end at the packed length {length}")
+    if batch.max_seqlen != np.diff(cu).max():
+        raise PackingError(f"max_seqlen {batch.max_seqlen} != longest record")
+    if not np.array_equal(batch.position_ids.reshape(-1, length)[0].numpy(force=True), text_positions(cu)):
+        raise PackingError("the text position row must restart at 0 at every cu_seqlens boundary and count up by 1")
+    image_tokens = batch.token_tags[0].numpy(force=True) == IMAGE
+    positions = batch.image_positions.numpy(force=True)
+    if not len(positions) == len(batch.image_embeds) == image_tokens.sum():
+        raise PackingError(f"{len(batch.image_embeds)} image_embeds rows, {len(positions)} positions and "
+                           f"{image_tokens.sum()} image tokens must be equal")
+    if not image_tokens[positions].all():
+        raise PackingError("an image position is not on an image token")
+    if not (batch.labels[0].numpy(force=True)[image_tokens] == IGNORE_INDEX).all():
+        raise PackingError("an image token has a label")
