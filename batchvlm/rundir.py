@@ -21,6 +21,7 @@ import batchvlm
 from batchvlm.config import ConfigError, JobConfig
 from batchvlm.dedup import bucket_results
 from batchvlm.faults import crash_point
+from batchvlm.hf_features import features_key
 from batchvlm.preprocess import merged_stats
 from batchvlm.durable import durable_write, durable_write_json, read_json
 
@@ -82,10 +83,15 @@ class RunDir:
                               "use another run_name=... for a new run, or delete the directory")
 
     def schema_metadata(self, hidden_sizes: dict[str, int]) -> dict[str, str]:
+        """Every shard's schema metadata. The `huggingface` key repeats the embedding columns' dtype and hidden
+        sizes for `datasets`, which keeps no other key (hf_features); a quarantine shard has none of those
+        columns, and `datasets` ignores what the key says of columns a file lacks."""
         sizes = {f"batchvlm.hidden_size.{name}": str(size) for name, size in hidden_sizes.items()}
+        embed_dtype = self.job.output.embed_dtype
         return {**sizes, "batchvlm.family": self.family.name, "batchvlm.hidden_size": str(hidden_sizes["image_embeds"]),
-                "batchvlm.embed_dtype": self.job.output.embed_dtype, "batchvlm.embedding": self.job.model.embedding,
-                "batchvlm.fingerprint": self.fingerprint_digest, "batchvlm.version": batchvlm.__version__}
+                "batchvlm.embed_dtype": embed_dtype, "batchvlm.embedding": self.job.model.embedding,
+                "batchvlm.fingerprint": self.fingerprint_digest, "batchvlm.version": batchvlm.__version__,
+                "huggingface": features_key(hidden_sizes, embed_dtype)}
 
     def completed(self) -> dict | None:
         """The totals of a finished run (its `_SUCCESS`), or None."""

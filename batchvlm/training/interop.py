@@ -8,13 +8,14 @@ image tokens map to 1 and everything else to 0; batchvlm writes no video.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
 from batchvlm.encode import EXTRA_OUTPUTS
-from batchvlm.reader import RecordTensors, committed_shards, embedding_layout
+from batchvlm.hf_features import EMBED_ID_PREFIX, embedding_layouts
+from batchvlm.reader import RecordTensors, committed_shards
 from batchvlm.tokens import IMAGE
 
 
@@ -23,36 +24,48 @@ def mm_token_type_ids(token_tags: torch.Tensor) -> torch.Tensor:
     return (token_tags == IMAGE).long()
 
 
-class DatasetRows:
-    """Rows of `datasets.load_dataset("parquet", ...)` over a run's shards, as RecordTensors.
+def load_run_dataset(run_dir: str | Path, **kwargs):
+    """`datasets.load_dataset("parquet", split="train")` over the run's committed shards only: never a glob of
+    data/, which may hold the files of an attempt that did not commit. `kwargs` go to `load_dataset`."""
+    import datasets
 
-    `datasets` keeps only its own `huggingface` key of a shard's schema metadata, so the embedding
-    columns arrive as bare bytes; their dtype and hidden sizes are read here from the committed
-    shards themselves, the one place they are written.
+    shards = committed_shards(run_dir)
+    if not shards:
+        raise ValueError(f"{run_dir} has no committed shards")
+    return datasets.load_dataset("parquet", data_files=[str(path) for path in shards], split="train", **kwargs)
+
+
+class DatasetRows:
+    """Rows of a `datasets` dataset of batchvlm shards, as the RecordTensors `batchvlm.reader` gives for them.
+
+    The embedding columns are bytes to `datasets`; their dtype and hidden size come from the dataset's own
+    features, where the job wrote them (`batchvlm.hf_features`). So any dataset descended from the shards works
+    without the run: after `load_dataset` (`load_run_dataset`), `map`, `select`, `save_to_disk`/`load_from_disk`,
+    streaming. Features that lost them (`cast_column` of an embedding column, `IterableDataset.map` without
+    `features=`) are refused, naming the column.
     """
 
-    def __init__(self, run_dir: str | Path):
-        shards = committed_shards(run_dir)
-        if not shards:
-            raise ValueError(f"{run_dir} has no committed shards")
-        schema = pq.read_schema(shards[0])
-        self.dtype, hidden = embedding_layout(schema)
-        meta = schema.metadata
-        self.hidden_sizes = {"image_embeds": hidden, **{
-            name: int(meta[key]) for name in EXTRA_OUTPUTS if (key := f"batchvlm.hidden_size.{name}".encode()) in meta}}
-        self.data_files = [str(path) for path in shards]
+    def __init__(self, features: Mapping | None):
+        self.layouts = embedding_layouts(features)
+        self._layout("image_embeds")  # refused here, not at the first row
 
-    def load_dataset(self, **kwargs):
-        """`datasets.load_dataset("parquet")` over the committed shards only (never a glob of data/)."""
-        import datasets
+    @classmethod
+    def from_dataset(cls, dataset) -> DatasetRows:
+        return cls(dataset.features)
 
-        return datasets.load_dataset("parquet", data_files=self.data_files, split="train", **kwargs)
+    def _layout(self, name: str) -> tuple[torch.dtype, int]:
+        if name not in self.layouts:
+            raise ValueError(f"column {name!r}: this dataset's feature of it carries no batchvlm dtype or hidden size "
+                             f"(a Value id '{EMBED_ID_PREFIX}<dtype>:<hidden>', which the job writes into every shard; "
+                             "cast_column on the column, IterableDataset.map without features=, or shards written "
+                             "before batchvlm wrote it lose it)")
+        return self.layouts[name]
 
-    def _embeddings(self, blob: bytes | None, name: str) -> torch.Tensor:
-        hidden = self.hidden_sizes[name]
+    def _embeddings(self, blob: bytes, name: str) -> torch.Tensor:
+        dtype, hidden = self._layout(name)
         if not blob:
-            return torch.zeros((0, hidden), dtype=self.dtype)
-        return torch.frombuffer(bytearray(blob), dtype=self.dtype).view(-1, hidden)
+            return torch.zeros((0, hidden), dtype=dtype)
+        return torch.frombuffer(bytearray(blob), dtype=dtype).view(-1, hidden)
 
     def tensors(self, row: dict) -> RecordTensors:
         """One `datasets` row (a dict of Python values) as the tensors `batchvlm.reader` gives for it."""
@@ -65,8 +78,7 @@ class DatasetRows:
             image_spans=torch.tensor([(s["start"], s["length"]) for s in row["image_spans"]],
                                      dtype=torch.int64).reshape(-1, 2),
             token_tags=torch.tensor(row["token_tags"], dtype=torch.int8),
-            extras={name: self._embeddings(row[name], name) for name in self.hidden_sizes
-                    if name != "image_embeds" and row.get(name) is not None},
+            extras={name: self._embeddings(row[name], name) for name in EXTRA_OUTPUTS if row.get(name) is not None},
             position_ids=torch.tensor(positions, dtype=torch.int64) if positions is not None else None,
             rope_delta=row.get("rope_delta"),
         )
