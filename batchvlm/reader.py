@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -54,26 +53,63 @@ def _hidden_size(schema: pa.Schema, name: str) -> int | None:
     return int(value) if value is not None else None
 
 
-def _row_embeddings(column: pa.ChunkedArray, dtype: torch.dtype, hidden: int) -> list[torch.Tensor]:
-    """Every row of a large_binary embedding column as a [rows, hidden] view on the Arrow data buffer: one
-    tensor over the whole buffer, split at the row offsets (no copy). A null row is empty."""
-    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    _, offsets, data = array.buffers()
-    bounds = np.frombuffer(offsets, dtype=np.int64)[array.offset:array.offset + len(array) + 1]
-    if data is None or bounds[-1] == bounds[0]:
-        return [torch.zeros((0, hidden), dtype=dtype)] * len(array)
+# Embeddings cross numpy as their bits (numpy has no bfloat16): they are only sliced and concatenated there.
+_BITS = {2: np.int16, 4: np.int32}
+_BITS_TORCH = {2: torch.int16, 4: torch.int32}
+
+
+def _as_bits(values: torch.Tensor) -> np.ndarray:
+    return values.view(_BITS_TORCH[values.element_size()]).numpy()
+
+
+def tensor_of(values: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A numpy array as a tensor sharing its memory (read-only Arrow memory too), its bits viewed as `dtype`."""
     with warnings.catch_warnings():
-        # Arrow buffers are read-only; the tensors are views on them, which is the point.
+        # Arrow buffers are read-only; tensors that view them rather than copy them are the point.
         warnings.simplefilter("ignore", UserWarning)
-        values = torch.frombuffer(memoryview(data.slice(int(bounds[0]), int(bounds[-1] - bounds[0]))), dtype=dtype)
-    rows_per_record = (np.diff(bounds) // (values.element_size() * hidden)).tolist()
-    return list(values.view(-1, hidden).split(rows_per_record))
+        tensor = torch.from_numpy(values)
+    return tensor.view(dtype) if dtype is not None else tensor
 
 
-def _row_tensors(column: pa.ChunkedArray, dtype: torch.dtype) -> list[torch.Tensor]:
-    """A (nested) list column as one flat tensor per row, converted in one pass: the row bounds followed down
-    the offsets of every level to the values, which are split at them. A struct's fields become the columns
-    of an [n, fields] tensor."""
+@dataclass
+class RecordArrays:
+    """One record as numpy views on its shard's columns: what packing reads. A slice of numpy costs a tenth of a
+    tensor view, and a loader takes thousands of records a second."""
+    id: str
+    input_ids: np.ndarray  # [seq], as stored (int32)
+    token_tags: np.ndarray  # [seq] int8
+    image_spans: np.ndarray  # [n_images, 2]: (start, length)
+    grid_thw: np.ndarray  # [n_images, 3]
+    position_ids: np.ndarray | None  # [3, seq], or None
+    embeds: dict[str, np.ndarray]  # image_embeds and the extras present: [rows, hidden], their bits (_BITS)
+    embed_dtype: torch.dtype
+    rope_delta: int | None
+
+    def tensors(self) -> RecordTensors:
+        embeds = {name: tensor_of(rows, self.embed_dtype) for name, rows in self.embeds.items()}
+        return RecordTensors(
+            id=self.id, input_ids=torch.from_numpy(self.input_ids.astype(np.int64)), image_embeds=embeds.pop("image_embeds"),
+            grid_thw=torch.from_numpy(self.grid_thw.astype(np.int64)),
+            image_spans=torch.from_numpy(self.image_spans.astype(np.int64)),
+            token_tags=torch.from_numpy(self.token_tags.copy()), extras=embeds,
+            position_ids=torch.from_numpy(self.position_ids.astype(np.int64)) if self.position_ids is not None else None,
+            rope_delta=self.rope_delta)
+
+
+def record_arrays(record: RecordTensors) -> RecordArrays:
+    """A record read as tensors (read_run, `datasets` rows) in the form packing reads."""
+    embeds = {"image_embeds": record.image_embeds, **record.extras}
+    return RecordArrays(
+        id=record.id, input_ids=record.input_ids.numpy(), token_tags=record.token_tags.numpy(),
+        image_spans=record.image_spans.numpy(), grid_thw=record.grid_thw.numpy(),
+        position_ids=record.position_ids.numpy() if record.position_ids is not None else None,
+        embeds={name: _as_bits(rows) for name, rows in embeds.items()}, embed_dtype=record.image_embeds.dtype,
+        rope_delta=record.rope_delta)
+
+
+def _flat_values(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """A (nested) list column as its values, flat, and each row's bounds in them ([rows + 1]): the row bounds
+    followed down the offsets of every level. A struct's fields become the columns of an [n, fields] array."""
     array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
     bounds = np.arange(len(array) + 1)
     while True:
@@ -84,45 +120,76 @@ def _row_tensors(column: pa.ChunkedArray, dtype: torch.dtype) -> list[torch.Tens
         else:
             break
         array = array.values  # the whole child, whatever slice of it this array covers: hence the bounds
-    fields = array.flatten() if pa.types.is_struct(array.type) else [array]
-    values = np.stack([f.to_numpy(zero_copy_only=False)[bounds[0]:bounds[-1]] for f in fields], axis=-1)
-    return list(torch.from_numpy(values).to(dtype).split(np.diff(bounds).tolist()))
+    fields = [f.to_numpy(zero_copy_only=False)[bounds[0]:bounds[-1]]
+              for f in (array.flatten() if pa.types.is_struct(array.type) else [array])]
+    return (np.stack(fields, axis=-1) if len(fields) > 1 else fields[0]), bounds - bounds[0]
+
+
+def _flat_embeddings(column: pa.ChunkedArray, element_size: int, hidden: int) -> tuple[np.ndarray, np.ndarray]:
+    """A large_binary embedding column as one [rows, hidden] view of its bits on the Arrow data buffer (no copy),
+    and each record's bounds in its rows. A null record has none."""
+    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    _, offsets, data = array.buffers()
+    bytes_at = np.frombuffer(offsets, dtype=np.int64)[array.offset:array.offset + len(array) + 1]
+    bits = _BITS[element_size]
+    rows = (np.frombuffer(data, dtype=bits, count=int(bytes_at[-1] - bytes_at[0]) // element_size,
+                          offset=int(bytes_at[0])) if data is not None else np.zeros(0, bits)).reshape(-1, hidden)
+    return rows, (bytes_at - bytes_at[0]) // (element_size * hidden)
+
+
+class ShardColumns:
+    """A data shard's columns converted once, flat, with each record's bounds in them; a record is then a
+    handful of slices of them. Embeddings stay views on the Arrow buffers."""
+
+    def __init__(self, table: pa.Table):
+        self.embed_dtype, hidden = embedding_layout(table.schema)
+        element_size = self.embed_dtype.itemsize
+        column = table.column
+        self.ids = column("id").to_pylist()
+        self.input_ids, self.tokens = _flat_values(column("input_ids"))
+        self.token_tags, _ = _flat_values(column("token_tags"))
+        self.image_spans, self.images = _flat_values(column("image_spans"))
+        self.grid_thw, grid_bounds = _flat_values(column("grid_thw"))
+        self.grid_thw, self.grids = self.grid_thw.reshape(-1, 3), grid_bounds // 3
+        self.positions = _flat_values(column("position_ids")) if "position_ids" in table.column_names else None
+        self.has_positions = column("position_ids").is_valid().to_pylist() if self.positions is not None else None
+        self.rope = column("rope_delta").to_pylist() if "rope_delta" in table.column_names else [None] * len(self.ids)
+        self.embeds = {"image_embeds": (*_flat_embeddings(column("image_embeds"), element_size, hidden), None)}
+        for name in EXTRA_OUTPUTS:
+            if name in table.column_names and (size := _hidden_size(table.schema, name)) is not None:
+                self.embeds[name] = (*_flat_embeddings(column(name), element_size, size),
+                                     column(name).is_valid().to_pylist())
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def record(self, i: int) -> RecordArrays:
+        tokens, images, grids = slice(*self.tokens[i:i + 2]), slice(*self.images[i:i + 2]), slice(*self.grids[i:i + 2])
+        positions = None
+        if self.positions is not None and self.has_positions[i]:
+            values, bounds = self.positions
+            positions = values[bounds[i]:bounds[i + 1]].reshape(3, -1)
+        return RecordArrays(
+            id=self.ids[i], input_ids=self.input_ids[tokens], token_tags=self.token_tags[tokens],
+            image_spans=self.image_spans[images], grid_thw=self.grid_thw[grids], position_ids=positions,
+            embeds={name: rows[bounds[i]:bounds[i + 1]] for name, (rows, bounds, valid) in self.embeds.items()
+                    if valid is None or valid[i]},
+            embed_dtype=self.embed_dtype, rope_delta=self.rope[i])
 
 
 TENSOR_COLUMNS = ("id", "input_ids", "image_embeds", "grid_thw", "image_spans", "token_tags", "position_ids",
                   "rope_delta", *EXTRA_OUTPUTS)
-"""The columns table_tensors reads; a reader that only wants tensors need not read the others."""
+"""The columns ShardColumns reads; a reader that only wants tensors need not read the others."""
 
 
 def table_tensors(table: pa.Table) -> list[RecordTensors]:
     """Every row of a data shard as tensors, each column converted once; embeddings are views on the Arrow buffers."""
-    dtype, hidden = embedding_layout(table.schema)
-    column = table.column
-    extras = {name: (column(name).is_valid().to_pylist(), _row_embeddings(column(name), dtype, size))
-              for name in EXTRA_OUTPUTS if name in table.column_names
-              and (size := _hidden_size(table.schema, name)) is not None}
-    tags = _row_tensors(column("token_tags"), torch.int8)
-    positions = _row_tensors(column("position_ids"), torch.int64) if "position_ids" in table.column_names else None
-    has_positions = column("position_ids").is_valid().to_pylist() if positions is not None else None
-    rope = column("rope_delta").to_pylist() if "rope_delta" in table.column_names else [None] * table.num_rows
-    return [RecordTensors(
-        id=record_id,
-        input_ids=input_ids[:, 0],
-        image_embeds=embeds,
-        grid_thw=grid.view(-1, 3),
-        image_spans=spans,
-        token_tags=tags[index][:, 0],
-        extras={name: rows[index] for name, (valid, rows) in extras.items() if valid[index]},
-        position_ids=positions[index].view(3, -1) if positions is not None and has_positions[index] else None,
-        rope_delta=rope[index],
-    ) for index, (record_id, input_ids, grid, spans, embeds) in enumerate(zip(
-        column("id").to_pylist(), _row_tensors(column("input_ids"), torch.int64),
-        _row_tensors(column("grid_thw"), torch.int64), _row_tensors(column("image_spans"), torch.int64),
-        _row_embeddings(column("image_embeds"), dtype, hidden)))]
+    columns = ShardColumns(table)
+    return [columns.record(i).tensors() for i in range(len(columns))]
 
 
 def read_tensor_columns(path: str | Path) -> pa.Table:
-    """The columns table_tensors reads, of one shard. (`pq.read_table` would first discover a dataset at the path.)"""
+    """The columns ShardColumns reads, of one shard. (`pq.read_table` would first discover a dataset at the path.)"""
     file = pq.ParquetFile(path)
     present = set(file.schema_arrow.names)
     return file.read(columns=[name for name in TENSOR_COLUMNS if name in present])

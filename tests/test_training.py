@@ -310,6 +310,24 @@ def test_a_shard_converted_whole_gives_the_rows_read_one_by_one(qwen_run):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("run", ["qwen_run", "siglip_run"])
+def test_the_loaders_batches_are_the_packs_of_the_records_read_back(run, request):
+    """The loader packs from a shard's columns (reader.ShardColumns), `pack` from records read as tensors: the same."""
+    run_dir = request.getfixturevalue(run)
+    by_id = {record.id: record for record in read_run(run_dir)}
+    batches = list(PackedLoader(run_dir, SMALL))
+    assert sum(len(batch.ids) for batch in batches) == len(by_id)
+    for batch in batches:
+        expected = pack([by_id[i] for i in batch.ids], SMALL.max_tokens)
+        for name, value in vars(expected).items():
+            if isinstance(value, torch.Tensor):
+                got = getattr(batch, name)
+                assert got.dtype == value.dtype and torch.equal(got, value), name
+        assert expected.extras.keys() == batch.extras.keys()
+        assert all(torch.equal(batch.extras[k], v) for k, v in expected.extras.items())
+
+
+@pytest.mark.slow
 def test_a_table_in_several_chunks_gives_the_tensors_of_each_chunk(qwen_run):
     table = pq.read_table(committed_shards(qwen_run)[0])
     halves = table_tensors(pa.concat_tables([table, table.slice(1)]))

@@ -24,8 +24,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from batchvlm.dedup import excluded_rows
-from batchvlm.reader import RecordTensors, committed_units, read_tensor_columns, table_tensors
-from batchvlm.training.packing import PackedBatch, PackingError, first_fit_decreasing, pack
+from batchvlm.reader import RecordArrays, ShardColumns, committed_units, read_tensor_columns
+from batchvlm.training.packing import PackedBatch, PackingError, first_fit_decreasing, pack_arrays
 
 RecordRef = tuple[int, int]  # (shard index, row)
 
@@ -146,12 +146,12 @@ class _OpenShards:
         while len(self.reading) < 2 and (shard := next(self.to_read, None)) is not None:
             self.reading[shard] = self.reader.submit(read_tensor_columns, self.paths[shard])
 
-    def record(self, shard: int, row: int) -> RecordTensors:
+    def record(self, shard: int, row: int) -> RecordArrays:
         if shard not in self.open:
             table = self.reading.pop(shard).result()
             self._read_ahead()
-            self.open[shard] = table_tensors(table)
-        return self.open[shard][row]
+            self.open[shard] = ShardColumns(table)
+        return self.open[shard].record(row)
 
     def done_with(self, pack: int) -> None:
         for shard in [s for s in self.open if self.last_use[s] <= pack]:
@@ -170,7 +170,7 @@ class _RankPacks(IterableDataset):
         with ThreadPoolExecutor(1, thread_name_prefix="batchvlm-shard-read") as reader:
             shards = _OpenShards(self.shards, mine, reader)
             for k, refs in enumerate(mine):
-                batch = pack([shards.record(shard, row) for shard, row in refs], self.max_tokens)
+                batch = pack_arrays([shards.record(shard, row) for shard, row in refs], self.max_tokens)
                 shards.done_with(k)
                 yield batch
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from batchvlm.reader import RecordTensors, span_positions
+from batchvlm.reader import RecordArrays, RecordTensors, record_arrays, span_positions, tensor_of
 from batchvlm.tokens import IMAGE
 
 IGNORE_INDEX = -100
@@ -78,31 +78,38 @@ def text_positions(cu_seqlens: np.ndarray) -> np.ndarray:
     return np.arange(int(cu_seqlens[-1]), dtype=np.int64) - np.repeat(cu_seqlens[:-1], np.diff(cu_seqlens))
 
 
-# The index arithmetic of a pack is done in numpy: a torch op on a tensor this small costs several times
-# a numpy op in dispatch alone, and a trainer's loader does it for every batch.
 def pack(records: list[RecordTensors], max_tokens: int) -> PackedBatch:
     """The records as one checked sequence of at most `max_tokens` tokens."""
+    return pack_arrays([record_arrays(r) for r in records], max_tokens)
+
+
+# A pack is built in numpy and becomes tensors once at the end: a torch op on arrays this small costs several
+# times a numpy op in dispatch alone, and a trainer's loader packs every batch.
+def pack_arrays(records: list[RecordArrays], max_tokens: int) -> PackedBatch:
+    """`pack` of records in the form a shard's columns give them (the loader's)."""
     if not records:
         raise PackingError("nothing to pack")
-    lengths = np.array([r.input_ids.shape[0] for r in records], dtype=np.int64)
+    lengths = np.array([len(r.input_ids) for r in records], dtype=np.int64)
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
-    input_ids = torch.cat([r.input_ids for r in records])
-    token_tags = torch.cat([r.token_tags for r in records])
-    spans = torch.cat([r.image_spans for r in records]).numpy()
-    span_starts = spans[:, 0] + np.repeat(cu_seqlens[:-1], [r.image_spans.shape[0] for r in records])
+    input_ids = np.concatenate([r.input_ids for r in records]).astype(np.int64)
+    token_tags = np.concatenate([r.token_tags for r in records])
+    spans = np.concatenate([r.image_spans for r in records]).astype(np.int64).reshape(-1, 2)
+    span_starts = spans[:, 0] + np.repeat(cu_seqlens[:-1], [len(r.image_spans) for r in records])
     # A record without images may store no extra at all: it contributes no rows.
-    names = dict.fromkeys(name for r in records for name in r.extras)
-    extras = {name: torch.cat([r.extras[name] for r in records if name in r.extras]) for name in names}
-    image_embeds = torch.cat([r.image_embeds for r in records])
+    embeds = {name: tensor_of(np.concatenate([r.embeds[name] for r in records if name in r.embeds]),
+                              records[0].embed_dtype)
+              for name in dict.fromkeys(name for r in records for name in r.embeds)}
+    image_embeds = embeds.pop("image_embeds")
     batch = PackedBatch(
-        ids=[r.id for r in records], input_ids=input_ids[None],
-        labels=torch.from_numpy(_labels(input_ids.numpy(), token_tags.numpy(), cu_seqlens))[None],
-        token_tags=token_tags[None], document_ids=torch.from_numpy(np.repeat(np.arange(len(records)), lengths))[None],
+        ids=[r.id for r in records], input_ids=torch.from_numpy(input_ids)[None],
+        labels=torch.from_numpy(_labels(input_ids, token_tags, cu_seqlens))[None],
+        token_tags=torch.from_numpy(token_tags)[None],
+        document_ids=torch.from_numpy(np.repeat(np.arange(len(records)), lengths))[None],
         position_ids=_position_ids(records, cu_seqlens), cu_seqlens=torch.from_numpy(cu_seqlens.astype(np.int32)),
         max_seqlen=int(lengths.max()), image_embeds=image_embeds,
         image_positions=torch.from_numpy(span_positions(span_starts, spans[:, 1])),
-        grid_thw=torch.cat([r.grid_thw for r in records]), extras=extras,
-        deepstack_embeds=_deepstack_layers(extras.get("deepstack_embeds"), image_embeds.shape[1]))
+        grid_thw=torch.from_numpy(np.concatenate([r.grid_thw for r in records]).astype(np.int64).reshape(-1, 3)),
+        extras=embeds, deepstack_embeds=_deepstack_layers(embeds.get("deepstack_embeds"), image_embeds.shape[1]))
     check_packed(batch, max_tokens)
     return batch
 
@@ -115,14 +122,14 @@ def _labels(input_ids: np.ndarray, token_tags: np.ndarray, cu_seqlens: np.ndarra
     return labels
 
 
-def _position_ids(records: list[RecordTensors], cu_seqlens: np.ndarray) -> torch.Tensor:
-    text = torch.from_numpy(text_positions(cu_seqlens))
+def _position_ids(records: list[RecordArrays], cu_seqlens: np.ndarray) -> torch.Tensor:
+    text = text_positions(cu_seqlens)
     if records[0].position_ids is None:
-        return text[None]
+        return torch.from_numpy(text)[None]
     # Stored M-RoPE rows start at 0 in every record already; the text row on top is what tells
     # transformers where the records are (a [3, B, L] tensor gives it nothing to detect).
-    mrope = torch.cat([r.position_ids for r in records], dim=1)
-    return torch.cat([text[None], mrope])[:, None]
+    mrope = np.concatenate([r.position_ids for r in records], axis=1)
+    return torch.from_numpy(np.concatenate([text[None], mrope]).astype(np.int64))[:, None]
 
 
 def _deepstack_layers(stacked: torch.Tensor | None, hidden: int) -> list[torch.Tensor] | None:
