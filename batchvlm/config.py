@@ -215,6 +215,9 @@ class RuntimeConfig:
     """A rank whose heartbeat is older than this loses the units it claimed: another rank takes them over."""
     poll_s: float = 2.0
     """How often a rank with nothing left to claim looks again (for units of a dead rank, for the end)."""
+    overlap: bool = True
+    """Stage the next packed batch (host-to-device copies, preprocessing) while the current one encodes: on CUDA on a
+    side stream, so copies and preprocessing overlap the tower; on the CPU the same order, without streams."""
     dedup_buckets: int | None = None
     """Hash partitions of the ids for the duplicate pass at the end (null: one per 2M planned records)."""
 

@@ -26,13 +26,14 @@ from batchvlm.decode import Decoder
 from batchvlm.claims import Claims, Heartbeat
 from batchvlm.dedup import commit_bucket, find_duplicates, result_path
 from batchvlm.distributed import Coordinator, init_ranks
-from batchvlm.encode import encode_batch
+from batchvlm.encode import encode_batch, finish_batch, start_batch
 from batchvlm.faults import crash_point
+from batchvlm.overlap import Streams
 from batchvlm.families import load_family
 from batchvlm.preprocess import PreprocessGuard, make_preprocessor, pack, resolve_backend
 from batchvlm.progress import Progress
-from batchvlm.records import (EncodedRecord, Failure, PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd,
-                              UnitStart, WorkUnit)
+from batchvlm.records import (EncodedRecord, Failure, PackedBatch, PreparedRecord, QuarantinedRecord, SourceRecord,
+                              UnitEnd, UnitStart, WorkUnit)
 from batchvlm.requeue import requeue_source, write_lineage
 from batchvlm.rundir import RunDir
 from batchvlm.sink import RunSink, SinkWriter
@@ -148,14 +149,70 @@ class TokenBudgetBatcher:
 
 
 @dataclass
+class Staged:
+    """Batch k+1, its copies and preprocessing queued on the side stream while batch k encodes. `batch` is None
+    where packing raised: the batch is then redone on the checked path, which pins the failure on its record."""
+
+    records: list[PreparedRecord]
+    batch: PackedBatch | None
+    ready: object = None  # the side stream's event after this batch (None on the CPU)
+
+
+@dataclass
 class Device:
     preprocessor: object
     encoder: object
     guard: PreprocessGuard = field(default_factory=PreprocessGuard)
     out_dtype: torch.dtype | None = None  # the stored dtype: outputs cross to the host in it, once per batch
+    streams: Streams | None = None
+    """runtime.overlap: with streams, `submit` stages batch k+1 while batch k encodes; without, batch by batch."""
+
+    def submit(self, pending: Staged | None, records: list[PreparedRecord]) -> tuple[
+            list[EncodedRecord], list[QuarantinedRecord], Staged | None]:
+        """Hand in the next batch (empty at the end of the stream); get back the results of the batch handed in
+        before it and the batch now pending. Without streams the batch is encoded at once and nothing is pending.
+
+        Order, with streams: batch k's tower is queued, then batch k+1 is staged on the side stream (its pack reads
+        its checks back with a sync of the side stream alone), then batch k's checks and copy to the host wait for
+        the tower. A batch that fails anywhere on this path is redone on the checked path (`encode`), so its
+        failures are pinned and bisected exactly as without overlap."""
+        if self.streams is None:
+            return *self.encode(records), None
+        outputs = self._launch(pending) if pending is not None else None
+        staged = self._stage(records) if records else None
+        if pending is None:
+            return [], [], staged
+        return *self._finish(pending, outputs), staged
+
+    def _stage(self, records: list[PreparedRecord]) -> Staged:
+        try:
+            with self.streams.staging():
+                batch = pack(records, self.preprocessor, self.guard)
+                return Staged(records, batch, self.streams.staged())
+        except Exception:  # noqa: BLE001 - redone and pinned on the checked path when the batch's turn comes
+            return Staged(records, None)
+
+    def _launch(self, staged: Staged) -> dict | None:
+        crash_point("encode")
+        if staged.batch is None:
+            return None
+        self.streams.hand_over(staged.ready, [staged.batch.pixel_values])
+        try:
+            return start_batch(self.encoder, staged.batch)
+        except Exception:  # noqa: BLE001 - redone and pinned on the checked path
+            return None
+
+    def _finish(self, staged: Staged, outputs: dict | None) -> tuple[list[EncodedRecord], list[QuarantinedRecord]]:
+        if outputs is not None:
+            try:
+                return finish_batch(self.encoder, staged.batch, outputs, self.out_dtype), []
+            except Exception:  # noqa: BLE001 - redone and pinned on the checked path
+                pass
+        return self.encode(staged.records)
 
     def encode(self, records: list[PreparedRecord]) -> tuple[list[EncodedRecord], list[QuarantinedRecord]]:
-        """Encode a batch; pin every failure on the record that caused it and encode the rest unchanged."""
+        """The checked path: encode a batch, pin every failure on the record that caused it and encode the rest
+        unchanged."""
         if not records:
             return [], []
         crash_point("encode")
@@ -196,7 +253,7 @@ class Job:
         self.on_device = Device(make_preprocessor(job.preprocess.backend, self.family, self.device,
                                                   job.preprocess.background), encoder,
                                 PreprocessGuard.from_config(job.preprocess, self.family, job.preprocess.background),
-                                self.embed_dtype)
+                                self.embed_dtype, Streams(self.device) if job.runtime.overlap else None)
         self.seen = 0
         self.quarantined = 0
         self.image_tokens = 0
@@ -270,6 +327,7 @@ class Job:
         stream = self._stream(source, todo, claims)  # workers fork before the writer thread exists
         writer = SinkWriter(self.sink, self.job.runtime.writer_queue)
         batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
+        pending = None  # the batch staged while the one before it encodes (runtime.overlap)
         try:
             for item in stream:
                 if isinstance(item, UnitStart):
@@ -281,12 +339,18 @@ class Job:
                 elif not item.plans:
                     self._emit(writer, progress, [EncodedRecord(item, [])], [])
                 elif (batch := batcher.add(item)) is not None:
-                    self._emit(writer, progress, *self.on_device.encode(batch))
-            self._emit(writer, progress, *self.on_device.encode(batcher.flush()))
+                    pending = self._submit(writer, progress, pending, batch)
+            pending = self._submit(writer, progress, pending, batcher.flush())
+            self._submit(writer, progress, pending, [])  # the last batch staged is encoded too
             writer.close()
         finally:
             writer.close()
             self.sink.abandon_open_units()
+
+    def _submit(self, writer: SinkWriter, progress, pending: Staged | None, batch: list[PreparedRecord]) -> Staged | None:
+        encoded, quarantined, pending = self.on_device.submit(pending, batch)
+        self._emit(writer, progress, encoded, quarantined)
+        return pending
 
     def _find_duplicates(self, plan: Plan, claims: Claims) -> None:
         """Ranks claim the hash partitions of the ids one at a time and list the later occurrences of each id."""

@@ -23,6 +23,7 @@ from batchvlm.checks import CheckFailed, require
 from batchvlm.config import ConfigError
 from batchvlm.faults import fault
 from batchvlm.kernels.reference import composite, resize_image
+from batchvlm.overlap import to_device
 from batchvlm.records import DecodedImage, ImagePlan, PackedBatch, PreparedRecord
 
 log = logging.getLogger("batchvlm")
@@ -117,7 +118,7 @@ class TorchPreprocessor:
         return self.family.patchify(canvas).float().mul_(self.row_scale).add_(self.row_bias)
 
     def image_rows(self, image: DecodedImage, plan: ImagePlan) -> tuple[torch.Tensor, tuple]:
-        canvas = self.padded_uint8(torch.from_numpy(image.pixels).to(self.device), plan)
+        canvas = self.padded_uint8(to_device(torch.from_numpy(image.pixels), self.device), plan)
         return self.normalized_rows(canvas), self.family.grid_of(canvas)
 
     def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
