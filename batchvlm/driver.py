@@ -11,6 +11,7 @@ other error is bisected down to the record that raises it; the rest of the batch
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from batchvlm.dedup import commit_bucket, find_duplicates, result_path
 from batchvlm.distributed import Coordinator, init_ranks
 from batchvlm.encode import encode_batch, finish_batch, start_batch
 from batchvlm.faults import crash_point
+from batchvlm.jpeg import JpegBatchDecoder, resolve_jpeg_decode
 from batchvlm.overlap import Streams
 from batchvlm.families import load_family
 from batchvlm.preprocess import PreprocessGuard, make_preprocessor, pack, resolve_backend
@@ -156,6 +158,7 @@ class Staged:
     records: list[PreparedRecord]
     batch: PackedBatch | None
     ready: object = None  # the side stream's event after this batch (None on the CPU)
+    refused: list[QuarantinedRecord] = field(default_factory=list)  # records whose JPEG the safe path refused
 
 
 @dataclass
@@ -166,6 +169,8 @@ class Device:
     out_dtype: torch.dtype | None = None  # the stored dtype: outputs cross to the host in it, once per batch
     streams: Streams | None = None
     """runtime.overlap: with streams, `submit` stages batch k+1 while batch k encodes; without, batch by batch."""
+    jpegs: JpegBatchDecoder | None = None
+    """decode.jpeg=device: decodes the JPEGs that the workers left encoded, a batch at a time, before preprocessing."""
 
     def submit(self, pending: Staged | None, records: list[PreparedRecord]) -> tuple[
             list[EncodedRecord], list[QuarantinedRecord], Staged | None]:
@@ -177,20 +182,27 @@ class Device:
         the tower. A batch that fails anywhere on this path is redone on the checked path (`encode`), so its
         failures are pinned and bisected exactly as without overlap."""
         if self.streams is None:
-            return *self.encode(records), None
+            records, refused = self._decoded(records)
+            encoded, quarantined = self.encode(records)
+            return encoded, refused + quarantined, None
         outputs = self._launch(pending) if pending is not None else None
         staged = self._stage(records) if records else None
         if pending is None:
             return [], [], staged
-        return *self._finish(pending, outputs), staged
+        encoded, quarantined = self._finish(pending, outputs)
+        return encoded, pending.refused + quarantined, staged
+
+    def _decoded(self, records: list[PreparedRecord]) -> tuple[list[PreparedRecord], list[QuarantinedRecord]]:
+        return self.jpegs(records) if self.jpegs is not None else (records, [])
 
     def _stage(self, records: list[PreparedRecord]) -> Staged:
-        try:
-            with self.streams.staging():
+        with self.streams.staging():
+            records, refused = self._decoded(records)
+            try:
                 batch = pack(records, self.preprocessor, self.guard)
-                return Staged(records, batch, self.streams.staged())
-        except Exception:  # noqa: BLE001 - redone and pinned on the checked path when the batch's turn comes
-            return Staged(records, None)
+                return Staged(records, batch, self.streams.staged(), refused)
+            except Exception:  # noqa: BLE001 - redone and pinned on the checked path when the batch's turn comes
+                return Staged(records, None, refused=refused)
 
     def _launch(self, staged: Staged) -> dict | None:
         crash_point("encode")
@@ -242,6 +254,7 @@ class Job:
         self.ranks, self.device = init_ranks(job.model.device)
         # The fingerprint and config.yaml name the backend that runs, not `auto`: backends differ by a level.
         job.preprocess.backend = resolve_backend(job.preprocess.backend, self.device)
+        job.decode.jpeg = resolve_jpeg_decode(job.decode.jpeg, self.device)
         self.family = load_family(job.model)
         self.requeue = requeue_source(job, run_dir) if job.requeue_from else None
         encoder = self.family.load_encoder(self.device, EMBED_DTYPES[job.model.dtype])
@@ -253,10 +266,18 @@ class Job:
         self.on_device = Device(make_preprocessor(job.preprocess.backend, self.family, self.device,
                                                   job.preprocess.background), encoder,
                                 PreprocessGuard.from_config(job.preprocess, self.family, job.preprocess.background),
-                                self.embed_dtype, Streams(self.device) if job.runtime.overlap else None)
+                                self.embed_dtype, Streams(self.device) if job.runtime.overlap else None,
+                                self._jpeg_decoder())
         self.seen = 0
         self.quarantined = 0
         self.image_tokens = 0
+
+    def _jpeg_decoder(self) -> JpegBatchDecoder | None:
+        """decode.jpeg=device: the batched decoder, with the safe path (forced: it must not defer again) for the
+        images it cannot decode."""
+        if self.job.decode.jpeg != "device":
+            return None
+        return JpegBatchDecoder(self.device, Decoder(dataclasses.replace(self.job.decode, jpeg="safe")))
 
     def _plan(self) -> tuple[Plan, Source]:
         """Rank 0 plans from the inputs' metadata (or checks the plan of an earlier attempt) and clears what a
@@ -346,6 +367,8 @@ class Job:
         finally:
             writer.close()
             self.sink.abandon_open_units()
+            if self.on_device.jpegs is not None:
+                self.on_device.jpegs.close()  # its safe path's child; started again on the next use
 
     def _submit(self, writer: SinkWriter, progress, pending: Staged | None, batch: list[PreparedRecord]) -> Staged | None:
         encoded, quarantined, pending = self.on_device.submit(pending, batch)

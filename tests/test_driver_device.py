@@ -10,8 +10,9 @@ import torch
 
 from batchvlm import driver
 from batchvlm.checks import CheckFailed
-from batchvlm.config import ChecksConfig, JobConfig, OutputConfig, PreprocessConfig, RuntimeConfig
+from batchvlm.config import ChecksConfig, DecodeConfig, JobConfig, OutputConfig, PreprocessConfig, RuntimeConfig
 from batchvlm.driver import Device, Job, TokenBudgetBatcher
+from batchvlm.jpeg import JpegBatchDecoder
 from batchvlm.overlap import Streams
 from batchvlm.records import EncodedRecord, ImagePlan, PackedBatch, PreparedRecord, SourceRecord
 
@@ -180,24 +181,36 @@ def test_overlap_on_and_off_give_the_same_records_in_the_same_order(device):
     assert ("b1r2", "encode.failed") in with_overlap and ("b2r1", "encode.failed") in with_overlap
 
 
-# -- the job on the demo, overlap on vs off ---------------------------------------------------
-def run_demo(root: Path, name: str, overlap: bool) -> Path:
-    """The demo in many small batches (a small token budget), inline."""
+# -- the job on the demo: overlap and batched JPEG decode change nothing that is written ----------------
+def run_demo(root: Path, name: str, overlap: bool, jpeg: str = "safe") -> Path:
+    """The demo in many small batches (a small token budget), its workers inline."""
     job = JobConfig(run_name=name, output=OutputConfig(root=str(root)), checks=ChecksConfig(max_quarantine_fraction=1),
-                    preprocess=PreprocessConfig(token_budget=256),
+                    preprocess=PreprocessConfig(token_budget=256), decode=DecodeConfig(jpeg=jpeg),
                     runtime=RuntimeConfig(num_workers=0, progress=False, overlap=overlap))
     Job(job, root / name).run_all()
     return root / name
 
 
 def shards(run_dir: Path, kind: str) -> list[dict]:
-    return [row for path in sorted((run_dir / kind).glob("*.parquet")) for row in pq.read_table(path).to_pylist()]
+    """The rows in shard order, without the fingerprint (the config differs, by design)."""
+    return [{key: value for key, value in row.items() if key != "fingerprint"}
+            for path in sorted((run_dir / kind).glob("*.parquet")) for row in pq.read_table(path).to_pylist()]
 
 
-@pytest.mark.slow  # two demo jobs
-def test_the_demo_with_overlap_commits_the_same_shards_as_without(tmp_path):
-    on, off = run_demo(tmp_path, "on", overlap=True), run_demo(tmp_path, "off", overlap=False)
+@pytest.fixture(scope="module")
+def batch_by_batch(tmp_path_factory) -> Path:
+    return run_demo(tmp_path_factory.mktemp("off"), "off", overlap=False)
+
+
+@pytest.mark.slow  # a demo job each, against a module-wide one
+@pytest.mark.parametrize("jpeg", ["safe", "device"])
+def test_the_demo_with_overlap_commits_the_same_shards_as_batch_by_batch(tmp_path, batch_by_batch, jpeg, monkeypatch):
+    batched = []  # the JPEGs that the batched decoder took
+    decode = JpegBatchDecoder._batched
+    monkeypatch.setattr(JpegBatchDecoder, "_batched", lambda self, jpegs: batched.extend(jpegs) or decode(self, jpegs))
+    run_dir = run_demo(tmp_path, "on", overlap=True, jpeg=jpeg)
+    assert len(batched) == (14 if jpeg == "device" else 0)  # the demo's JPEGs but the truncated one and one whose text fails
     for kind in ("data", "quarantine"):
-        assert [{k: v for k, v in row.items() if k != "fingerprint"} for row in shards(on, kind)] == \
-               [{k: v for k, v in row.items() if k != "fingerprint"} for row in shards(off, kind)]
-    assert len(shards(on, "data")) > 10 and {row["check"] for row in shards(on, "quarantine")} >= {"decode.truncated"}
+        assert shards(run_dir, kind) == shards(batch_by_batch, kind), kind
+    assert len(shards(run_dir, "data")) > 10
+    assert {row["check"] for row in shards(run_dir, "quarantine")} >= {"decode.truncated", "decode.unreadable"}
