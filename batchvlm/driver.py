@@ -29,9 +29,9 @@ from batchvlm.dedup import commit_bucket, find_duplicates, result_path
 from batchvlm.distributed import Coordinator, init_ranks
 from batchvlm.encode import encode_batch, finish_batch, start_batch
 from batchvlm.faults import crash_point
+from batchvlm.families import load_family
 from batchvlm.jpeg import JpegBatchDecoder, resolve_jpeg_decode
 from batchvlm.overlap import Streams
-from batchvlm.families import load_family
 from batchvlm.preprocess import PreprocessGuard, make_preprocessor, pack, resolve_backend
 from batchvlm.progress import Progress
 from batchvlm.records import (EncodedRecord, Failure, PackedBatch, PreparedRecord, QuarantinedRecord, SourceRecord,
@@ -161,6 +161,14 @@ class Staged:
     refused: list[QuarantinedRecord] = field(default_factory=list)  # records whose JPEG the safe path refused
 
 
+def made_on_the_side(staged: Staged) -> list[torch.Tensor]:
+    """What the compute stream reads of the side stream's work: the packed pixels, and the pixels decoded on the
+    device (decode.jpeg=device), which the checked path packs again if the batch is redone."""
+    decoded = [image.pixels for record in staged.records for image in record.images
+               if isinstance(image.pixels, torch.Tensor)]
+    return decoded + ([staged.batch.pixel_values] if staged.batch is not None else [])
+
+
 @dataclass
 class Device:
     preprocessor: object
@@ -200,15 +208,15 @@ class Device:
             records, refused = self._decoded(records)
             try:
                 batch = pack(records, self.preprocessor, self.guard)
-                return Staged(records, batch, self.streams.staged(), refused)
             except Exception:  # noqa: BLE001 - redone and pinned on the checked path when the batch's turn comes
-                return Staged(records, None, refused=refused)
+                batch = None
+            return Staged(records, batch, self.streams.staged(), refused)
 
     def _launch(self, staged: Staged) -> dict | None:
         crash_point("encode")
+        self.streams.hand_over(staged.ready, made_on_the_side(staged))
         if staged.batch is None:
             return None
-        self.streams.hand_over(staged.ready, [staged.batch.pixel_values])
         try:
             return start_batch(self.encoder, staged.batch)
         except Exception:  # noqa: BLE001 - redone and pinned on the checked path
