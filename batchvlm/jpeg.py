@@ -87,9 +87,9 @@ def deferred(data: bytes, cfg: DecodeConfig) -> EncodedJpeg | None:
     except Exception:  # noqa: BLE001 - whatever the header holds, the safe path reports it
         return None
     if (image.format != "JPEG" or image.mode not in ("RGB", "L") or "adobe" in image.info
-            or image.width * image.height > cfg.max_pixels):
+            or image.width * image.height > cfg.max_pixels or not isinstance(orientation, int)):
         return None
-    orientation = orientation if orientation in UPRIGHT else 1  # PIL's exif_transpose ignores other values
+    orientation = orientation if orientation in UPRIGHT else 1  # exif_transpose leaves other numbers as stored
     height, width = (image.width, image.height) if orientation in (5, 6, 7, 8) else (image.height, image.width)
     return EncodedJpeg(data, height, width, orientation, hashlib.sha256(data).hexdigest())
 
