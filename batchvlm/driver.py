@@ -2,7 +2,8 @@
 
     workers (DataLoader):  claim a unit -> source -> decode -> plan -> layout   (UnitStart | PreparedRecord |
                                                                                  QuarantinedRecord | UnitEnd)
-    main process:          token-budget batches -> preprocess -> encode -> assemble
+    main process:          token-budget batches -> [JPEG decode] -> preprocess -> encode -> assemble
+                           (runtime.overlap: batch k+1 decoded and preprocessed on a side stream while batch k encodes)
     writer thread:         sink (atomic per-unit commit)
 
 A failure inside a packed batch is pinned on its record: checks that know the record name it, any
