@@ -13,5 +13,5 @@ python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no C
 unset TRITON_INTERPRET
 python -m pytest -q tests/test_kernels.py
 python jobs/bench.py task=preprocess
-python -m pytest -q tests/test_driver_device.py tests/test_jpeg.py tests/test_encode.py
+python -m pytest -q tests/test_overlap.py tests/test_jpeg.py tests/test_driver_device.py tests/test_encode.py
 python jobs/bench.py task=e2e records=128

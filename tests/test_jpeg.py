@@ -22,7 +22,7 @@ from batchvlm.demo import demo_rows
 from batchvlm.jpeg import JpegBatchDecoder, deferred
 from batchvlm.records import DecodedImage, EncodedJpeg, PreparedRecord, SourceRecord
 from conftest import shared_folder
-from test_decode import STORED, encoded, upright
+from test_decode import STORED, encoded, quadrant_means, upright
 
 SAFE = DecodeConfig(isolation="none")
 DEVICE = DecodeConfig(isolation="none", jpeg="device")
@@ -141,3 +141,21 @@ def test_auto_decodes_on_the_device_only_where_the_job_runs_on_cuda():
     assert jpeg_module.resolve_jpeg_decode("auto", torch.device("cpu")) == "safe"
     assert jpeg_module.resolve_jpeg_decode("auto", torch.device("cuda", 0)) == "device"
     assert jpeg_module.resolve_jpeg_decode("device", torch.device("cpu")) == "device"
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bash jobs/gpu_check.sh)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_on_cuda_nvjpeg_decodes_on_the_device_and_turns_the_image_upright(orientation):
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encoded(Image.fromarray(np.ascontiguousarray(STORED[orientation](upright()))), "JPEG", quality=95,
+                   exif=exif.tobytes())
+    decoder = JpegBatchDecoder(torch.device("cuda"), Decoder(dataclasses.replace(DEVICE, jpeg="safe")))
+    (item,), _ = decoder([record("r", deferred(data, DEVICE))])
+    pixels = item.images[0].pixels
+    assert pixels.is_cuda and tuple(pixels.shape) == (32, 48, 3)
+    # nvJPEG is not libjpeg-turbo: the quadrants, not the exact values (the e2e bench prints the difference)
+    assert np.abs(quadrant_means(pixels.cpu().numpy()) - quadrant_means(upright())).max() < 12

@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import numpy as np
+import pytest
 import torch
 
 from batchvlm.driver import Staged, made_on_the_side
@@ -30,3 +31,15 @@ def test_the_compute_stream_is_handed_the_packed_pixels_and_the_pixels_decoded_o
     assert [t is on_device for t in made_on_the_side(Staged([record], None))] == [True]
     handed = made_on_the_side(Staged([record], packed))
     assert len(handed) == 2 and handed[0] is on_device and handed[1] is packed.pixel_values
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bash jobs/gpu_check.sh)")
+def test_on_cuda_what_the_side_stream_made_is_read_whole_on_the_compute_stream():
+    device = torch.device("cuda")
+    streams = Streams(device)
+    host = torch.arange(1 << 22, dtype=torch.float32)
+    with streams.staging():
+        made = to_device(host, device).mul_(2)  # a pinned, asynchronous copy, then work, all on the side stream
+        ready = streams.staged()
+    streams.hand_over(ready, [made])
+    assert torch.equal(made.mul(0.5).cpu(), host)
