@@ -221,3 +221,16 @@ def test_the_demo_with_overlap_commits_the_same_shards_as_batch_by_batch(tmp_pat
         assert comparable(shards(run_dir, kind), exact) == comparable(shards(batch_by_batch, kind), exact), kind
     assert len(shards(run_dir, "data")) > 10
     assert {row["check"] for row in shards(run_dir, "quarantine")} >= {"decode.truncated", "decode.unreadable"}
+
+
+@pytest.mark.slow  # a demo job, against the module-wide one
+def test_when_every_batched_jpeg_decode_raises_the_safe_path_commits_the_same_shards(tmp_path, batch_by_batch,
+                                                                                   monkeypatch):
+    """Each JPEG of a failed batched call is decoded on the safe path, in the main process's own isolated child."""
+    def failing(*args, **kwargs):
+        raise RuntimeError("nvjpeg: bitstream error")
+
+    monkeypatch.setattr("torchvision.io.decode_jpeg", failing)
+    run_dir = run_demo(tmp_path, "failing", overlap=True, jpeg="device")
+    for kind in ("data", "quarantine"):
+        assert shards(run_dir, kind) == shards(batch_by_batch, kind), kind
