@@ -26,12 +26,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 from PIL import Image
 
 from batchvlm.assemble import DATA_SCHEMA, data_row
 from batchvlm.claims import Claims
-import torch
-
 from batchvlm.config import DatasetConfig, DecodeConfig, JobConfig, ModelConfig, OutputConfig, RuntimeConfig
 from batchvlm.decode import Decoder
 from batchvlm.demo import photographs

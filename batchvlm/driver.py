@@ -379,7 +379,8 @@ class Job:
             if self.on_device.jpegs is not None:
                 self.on_device.jpegs.close()  # its safe path's child; started again on the next use
 
-    def _submit(self, writer: SinkWriter, progress, pending: Staged | None, batch: list[PreparedRecord]) -> Staged | None:
+    def _submit(self, writer: SinkWriter, progress, pending: Staged | None,
+                batch: list[PreparedRecord]) -> Staged | None:
         encoded, quarantined, pending = self.on_device.submit(pending, batch)
         self._emit(writer, progress, encoded, quarantined)
         return pending

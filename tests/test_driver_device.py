@@ -213,7 +213,8 @@ def test_the_demo_with_overlap_commits_the_same_shards_as_batch_by_batch(tmp_pat
     decode = JpegBatchDecoder._batched
     monkeypatch.setattr(JpegBatchDecoder, "_batched", lambda self, jpegs: batched.extend(jpegs) or decode(self, jpegs))
     run_dir = run_demo(tmp_path, "on", overlap=True, jpeg=jpeg)
-    assert len(batched) == (14 if jpeg == "device" else 0)  # the demo's JPEGs but the truncated one and one whose text fails
+    # the demo's JPEGs but the truncated one and the one whose text fails in the worker
+    assert len(batched) == (14 if jpeg == "device" else 0)
     # nvJPEG's pixels are not libjpeg-turbo's: on CUDA the embeddings of device-decoded JPEGs may differ (the e2e
     # bench prints by how much); everything else must not.
     exact = jpeg == "safe" or not torch.cuda.is_available()

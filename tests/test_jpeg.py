@@ -7,8 +7,6 @@ cannot decode goes through the safe path, whose checks quarantine it as they alw
 from __future__ import annotations
 
 import dataclasses
-import io
-from pathlib import Path
 
 import numpy as np
 import pytest
