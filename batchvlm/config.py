@@ -129,9 +129,15 @@ class DecodeConfig:
     """process: decode in a child process, so a decoder crash or hang costs one record; none: in-process."""
     timeout_s: float = 30.0
     """Per-image decode time limit (isolation=process)."""
+    jpeg: str = "safe"
+    """safe: every image decodes in the workers on the safe path | device: a JPEG that the batched decoder turns into
+    the safe path's pixels has its header checked in the workers and is decoded in the main process, a packed batch's
+    JPEGs in one torchvision call on the job's device (nvJPEG on CUDA, libjpeg-turbo on the CPU); every other image,
+    and any the batched call fails on, on the safe path | auto: device when the job runs on CUDA, safe otherwise."""
 
     def __post_init__(self) -> None:
         _one_of("decode.isolation", self.isolation, ("process", "none"))
+        _one_of("decode.jpeg", self.jpeg, ("safe", "auto", "device"))
         _positive("decode.timeout_s", self.timeout_s)
         _positive("decode.max_pixels", self.max_pixels)
         _positive("decode.max_bytes", self.max_bytes)
@@ -215,6 +221,9 @@ class RuntimeConfig:
     """A rank whose heartbeat is older than this loses the units it claimed: another rank takes them over."""
     poll_s: float = 2.0
     """How often a rank with nothing left to claim looks again (for units of a dead rank, for the end)."""
+    overlap: bool = True
+    """Stage the next packed batch (host-to-device copies, preprocessing) while the current one encodes: on CUDA on a
+    side stream, so copies and preprocessing overlap the tower; on the CPU the same order, without streams."""
     dedup_buckets: int | None = None
     """Hash partitions of the ids for the duplicate pass at the end (null: one per 2M planned records)."""
 

@@ -30,7 +30,8 @@ from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from batchvlm.checks import CheckFailed, require
 from batchvlm.config import DecodeConfig
 from batchvlm.faults import fault
-from batchvlm.records import DecodedImage, ImageRef
+from batchvlm.jpeg import deferred
+from batchvlm.records import DecodedImage, EncodedJpeg, ImageRef
 
 # A truncated file must fail, never come back half black.
 ImageFile.LOAD_TRUNCATED_IMAGES = False
@@ -108,6 +109,14 @@ def decode_image(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> Decode
     return DecodedImage(pixels=pixels, format=image_format, sha256=hashlib.sha256(data).hexdigest())
 
 
+def decode_or_defer(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> DecodedImage | EncodedJpeg:
+    """The safe path; with decode.jpeg=device, a JPEG the batched decoder reads alike is only header-checked here
+    and left for the main process (jpeg.py)."""
+    if cfg.jpeg == "device" and (jpeg := deferred(data, cfg)) is not None:
+        return jpeg
+    return decode_image(data, cfg, image_index)
+
+
 def _open_allowed(data: bytes, cfg: DecodeConfig, image_index: int) -> Image.Image:
     try:
         return Image.open(io.BytesIO(data), formats=list(cfg.formats))
@@ -158,7 +167,7 @@ def _serve(conn: Connection, cfg: DecodeConfig) -> None:
         if (target := fault("decode.hang")) and digest.startswith(target):
             signal.pause()
         try:
-            conn.send(("ok", decode_image(data, cfg, image_index)))
+            conn.send(("ok", decode_or_defer(data, cfg, image_index)))
         except CheckFailed as failure:
             conn.send(("failed", failure))
 
@@ -175,10 +184,10 @@ class Decoder:
         self.pid: int | None = None
         self.conn: Connection | None = None
 
-    def __call__(self, ref: ImageRef, image_index: int) -> DecodedImage:
+    def __call__(self, ref: ImageRef, image_index: int) -> DecodedImage | EncodedJpeg:
         data = read_bytes(ref, image_index)
         if self.cfg.isolation == "none":
-            return decode_image(data, self.cfg, image_index)
+            return decode_or_defer(data, self.cfg, image_index)
         if self.pid is None:
             self._start()
         self.conn.send((data, image_index))

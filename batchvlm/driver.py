@@ -2,7 +2,8 @@
 
     workers (DataLoader):  claim a unit -> source -> decode -> plan -> layout   (UnitStart | PreparedRecord |
                                                                                  QuarantinedRecord | UnitEnd)
-    main process:          token-budget batches -> preprocess -> encode -> assemble
+    main process:          token-budget batches -> [JPEG decode] -> preprocess -> encode -> assemble
+                           (runtime.overlap: batch k+1 decoded and preprocessed on a side stream while batch k encodes)
     writer thread:         sink (atomic per-unit commit)
 
 A failure inside a packed batch is pinned on its record: checks that know the record name it, any
@@ -11,6 +12,7 @@ other error is bisected down to the record that raises it; the rest of the batch
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,13 +28,15 @@ from batchvlm.decode import Decoder
 from batchvlm.claims import Claims, Heartbeat
 from batchvlm.dedup import commit_bucket, find_duplicates, result_path
 from batchvlm.distributed import Coordinator, init_ranks
-from batchvlm.encode import encode_batch
+from batchvlm.encode import encode_batch, finish_batch, start_batch
 from batchvlm.faults import crash_point
 from batchvlm.families import load_family
+from batchvlm.jpeg import JpegBatchDecoder, resolve_jpeg_decode
+from batchvlm.overlap import Streams
 from batchvlm.preprocess import PreprocessGuard, make_preprocessor, pack, resolve_backend
 from batchvlm.progress import Progress
-from batchvlm.records import (EncodedRecord, Failure, PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd,
-                              UnitStart, WorkUnit)
+from batchvlm.records import (EncodedRecord, Failure, PackedBatch, PreparedRecord, QuarantinedRecord, SourceRecord,
+                              UnitEnd, UnitStart, WorkUnit)
 from batchvlm.requeue import requeue_source, write_lineage
 from batchvlm.rundir import RunDir
 from batchvlm.sink import RunSink, SinkWriter
@@ -148,14 +152,88 @@ class TokenBudgetBatcher:
 
 
 @dataclass
+class Staged:
+    """Batch k+1, its copies and preprocessing queued on the side stream while batch k encodes. `batch` is None
+    where packing raised: the batch is then redone on the checked path, which pins the failure on its record."""
+
+    records: list[PreparedRecord]
+    batch: PackedBatch | None
+    ready: object = None  # the side stream's event after this batch (None on the CPU)
+    refused: list[QuarantinedRecord] = field(default_factory=list)  # records whose JPEG the safe path refused
+
+
+def made_on_the_side(staged: Staged) -> list[torch.Tensor]:
+    """What the compute stream reads of the side stream's work: the packed pixels, and the pixels decoded on the
+    device (decode.jpeg=device), which the checked path packs again if the batch is redone."""
+    decoded = [image.pixels for record in staged.records for image in record.images
+               if isinstance(image.pixels, torch.Tensor)]
+    return decoded + ([staged.batch.pixel_values] if staged.batch is not None else [])
+
+
+@dataclass
 class Device:
     preprocessor: object
     encoder: object
     guard: PreprocessGuard = field(default_factory=PreprocessGuard)
     out_dtype: torch.dtype | None = None  # the stored dtype: outputs cross to the host in it, once per batch
+    streams: Streams | None = None
+    """runtime.overlap: with streams, `submit` stages batch k+1 while batch k encodes; without, batch by batch."""
+    jpegs: JpegBatchDecoder | None = None
+    """decode.jpeg=device: decodes the JPEGs that the workers left encoded, a batch at a time, before preprocessing."""
+
+    def submit(self, pending: Staged | None, records: list[PreparedRecord]) -> tuple[
+            list[EncodedRecord], list[QuarantinedRecord], Staged | None]:
+        """Hand in the next batch (empty at the end of the stream); get back the results of the batch handed in
+        before it and the batch now pending. Without streams the batch is encoded at once and nothing is pending.
+
+        Order, with streams: batch k's tower is queued, then batch k+1 is staged on the side stream (its pack reads
+        its checks back with a sync of the side stream alone), then batch k's checks and copy to the host wait for
+        the tower. A batch that fails anywhere on this path is redone on the checked path (`encode`), so its
+        failures are pinned and bisected exactly as without overlap."""
+        if self.streams is None:
+            records, refused = self._decoded(records)
+            encoded, quarantined = self.encode(records)
+            return encoded, refused + quarantined, None
+        outputs = self._launch(pending) if pending is not None else None
+        staged = self._stage(records) if records else None
+        if pending is None:
+            return [], [], staged
+        encoded, quarantined = self._finish(pending, outputs)
+        return encoded, pending.refused + quarantined, staged
+
+    def _decoded(self, records: list[PreparedRecord]) -> tuple[list[PreparedRecord], list[QuarantinedRecord]]:
+        return self.jpegs(records) if self.jpegs is not None else (records, [])
+
+    def _stage(self, records: list[PreparedRecord]) -> Staged:
+        with self.streams.staging():
+            records, refused = self._decoded(records)
+            try:
+                batch = pack(records, self.preprocessor, self.guard)
+            except Exception:  # noqa: BLE001 - redone and pinned on the checked path when the batch's turn comes
+                batch = None
+            return Staged(records, batch, self.streams.staged(), refused)
+
+    def _launch(self, staged: Staged) -> dict | None:
+        crash_point("encode")
+        self.streams.hand_over(staged.ready, made_on_the_side(staged))
+        if staged.batch is None:
+            return None
+        try:
+            return start_batch(self.encoder, staged.batch)
+        except Exception:  # noqa: BLE001 - redone and pinned on the checked path
+            return None
+
+    def _finish(self, staged: Staged, outputs: dict | None) -> tuple[list[EncodedRecord], list[QuarantinedRecord]]:
+        if outputs is not None:
+            try:
+                return finish_batch(self.encoder, staged.batch, outputs, self.out_dtype), []
+            except Exception:  # noqa: BLE001 - redone and pinned on the checked path
+                pass
+        return self.encode(staged.records)
 
     def encode(self, records: list[PreparedRecord]) -> tuple[list[EncodedRecord], list[QuarantinedRecord]]:
-        """Encode a batch; pin every failure on the record that caused it and encode the rest unchanged."""
+        """The checked path: encode a batch, pin every failure on the record that caused it and encode the rest
+        unchanged."""
         if not records:
             return [], []
         crash_point("encode")
@@ -185,6 +263,7 @@ class Job:
         self.ranks, self.device = init_ranks(job.model.device)
         # The fingerprint and config.yaml name the backend that runs, not `auto`: backends differ by a level.
         job.preprocess.backend = resolve_backend(job.preprocess.backend, self.device)
+        job.decode.jpeg = resolve_jpeg_decode(job.decode.jpeg, self.device)
         self.family = load_family(job.model)
         self.requeue = requeue_source(job, run_dir) if job.requeue_from else None
         encoder = self.family.load_encoder(self.device, EMBED_DTYPES[job.model.dtype])
@@ -196,10 +275,18 @@ class Job:
         self.on_device = Device(make_preprocessor(job.preprocess.backend, self.family, self.device,
                                                   job.preprocess.background), encoder,
                                 PreprocessGuard.from_config(job.preprocess, self.family, job.preprocess.background),
-                                self.embed_dtype)
+                                self.embed_dtype, Streams(self.device) if job.runtime.overlap else None,
+                                self._jpeg_decoder())
         self.seen = 0
         self.quarantined = 0
         self.image_tokens = 0
+
+    def _jpeg_decoder(self) -> JpegBatchDecoder | None:
+        """decode.jpeg=device: the batched decoder, with the safe path (forced: it must not defer again) for the
+        images it cannot decode."""
+        if self.job.decode.jpeg != "device":
+            return None
+        return JpegBatchDecoder(self.device, Decoder(dataclasses.replace(self.job.decode, jpeg="safe")))
 
     def _plan(self) -> tuple[Plan, Source]:
         """Rank 0 plans from the inputs' metadata (or checks the plan of an earlier attempt) and clears what a
@@ -270,6 +357,7 @@ class Job:
         stream = self._stream(source, todo, claims)  # workers fork before the writer thread exists
         writer = SinkWriter(self.sink, self.job.runtime.writer_queue)
         batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
+        pending = None  # the batch staged while the one before it encodes (runtime.overlap)
         try:
             for item in stream:
                 if isinstance(item, UnitStart):
@@ -281,12 +369,21 @@ class Job:
                 elif not item.plans:
                     self._emit(writer, progress, [EncodedRecord(item, [])], [])
                 elif (batch := batcher.add(item)) is not None:
-                    self._emit(writer, progress, *self.on_device.encode(batch))
-            self._emit(writer, progress, *self.on_device.encode(batcher.flush()))
+                    pending = self._submit(writer, progress, pending, batch)
+            pending = self._submit(writer, progress, pending, batcher.flush())
+            self._submit(writer, progress, pending, [])  # the last batch staged is encoded too
             writer.close()
         finally:
             writer.close()
             self.sink.abandon_open_units()
+            if self.on_device.jpegs is not None:
+                self.on_device.jpegs.close()  # its safe path's child; started again on the next use
+
+    def _submit(self, writer: SinkWriter, progress, pending: Staged | None,
+                batch: list[PreparedRecord]) -> Staged | None:
+        encoded, quarantined, pending = self.on_device.submit(pending, batch)
+        self._emit(writer, progress, encoded, quarantined)
+        return pending
 
     def _find_duplicates(self, plan: Plan, claims: Claims) -> None:
         """Ranks claim the hash partitions of the ids one at a time and list the later occurrences of each id."""

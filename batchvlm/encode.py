@@ -35,13 +35,23 @@ def check_packing(batch: PackedBatch) -> None:
 
 
 def encode_batch(encoder, batch: PackedBatch, out_dtype: torch.dtype | None = None) -> list[EncodedRecord]:
-    """Run the tower on a packed batch and split its outputs per record, checked.
+    """Run the tower on a packed batch and split its outputs per record, checked."""
+    return finish_batch(encoder, batch, start_batch(encoder, batch), out_dtype)
 
-    The checks of the whole batch cost one device sync (non-finite values counted per image on the
-    device, read back at once), and the outputs come back to the host in one copy per output (in
-    `out_dtype`, the stored one, so only the stored bytes cross the bus)."""
+
+def start_batch(encoder, batch: PackedBatch) -> dict[str, list[torch.Tensor]]:
+    """The tower's outputs for the batch ({output name: one tensor per image}), as launched: on CUDA the
+    kernels are queued and the host is free until `finish_batch` reads the results."""
     check_packing(batch)
-    outputs = encoder(batch.pixel_values, batch.grid_thw)  # {output name: one tensor per image}
+    return encoder(batch.pixel_values, batch.grid_thw)
+
+
+def finish_batch(encoder, batch: PackedBatch, outputs: dict[str, list[torch.Tensor]],
+                 out_dtype: torch.dtype | None = None) -> list[EncodedRecord]:
+    """The outputs split per record, checked. The checks of the whole batch cost one device sync
+    (non-finite values counted per image on the device, read back at once), and the outputs come back
+    to the host in one copy per output (in `out_dtype`, the stored one, so only the stored bytes cross
+    the bus)."""
     plans = [plan for record in batch.records for plan in record.plans]
     for name, tensors in outputs.items():
         require(len(tensors) == len(plans), "encode.output_tokens", f"the tower returned {name} for a different "

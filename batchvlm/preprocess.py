@@ -23,6 +23,7 @@ from batchvlm.checks import CheckFailed, require
 from batchvlm.config import ConfigError
 from batchvlm.faults import fault
 from batchvlm.kernels.reference import composite, resize_image
+from batchvlm.overlap import to_device
 from batchvlm.records import DecodedImage, ImagePlan, PackedBatch, PreparedRecord
 
 log = logging.getLogger("batchvlm")
@@ -62,6 +63,12 @@ def _resized(image: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Ten
     if image.device.type == "cpu":
         return F.interpolate(image[None], size=size, mode=mode, align_corners=False, antialias=True)[0]
     return resize_image(image, size, mode)
+
+
+def pixels_on(image: DecodedImage, device: torch.device) -> torch.Tensor:
+    """HWC uint8 on `device`: where the decoder left it (decode.jpeg=device), or copied there from the host."""
+    pixels = image.pixels if isinstance(image.pixels, torch.Tensor) else torch.from_numpy(image.pixels)
+    return to_device(pixels, device)
 
 
 def _images_and_plans(records: list[PreparedRecord]) -> tuple[list[DecodedImage], list[ImagePlan]]:
@@ -117,7 +124,7 @@ class TorchPreprocessor:
         return self.family.patchify(canvas).float().mul_(self.row_scale).add_(self.row_bias)
 
     def image_rows(self, image: DecodedImage, plan: ImagePlan) -> tuple[torch.Tensor, tuple]:
-        canvas = self.padded_uint8(torch.from_numpy(image.pixels).to(self.device), plan)
+        canvas = self.padded_uint8(pixels_on(image, self.device), plan)
         return self.normalized_rows(canvas), self.family.grid_of(canvas)
 
     def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
@@ -145,7 +152,7 @@ class TritonPreprocessor:
     def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
         images, plans = _images_and_plans(records)
         plans = [backend_plan(image, plan, self.family.layout) for image, plan in zip(images, plans)]
-        packed, counts = self.pack_images([torch.from_numpy(image.pixels) for image in images],
+        packed, counts = self.pack_images([torch.as_tensor(image.pixels) for image in images],
                                           [plan.resized for plan in plans], [plan.padded for plan in plans],
                                           self.family.layout, self.family.resample, self.background, self.scale,
                                           self.bias, self.device)
@@ -166,7 +173,7 @@ class ReferencePreprocessor:
         rows, grids = [], []
         for record in records:
             for image in record.images:
-                pixel_values, grid = self.family.reference_preprocess([image.pixels])
+                pixel_values, grid = self.family.reference_preprocess([image.on_host()])
                 rows.append(pixel_values.to(self.device))
                 grids.append(tuple(int(v) for v in grid[0]))
         return rows, grids
@@ -252,7 +259,7 @@ class PreprocessGuard:
         if image.has_alpha:
             oracle, _ = self.cpu.image_rows(image, plan)
         else:
-            oracle, _ = self.cpu.family.reference_preprocess([image.pixels])
+            oracle, _ = self.cpu.family.reference_preprocess([image.on_host()])
         levels = self._levels(rows.detach().float().cpu(), oracle.float(), plan)
         if levels is None or levels > self.parity_max_levels:
             self.parity_failed.add(key)

@@ -48,11 +48,15 @@ class SourceRecord:
 
 @dataclass
 class DecodedImage:
-    """HWC uint8 pixels, RGB or RGBA, upright (EXIF applied)."""
+    """HWC uint8 pixels, RGB or RGBA, upright (EXIF applied): a host array, or a tensor on the job's device where
+    the JPEG was decoded there (decode.jpeg=device)."""
 
-    pixels: np.ndarray
+    pixels: np.ndarray | torch.Tensor
     format: str
     sha256: str
+
+    def on_host(self) -> np.ndarray:
+        return self.pixels.cpu().numpy() if isinstance(self.pixels, torch.Tensor) else self.pixels
 
     @property
     def height(self) -> int:
@@ -65,6 +69,19 @@ class DecodedImage:
     @property
     def has_alpha(self) -> bool:
         return self.pixels.shape[2] == 4
+
+
+@dataclass
+class EncodedJpeg:
+    """A JPEG whose header passed the decode checks in the worker, left for the main process to decode in a batch
+    on the job's device (decode.jpeg=device). Sized upright (its EXIF orientation applied), as the plan needs."""
+
+    data: bytes
+    height: int
+    width: int
+    orientation: int  # EXIF orientation, 1 (as stored) to 8
+    sha256: str
+    format: str = "JPEG"
 
 
 @dataclass(frozen=True)
@@ -99,7 +116,7 @@ class PreparedRecord:
     """A record ready for the device: decoded, planned and laid out (built in a worker)."""
 
     source: SourceRecord
-    images: list[DecodedImage]
+    images: list[DecodedImage | EncodedJpeg]  # EncodedJpeg until the main process decodes it (decode.jpeg=device)
     plans: list[ImagePlan]
     layout: TokenLayout
 

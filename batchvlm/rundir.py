@@ -52,6 +52,7 @@ class RunDir:
             "model_dtype": job.model.dtype,
             "embed_dtype": job.output.embed_dtype,
             "preprocess_backend": job.preprocess.backend,
+            "jpeg_decode": job.decode.jpeg,  # resolved: nvJPEG's pixels are not libjpeg-turbo's
             "background": job.preprocess.background,
             "placeholder": job.dataset.placeholder,
             "versions": {"batchvlm": batchvlm.__version__, "transformers": transformers.__version__,

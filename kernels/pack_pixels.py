@@ -26,6 +26,7 @@ import triton.language as tl
 
 from batchvlm.kernels.reference import BACKGROUNDS, CHESSBOARD_GRAY, CHESSBOARD_SQUARE, CHESSBOARD_WHITE
 from batchvlm.kernels.taps import filter_taps, max_taps
+from batchvlm.overlap import to_device
 from batchvlm.layouts import MERGE_WINDOW, RASTER_CHW, RASTER_HWC, PatchLayout
 
 BLOCK = 1024
@@ -188,7 +189,9 @@ def pack_images(images: list[torch.Tensor], resized: list[tuple[int, int]], padd
     stage = source.copy()  # images that keep their width are read in place
     stage[widened] = sum(sizes) + np.cumsum([0] + staged[:-1]).astype(np.int64)
     buffer = torch.empty(sum(sizes) + sum(staged), dtype=torch.uint8, device=device)
-    if images:
+    if any(image.is_cuda for image in images):  # some decoded on the device already (decode.jpeg=device)
+        torch.cat([to_device(image.reshape(-1), device) for image in images], out=buffer[:sum(sizes)])
+    elif images:
         host = torch.cat([image.reshape(-1) for image in images])
         buffer[:host.numel()].copy_(host.pin_memory() if device.type == "cuda" else host, non_blocking=True)
 

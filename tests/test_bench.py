@@ -42,4 +42,8 @@ def test_e2e_bench_puts_the_job_beside_its_tower_and_the_sink_beside_a_bare_writ
     assert set(result["stages"]) == {"decode", "plan+layout", "preprocess", "tower+checks", "assemble", "sink"}
     assert all(rate > 0 for rate in result["stages"].values())
     assert result["job_images_per_s"] > 0 and result["tower_images_per_s"] > 0
+    assert result["batch_by_batch_images_per_s"] > 0 and result["device_decode_images_per_s"] > 0
+    assert all(result["decode"][key] > 0 for key in ("safe_images_per_s", "batched_images_per_s", "header_images_per_s"))
+    assert result["decode"]["max_levels"] == 0  # libjpeg-turbo both ways on the CPU
+    assert "batch by batch" in format_e2e(result) and "batched torchvision on cpu" in format_e2e(result)
     assert "end-to-end" in format_e2e(result) and "bare pq.write_table" in format_e2e(result)

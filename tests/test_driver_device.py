@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pyarrow.parquet as pq
 import pytest
+import torch
 
 from batchvlm import driver
 from batchvlm.checks import CheckFailed
-from batchvlm.driver import Device, TokenBudgetBatcher
-from batchvlm.records import EncodedRecord, ImagePlan, PreparedRecord, SourceRecord
+from batchvlm.config import ChecksConfig, DecodeConfig, JobConfig, OutputConfig, PreprocessConfig, RuntimeConfig
+from batchvlm.driver import Device, Job, TokenBudgetBatcher
+from batchvlm.jpeg import JpegBatchDecoder
+from batchvlm.overlap import Streams
+from batchvlm.records import EncodedRecord, ImagePlan, PackedBatch, PreparedRecord, SourceRecord
 
 
 def record(record_id: str, *patches: int) -> PreparedRecord:
@@ -66,12 +73,24 @@ class Tower:
         return [EncodedRecord(r, []) for r in records]
 
 
+def packed(records, preprocessor, guard) -> PackedBatch:
+    """Preprocessing that passes the records through, unless one of them is in `preprocessor` (raised there)."""
+    for r in records:
+        if preprocessor and r.source.id in preprocessor:
+            raise preprocessor[r.source.id]
+    return PackedBatch(pixel_values=torch.zeros(0), grid_thw=torch.zeros(0, 3), records=records)
+
+
 @pytest.fixture
 def device(monkeypatch):
-    """A Device whose preprocessing passes records through and whose tower is a Tower."""
-    monkeypatch.setattr(driver, "pack", lambda records, preprocessor, guard: records)
-    monkeypatch.setattr(driver, "encode_batch", lambda tower, records, out_dtype=None: tower(records))
-    return lambda raises: Device(preprocessor=None, encoder=Tower(raises))
+    """A Device whose tower is a Tower, and whose preprocessing raises for the records of `pack_raises`;
+    with `overlap`, it stages batch k+1 while batch k encodes (the CPU's streams: none)."""
+    monkeypatch.setattr(driver, "pack", packed)
+    monkeypatch.setattr(driver, "encode_batch", lambda tower, batch, out_dtype=None: tower(batch.records))
+    monkeypatch.setattr(driver, "start_batch", lambda tower, batch: tower(batch.records))
+    monkeypatch.setattr(driver, "finish_batch", lambda tower, batch, outputs, out_dtype=None: outputs)
+    return lambda raises, pack_raises=None, overlap=False: Device(
+        preprocessor=pack_raises, encoder=Tower(raises), streams=Streams(torch.device("cpu")) if overlap else None)
 
 
 def test_an_error_in_a_batch_is_bisected_to_its_record_and_the_rest_is_encoded_in_order(device):
@@ -113,3 +132,106 @@ def test_an_empty_batch_never_reaches_the_tower(device):
     on_device = device({})
     assert on_device.encode([]) == ([], [])
     assert on_device.encoder.batches == []
+
+
+# -- Device.submit: batch k+1 staged while batch k encodes -------------------------------------
+def submit_all(on_device, batches) -> list[tuple[list[str], list[tuple[str, str]]]]:
+    """What the driver does: each batch handed in, then the end of the stream; the results as they come back."""
+    results, pending = [], None
+    for batch in [*batches, []]:
+        encoded, quarantined, pending = on_device.submit(pending, batch)
+        results.append((ids(encoded), [(q.source.id, q.failure.check) for q in quarantined]))
+    assert pending is None
+    return results
+
+
+def test_with_overlap_each_batch_comes_back_one_batch_later_and_the_last_at_the_end(device):
+    batches = [[record("a", 4), record("b", 4)], [record("c", 4)], [record("d", 4)]]
+    results = submit_all(device({}, overlap=True), batches)
+    assert results == [([], []), (["a", "b"], []), (["c"], []), (["d"], [])]  # nothing lost at the end
+
+
+def test_without_overlap_each_batch_comes_back_at_once(device):
+    batches = [[record("a", 4), record("b", 4)], [record("c", 4)]]
+    assert submit_all(device({}), batches) == [(["a", "b"], []), (["c"], []), ([], [])]
+
+
+def test_failures_in_the_staged_batch_are_pinned_while_the_batch_before_it_encodes(device):
+    """Batch k+1 holds a record its preprocessing raises on and one the tower raises on, staged while batch k
+    (clean) is in flight: batch k comes back whole, and batch k+1's failures are pinned on their records."""
+    bad_pixels = CheckFailed("preprocess.grid_match", "grid differs", "(1, 4, 1)", "(1, 2, 2)", image_index=0)
+    batches = [[record(f"k{i}", 4) for i in range(4)], [record(f"n{i}", 4) for i in range(4)]]
+    bad_pixels.record = batches[1][1]
+    on_device = device({"n3": RuntimeError("CUDA out of memory")}, pack_raises={"n1": bad_pixels}, overlap=True)
+    results = submit_all(on_device, batches)
+    assert results == [([], []), (["k0", "k1", "k2", "k3"], []),
+                       (["n0", "n2"], [("n1", "preprocess.grid_match"), ("n3", "encode.failed")])]
+
+
+def test_overlap_on_and_off_give_the_same_records_in_the_same_order(device):
+    def batches():
+        return [[record(f"b{b}r{r}", 4) for r in range(3)] for b in range(4)]
+
+    raises = {"b1r2": ValueError("bad"), "b3r0": RuntimeError("CUDA out of memory")}
+    pack_raises = {"b2r1": RuntimeError("a backend crash")}
+    flat = lambda results: [item for result in results for part in result for item in part]  # noqa: E731
+    with_overlap = flat(submit_all(device(raises, pack_raises, overlap=True), batches()))
+    without = flat(submit_all(device(raises, pack_raises), batches()))
+    assert with_overlap == without
+    assert ("b1r2", "encode.failed") in with_overlap and ("b2r1", "encode.failed") in with_overlap
+
+
+# -- the job on the demo: overlap and batched JPEG decode change nothing that is written ----------------
+def run_demo(root: Path, name: str, overlap: bool, jpeg: str = "safe") -> Path:
+    """The demo in many small batches (a small token budget), its workers inline."""
+    job = JobConfig(run_name=name, output=OutputConfig(root=str(root)), checks=ChecksConfig(max_quarantine_fraction=1),
+                    preprocess=PreprocessConfig(token_budget=256), decode=DecodeConfig(jpeg=jpeg),
+                    runtime=RuntimeConfig(num_workers=0, progress=False, overlap=overlap))
+    Job(job, root / name).run_all()
+    return root / name
+
+
+def shards(run_dir: Path, kind: str) -> list[dict]:
+    """The rows in shard order, without the fingerprint (the config differs, by design)."""
+    return [{key: value for key, value in row.items() if key != "fingerprint"}
+            for path in sorted((run_dir / kind).glob("*.parquet")) for row in pq.read_table(path).to_pylist()]
+
+
+def comparable(rows: list[dict], exact: bool) -> list[dict]:
+    return rows if exact else [{key: value for key, value in row.items() if key != "image_embeds"} for row in rows]
+
+
+@pytest.fixture(scope="module")
+def batch_by_batch(tmp_path_factory) -> Path:
+    return run_demo(tmp_path_factory.mktemp("off"), "off", overlap=False)
+
+
+@pytest.mark.slow  # a demo job each, against a module-wide one
+@pytest.mark.parametrize("jpeg", ["safe", "device"])
+def test_the_demo_with_overlap_commits_the_same_shards_as_batch_by_batch(tmp_path, batch_by_batch, jpeg, monkeypatch):
+    batched = []  # the JPEGs that the batched decoder took
+    decode = JpegBatchDecoder._batched
+    monkeypatch.setattr(JpegBatchDecoder, "_batched", lambda self, jpegs: batched.extend(jpegs) or decode(self, jpegs))
+    run_dir = run_demo(tmp_path, "on", overlap=True, jpeg=jpeg)
+    # the demo's JPEGs but the truncated one and the one whose text fails in the worker
+    assert len(batched) == (14 if jpeg == "device" else 0)
+    # nvJPEG's pixels are not libjpeg-turbo's: on CUDA the embeddings of device-decoded JPEGs may differ (the e2e
+    # bench prints by how much); everything else must not.
+    exact = jpeg == "safe" or not torch.cuda.is_available()
+    for kind in ("data", "quarantine"):
+        assert comparable(shards(run_dir, kind), exact) == comparable(shards(batch_by_batch, kind), exact), kind
+    assert len(shards(run_dir, "data")) > 10
+    assert {row["check"] for row in shards(run_dir, "quarantine")} >= {"decode.truncated", "decode.unreadable"}
+
+
+@pytest.mark.slow  # a demo job, against the module-wide one
+def test_when_every_batched_jpeg_decode_raises_the_safe_path_commits_the_same_shards(tmp_path, batch_by_batch,
+                                                                                   monkeypatch):
+    """Each JPEG of a failed batched call is decoded on the safe path, in the main process's own isolated child."""
+    def failing(*args, **kwargs):
+        raise RuntimeError("nvjpeg: bitstream error")
+
+    monkeypatch.setattr("torchvision.io.decode_jpeg", failing)
+    run_dir = run_demo(tmp_path, "failing", overlap=True, jpeg="device")
+    for kind in ("data", "quarantine"):
+        assert shards(run_dir, kind) == shards(batch_by_batch, kind), kind

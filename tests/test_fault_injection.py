@@ -127,16 +127,16 @@ def with_nan(embed):
 
 
 def drop_token_tag(job):
-    encode = job.on_device.encode
+    submit = job.on_device.submit
 
-    def planted(records):
-        encoded, quarantined = encode(records)
+    def planted(pending, records):
+        encoded, quarantined, pending = submit(pending, records)
         for item in encoded:
             if item.prepared.source.id == TARGET:
                 item.prepared.layout.token_tags.pop()
-        return encoded, quarantined
+        return encoded, quarantined, pending
 
-    job.on_device.encode = planted
+    job.on_device.submit = planted
 
 
 PLANTS = {
