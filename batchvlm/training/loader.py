@@ -126,13 +126,17 @@ def packing_efficiency(index: RunIndex, packs: list[list[RecordRef]], max_tokens
     return tokens / (len(packs) * max_tokens) if packs else 0.0
 
 
+READ_AHEAD = 2
+"""Shards a worker reads at once, ahead of the one it packs: with one, packing on 2 cores waited on the reads."""
+
+
 class _OpenShards:
     """Each shard read and converted once per worker and epoch, kept until the last of this worker's packs that needs it.
 
     Memory is therefore the shards the shuffle window spans (records wait in the shuffle buffer as
     references to their open shard), as a shuffle buffer of materialized records would cost, plus
-    the one shard read ahead: a read is decompression in pyarrow, which runs without the GIL, so
-    the next shard (in the order the packs first need them) is read on a thread while this one packs.
+    the READ_AHEAD shards being read: a read is decompression in pyarrow, which runs without the GIL,
+    so the next shards (in the order the packs first need them) are read on threads while this one packs.
     """
 
     def __init__(self, paths: list[Path], packs: list[list[RecordRef]], reader: ThreadPoolExecutor):
@@ -143,7 +147,7 @@ class _OpenShards:
         self._read_ahead()
 
     def _read_ahead(self) -> None:
-        while len(self.reading) < 2 and (shard := next(self.to_read, None)) is not None:
+        while len(self.reading) < READ_AHEAD and (shard := next(self.to_read, None)) is not None:
             self.reading[shard] = self.reader.submit(read_tensor_columns, self.paths[shard])
 
     def record(self, shard: int, row: int) -> RecordArrays:
@@ -167,7 +171,7 @@ class _RankPacks(IterableDataset):
     def __iter__(self) -> Iterator[PackedBatch]:
         worker = get_worker_info()
         mine = self.packs[worker.id::worker.num_workers] if worker else self.packs
-        with ThreadPoolExecutor(1, thread_name_prefix="batchvlm-shard-read") as reader:
+        with ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="batchvlm-shard-read") as reader:
             shards = _OpenShards(self.shards, mine, reader)
             for k, refs in enumerate(mine):
                 batch = pack_arrays([shards.record(shard, row) for shard, row in refs], self.max_tokens)
