@@ -33,7 +33,7 @@ class RecordTensors:
 
     def image_token_positions(self) -> torch.Tensor:
         """Sequence positions of the image tokens, in the order of the rows of image_embeds."""
-        spans = self.image_spans.numpy()
+        spans = self.image_spans.numpy(force=True)
         return torch.from_numpy(span_positions(spans[:, 0], spans[:, 1]))
 
 
@@ -59,7 +59,7 @@ _BITS_TORCH = {2: torch.int16, 4: torch.int32}
 
 
 def _as_bits(values: torch.Tensor) -> np.ndarray:
-    return values.view(_BITS_TORCH[values.element_size()]).numpy()
+    return values.view(_BITS_TORCH[values.element_size()]).numpy(force=True)
 
 
 def tensor_of(values: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -73,8 +73,8 @@ def tensor_of(values: np.ndarray, dtype: torch.dtype | None = None) -> torch.Ten
 
 @dataclass
 class RecordArrays:
-    """One record as numpy views on its shard's columns: what packing reads. A slice of numpy costs a tenth of a
-    tensor view, and a loader takes thousands of records a second."""
+    """One record as numpy views on its shard's columns: what packing reads. A numpy slice costs a fraction of a
+    tensor view's dispatch, and a loader takes thousands of records a second."""
     id: str
     input_ids: np.ndarray  # [seq], as stored (int32)
     token_tags: np.ndarray  # [seq] int8
@@ -88,7 +88,8 @@ class RecordArrays:
     def tensors(self) -> RecordTensors:
         embeds = {name: tensor_of(rows, self.embed_dtype) for name, rows in self.embeds.items()}
         return RecordTensors(
-            id=self.id, input_ids=torch.from_numpy(self.input_ids.astype(np.int64)), image_embeds=embeds.pop("image_embeds"),
+            id=self.id, input_ids=torch.from_numpy(self.input_ids.astype(np.int64)),
+            image_embeds=embeds.pop("image_embeds"),
             grid_thw=torch.from_numpy(self.grid_thw.astype(np.int64)),
             image_spans=torch.from_numpy(self.image_spans.astype(np.int64)),
             token_tags=torch.from_numpy(self.token_tags.copy()), extras=embeds,
@@ -100,9 +101,9 @@ def record_arrays(record: RecordTensors) -> RecordArrays:
     """A record read as tensors (read_run, `datasets` rows) in the form packing reads."""
     embeds = {"image_embeds": record.image_embeds, **record.extras}
     return RecordArrays(
-        id=record.id, input_ids=record.input_ids.numpy(), token_tags=record.token_tags.numpy(),
-        image_spans=record.image_spans.numpy(), grid_thw=record.grid_thw.numpy(),
-        position_ids=record.position_ids.numpy() if record.position_ids is not None else None,
+        id=record.id, input_ids=record.input_ids.numpy(force=True), token_tags=record.token_tags.numpy(force=True),
+        image_spans=record.image_spans.numpy(force=True), grid_thw=record.grid_thw.numpy(force=True),
+        position_ids=record.position_ids.numpy(force=True) if record.position_ids is not None else None,
         embeds={name: _as_bits(rows) for name, rows in embeds.items()}, embed_dtype=record.image_embeds.dtype,
         rope_delta=record.rope_delta)
 

@@ -129,7 +129,7 @@ def _position_ids(records: list[RecordArrays], cu_seqlens: np.ndarray) -> torch.
     # Stored M-RoPE rows start at 0 in every record already; the text row on top is what tells
     # transformers where the records are (a [3, B, L] tensor gives it nothing to detect).
     mrope = np.concatenate([r.position_ids for r in records], axis=1)
-    return torch.from_numpy(np.concatenate([text[None], mrope]).astype(np.int64))[:, None]
+    return torch.from_numpy(np.concatenate([text[None], mrope]).astype(np.int64, copy=False))[:, None]
 
 
 def _deepstack_layers(stacked: torch.Tensor | None, hidden: int) -> list[torch.Tensor] | None:
