@@ -15,6 +15,7 @@ import torch
 
 from batchvlm.dedup import excluded_rows
 from batchvlm.encode import EXTRA_OUTPUTS
+from batchvlm.hf_features import SIZE_KEY
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -49,7 +50,7 @@ def embedding_layout(schema: pa.Schema) -> tuple[torch.dtype, int]:
 
 
 def _hidden_size(schema: pa.Schema, name: str) -> int | None:
-    value = (schema.metadata or {}).get(f"batchvlm.hidden_size.{name}".encode())
+    value = (schema.metadata or {}).get(f"{SIZE_KEY}{name}".encode())
     return int(value) if value is not None else None
 
 

@@ -21,7 +21,7 @@ import batchvlm
 from batchvlm.config import ConfigError, JobConfig
 from batchvlm.dedup import bucket_results
 from batchvlm.faults import crash_point
-from batchvlm.hf_features import features_key
+from batchvlm.hf_features import SIZE_KEY, features_key
 from batchvlm.preprocess import merged_stats
 from batchvlm.durable import durable_write, durable_write_json, read_json
 
@@ -87,7 +87,7 @@ class RunDir:
         """Every shard's schema metadata. The `huggingface` key repeats the embedding columns' dtype and hidden
         sizes for `datasets`, which keeps no other key (hf_features); a quarantine shard has none of those
         columns, and `datasets` ignores what the key says of columns a file lacks."""
-        sizes = {f"batchvlm.hidden_size.{name}": str(size) for name, size in hidden_sizes.items()}
+        sizes = {f"{SIZE_KEY}{name}": str(size) for name, size in hidden_sizes.items()}
         embed_dtype = self.job.output.embed_dtype
         return {**sizes, "batchvlm.family": self.family.name, "batchvlm.hidden_size": str(hidden_sizes["image_embeds"]),
                 "batchvlm.embed_dtype": embed_dtype, "batchvlm.embedding": self.job.model.embedding,

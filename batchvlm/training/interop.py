@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
 
 from batchvlm.encode import EXTRA_OUTPUTS
-from batchvlm.hf_features import EMBED_ID_PREFIX, embedding_layouts
+from batchvlm.hf_features import EMBED_ID_PREFIX, embedding_layouts, features_key_of
 from batchvlm.reader import RecordTensors, committed_shards
 from batchvlm.tokens import IMAGE
 
@@ -32,6 +33,12 @@ def load_run_dataset(run_dir: str | Path, **kwargs):
     shards = committed_shards(run_dir)
     if not shards:
         raise ValueError(f"{run_dir} has no committed shards")
+    schema = pq.read_schema(shards[0])
+    if b"huggingface" not in schema.metadata and "features" not in kwargs:
+        # Shards written before the job wrote datasets' key (`datasets` takes the features from the first file):
+        # the same features, from batchvlm's own keys.
+        kwargs["features"] = datasets.Features.from_arrow_schema(
+            schema.with_metadata({**schema.metadata, b"huggingface": features_key_of(schema)}))
     return datasets.load_dataset("parquet", data_files=[str(path) for path in shards], split="train", **kwargs)
 
 
@@ -58,7 +65,7 @@ class DatasetRows:
             raise ValueError(f"column {name!r}: this dataset's feature of it carries no batchvlm dtype or hidden size "
                              f"(a Value id '{EMBED_ID_PREFIX}<dtype>:<hidden>', which the job writes into every shard; "
                              "cast_column on the column, IterableDataset.map without features=, or shards written "
-                             "before batchvlm wrote it lose it)")
+                             "before batchvlm wrote it and loaded other than by load_run_dataset lose it)")
         return self.layouts[name]
 
     def _embeddings(self, blob: bytes, name: str) -> torch.Tensor:
