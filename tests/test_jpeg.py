@@ -69,12 +69,17 @@ def test_every_pillow_corpus_jpeg_decodes_as_the_safe_path_or_is_left_to_it():
     assert {"frame_size.mpo", "ultrahdr.jpg", "photoshop-200dpi.jpg"} <= left  # MPO, truncated, Adobe marker
 
 
-@pytest.mark.parametrize("orientation", range(1, 9))
-def test_every_exif_orientation_is_applied_as_the_safe_path_applies_it(orientation):
+def stored_turned(orientation: int) -> bytes:
+    """A JPEG of the upright test image stored turned as `orientation` says, which its EXIF then undoes."""
     exif = Image.Exif()
     exif[0x0112] = orientation
-    data = encoded(Image.fromarray(np.ascontiguousarray(STORED[orientation](upright()))), "JPEG", quality=95,
+    return encoded(Image.fromarray(np.ascontiguousarray(STORED[orientation](upright()))), "JPEG", quality=95,
                    exif=exif.tobytes())
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_every_exif_orientation_is_applied_as_the_safe_path_applies_it(orientation):
+    data = stored_turned(orientation)
     jpeg = deferred(data, DEVICE)
     assert (jpeg.height, jpeg.width, jpeg.orientation) == (32, 48, orientation)  # the plan's size is upright
     (item,), _ = batch_decoder()([record("r", jpeg)])
@@ -147,10 +152,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.parametrize("orientation", range(1, 9))
 def test_on_cuda_nvjpeg_decodes_on_the_device_and_turns_the_image_upright(orientation):
-    exif = Image.Exif()
-    exif[0x0112] = orientation
-    data = encoded(Image.fromarray(np.ascontiguousarray(STORED[orientation](upright()))), "JPEG", quality=95,
-                   exif=exif.tobytes())
+    data = stored_turned(orientation)
     decoder = JpegBatchDecoder(torch.device("cuda"), Decoder(dataclasses.replace(DEVICE, jpeg="safe")))
     (item,), _ = decoder([record("r", deferred(data, DEVICE))])
     pixels = item.images[0].pixels
