@@ -13,11 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from batchvlm.assemble import EMBED_DTYPES
 from batchvlm.dedup import excluded_rows
 from batchvlm.encode import EXTRA_OUTPUTS
 from batchvlm.hf_features import SIZE_KEY
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -46,7 +45,7 @@ def span_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 def embedding_layout(schema: pa.Schema) -> tuple[torch.dtype, int]:
     meta = schema.metadata or {}
-    return _DTYPES[meta[b"batchvlm.embed_dtype"].decode()], int(meta[b"batchvlm.hidden_size"])
+    return EMBED_DTYPES[meta[b"batchvlm.embed_dtype"].decode()], int(meta[b"batchvlm.hidden_size"])
 
 
 def _hidden_size(schema: pa.Schema, name: str) -> int | None:
@@ -109,10 +108,15 @@ def record_arrays(record: RecordTensors) -> RecordArrays:
         rope_delta=record.rope_delta)
 
 
+def _one_array(column: pa.ChunkedArray) -> pa.Array:
+    """The column as one array: its only chunk as it is, or its chunks (one per row group read) combined."""
+    return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+
+
 def _flat_values(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     """A (nested) list column as its values, flat, and each row's bounds in them ([rows + 1]): the row bounds
     followed down the offsets of every level. A struct's fields become the columns of an [n, fields] array."""
-    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    array = _one_array(column)
     bounds = np.arange(len(array) + 1)
     while True:
         if pa.types.is_fixed_size_list(array.type):
@@ -130,7 +134,7 @@ def _flat_values(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
 def _flat_embeddings(column: pa.ChunkedArray, element_size: int, hidden: int) -> tuple[np.ndarray, np.ndarray]:
     """A large_binary embedding column as one [rows, hidden] view of its bits on the Arrow data buffer (no copy),
     and each record's bounds in its rows. A null record has none."""
-    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    array = _one_array(column)
     _, offsets, data = array.buffers()
     bytes_at = np.frombuffer(offsets, dtype=np.int64)[array.offset:array.offset + len(array) + 1]
     bits = _BITS[element_size]
