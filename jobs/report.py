@@ -9,8 +9,8 @@ import hydra
 from omegaconf import DictConfig
 
 from batchvlm.config import ConfigError, required_path
-from batchvlm.report import ReportError, build_report, summary_text
-from batchvlm.report_html import render
+from batchvlm.review.report import ReportError, build_report, summary_text
+from batchvlm.review.html import render
 
 
 @hydra.main(config_path="pkg://batchvlm.conf", config_name="report", version_base=None)

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from batchvlm.bench import BenchConfig, bench_preprocess, format_preprocess
+from batchvlm.bench.tasks import BenchConfig, bench_preprocess, format_preprocess
 from batchvlm.config import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -36,7 +36,7 @@ def test_the_bench_config_composes_and_refuses_bad_values():
 
 @pytest.mark.slow
 def test_e2e_bench_puts_the_job_beside_its_tower_and_the_sink_beside_a_bare_write():
-    from batchvlm.bench_e2e import bench_e2e, format_e2e
+    from batchvlm.bench.e2e import bench_e2e, format_e2e
 
     result = bench_e2e(BenchConfig(task="e2e", tower="tiny", records=4, device="cpu"))
     assert set(result["stages"]) == {"decode", "plan+layout", "preprocess", "tower+checks", "assemble", "sink"}

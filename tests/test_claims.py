@@ -6,12 +6,12 @@ import subprocess
 import sys
 import time
 
-from batchvlm.claims import Claim, Claims
+from batchvlm.rundir.claims import Claim, Claims
 
 HOLD_AND_WAIT = """
 import sys, time
 from pathlib import Path
-from batchvlm.claims import Claims, Heartbeat
+from batchvlm.rundir.claims import Claims, Heartbeat
 claims = Claims(Path(sys.argv[1]), "rank00001-doomed", lease_s=1.0)
 Heartbeat(claims)
 assert claims.try_claim("unit-a") is not None

@@ -11,7 +11,7 @@ from PIL import Image
 
 from batchvlm.checks import CheckFailed
 from batchvlm.config import DecodeConfig
-from batchvlm.decode import Decoder, decode_image
+from batchvlm.pipeline.decode import Decoder, decode_image
 from batchvlm.records import ImageRef
 
 

@@ -13,11 +13,11 @@ import pytest
 from PIL import Image
 from skimage import data
 
-from batchvlm.dedup import duplicate_rows
-from batchvlm.reader import read_run
+from batchvlm.rundir.dedup import duplicate_rows
+from batchvlm.training.reader import read_run
 from batchvlm.training.loader import RunIndex, epoch_order
-from batchvlm.report import build_report
-from batchvlm.verify import verify_run
+from batchvlm.review.report import build_report
+from batchvlm.rundir.verify import verify_run
 from conftest import REPO
 
 # the job under accelerate and as a subprocess

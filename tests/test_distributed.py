@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchvlm.demo import demo_rows
-from batchvlm.verify import verify_run
+from batchvlm.rundir.verify import verify_run
 from conftest import REPO, run_embed
 
 INPUT_IDS = sorted(row["id"] for row in demo_rows())

@@ -8,8 +8,8 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchvlm import distributions
-from batchvlm.distributions import Distribution, written_distributions
+from batchvlm.review import distributions
+from batchvlm.review.distributions import Distribution, written_distributions
 
 
 def test_percentiles_are_exact_over_the_counts():

@@ -8,12 +8,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from batchvlm import driver
+from batchvlm.executor import job as driver
 from batchvlm.checks import CheckFailed
 from batchvlm.config import ChecksConfig, DecodeConfig, JobConfig, OutputConfig, PreprocessConfig, RuntimeConfig
-from batchvlm.driver import Device, Job, TokenBudgetBatcher
-from batchvlm.jpeg import JpegBatchDecoder
-from batchvlm.overlap import Streams
+from batchvlm.executor.job import Device, Job, TokenBudgetBatcher
+from batchvlm.pipeline.jpeg import JpegBatchDecoder
+from batchvlm.executor.overlap import Streams
 from batchvlm.records import EncodedRecord, ImagePlan, PackedBatch, PreparedRecord, SourceRecord
 
 

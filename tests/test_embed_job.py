@@ -104,7 +104,7 @@ def test_missing_column_fails_naming_the_config_key(tmp_path):
 
 
 def test_a_siglip2_job_stores_patch_tokens_and_one_pooled_vector_per_image(tmp_path):
-    from batchvlm.reader import read_run
+    from batchvlm.training.reader import read_run
 
     result = run_embed(f"output.root={tmp_path}", "run_name=s", "model=siglip2_tiny")
     assert result.returncode == 0, result.stderr[-3000:]

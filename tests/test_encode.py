@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from batchvlm.encode import non_finite_counts, to_host
+from batchvlm.pipeline.encode import non_finite_counts, to_host
 
 NAN, INF = float("nan"), float("inf")
 

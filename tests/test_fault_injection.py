@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from batchvlm.config import ChecksConfig, JobConfig, ModelConfig, OutputConfig, PreprocessConfig, RuntimeConfig
-from batchvlm.driver import Job, JobAborted
+from batchvlm.executor.job import Job, JobAborted
 
 TARGET = "rocket_strip"  # shares a packed batch with other records; its grid (1, 6, 46) is unique in the demo
 TARGET_GRID = (1, 6, 46)

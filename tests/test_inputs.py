@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 from skimage import data
 
-from batchvlm.reader import read_run
+from batchvlm.training.reader import read_run
 from conftest import run_embed
 
 # the job on each input kind, S3 served by moto

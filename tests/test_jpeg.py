@@ -13,11 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-from batchvlm import jpeg as jpeg_module
+from batchvlm.pipeline import jpeg as jpeg_module
 from batchvlm.config import ConfigError, DecodeConfig
-from batchvlm.decode import Decoder, decode_image, decode_or_defer
+from batchvlm.pipeline.decode import Decoder, decode_image, decode_or_defer
 from batchvlm.demo import demo_rows
-from batchvlm.jpeg import JpegBatchDecoder, deferred
+from batchvlm.pipeline.jpeg import JpegBatchDecoder, deferred
 from batchvlm.records import DecodedImage, EncodedJpeg, PreparedRecord, SourceRecord
 from conftest import shared_folder
 from test_decode import STORED, encoded, quadrant_means, upright

@@ -21,8 +21,8 @@ import pytest  # noqa: E402
 from batchvlm.checks import CheckFailed  # noqa: E402
 from batchvlm.kernels.pack_pixels import pack_images  # noqa: E402
 from batchvlm.kernels.reference import normalized_image  # noqa: E402
-from batchvlm.layouts import MERGE_WINDOW, RASTER_CHW, RASTER_HWC, PatchLayout  # noqa: E402
-from batchvlm.preprocess import PreprocessGuard, TorchPreprocessor, TritonPreprocessor, pack  # noqa: E402
+from batchvlm.format.layouts import MERGE_WINDOW, RASTER_CHW, RASTER_HWC, PatchLayout  # noqa: E402
+from batchvlm.pipeline.preprocess import PreprocessGuard, TorchPreprocessor, TritonPreprocessor, pack  # noqa: E402
 from batchvlm.records import DecodedImage, ImagePlan, PreparedRecord, SourceRecord, TokenLayout  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from batchvlm.driver import Staged, made_on_the_side
-from batchvlm.overlap import Streams, to_device
+from batchvlm.executor.job import Staged, made_on_the_side
+from batchvlm.executor.overlap import Streams, to_device
 from batchvlm.records import DecodedImage, PackedBatch, PreparedRecord, SourceRecord
 
 

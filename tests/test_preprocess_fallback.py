@@ -18,8 +18,8 @@ from batchvlm.checks import CheckFailed
 from batchvlm.config import (ChecksConfig, ConfigError, JobConfig, ModelConfig, OutputConfig, PreprocessConfig,
                              RuntimeConfig)
 from batchvlm.demo import demo_rows
-from batchvlm.driver import Job
-from batchvlm.preprocess import PreprocessGuard, TorchPreprocessor, merged_stats, pack, resolve_backend
+from batchvlm.executor.job import Job
+from batchvlm.pipeline.preprocess import PreprocessGuard, TorchPreprocessor, merged_stats, pack, resolve_backend
 from batchvlm.records import DecodedImage, PreparedRecord, SourceRecord, TokenLayout
 
 TARGET = "rocket_strip"  # shares a packed batch with other records

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchvlm.bench import image_mix
+from batchvlm.bench.tasks import image_mix
 from batchvlm.kernels.reference import normalized_image
-from batchvlm.preprocess import TorchPreprocessor
+from batchvlm.pipeline.preprocess import TorchPreprocessor
 from batchvlm.records import DecodedImage
 
 

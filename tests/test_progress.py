@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import logging
 
-from batchvlm.progress import Progress
+from batchvlm.executor.progress import Progress
 
 
 class Terminal(io.StringIO):

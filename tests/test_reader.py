@@ -7,8 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from batchvlm.assemble import DATA_SCHEMA, embed_bytes
-from batchvlm.reader import read_run, read_shard, tensors_of
+from batchvlm.pipeline.assemble import DATA_SCHEMA, embed_bytes
+from batchvlm.training.reader import read_run, read_shard, tensors_of
 
 
 @pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"),

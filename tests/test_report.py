@@ -21,13 +21,13 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from batchvlm.assemble import QUARANTINE_SCHEMA
+from batchvlm.pipeline.assemble import QUARANTINE_SCHEMA
 from batchvlm.config import ConfigError, DatasetConfig, DecodeConfig, JobConfig, OutputConfig, RuntimeConfig
-from batchvlm.driver import run_job
-from batchvlm.report import build_report, summary_text
-from batchvlm.report_html import render
-from batchvlm.requeue import quarantined_records, requeue_source
-from batchvlm.verify import verify_run
+from batchvlm.executor.job import run_job
+from batchvlm.review.report import build_report, summary_text
+from batchvlm.review.html import render
+from batchvlm.sources.requeue import quarantined_records, requeue_source
+from batchvlm.rundir.verify import verify_run
 from conftest import REPO, run_embed
 
 ARTIFACTS = REPO / "tests" / "artifacts"

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from batchvlm.config import ConfigError, JobConfig, OutputConfig
-from batchvlm.dedup import commit_bucket
-from batchvlm.durable import durable_write_json
+from batchvlm.rundir.dedup import commit_bucket
+from batchvlm.rundir.durable import durable_write_json
 from batchvlm.records import WorkUnit
-from batchvlm.rundir import RunDir
-from batchvlm.workunits import Plan
+from batchvlm.rundir.run import RunDir
+from batchvlm.rundir.workunits import Plan
 
 ONE_RANK = SimpleNamespace(is_main=True, barrier=lambda: None)
 

@@ -6,9 +6,9 @@ import json
 
 import pyarrow.parquet as pq
 
-from batchvlm.claims import Claims
+from batchvlm.rundir.claims import Claims
 from batchvlm.records import WorkUnit
-from batchvlm.sink import ROW_GROUP_ROWS, RunSink
+from batchvlm.rundir.sink import ROW_GROUP_ROWS, RunSink
 
 UNIT = WorkUnit("input-00000000-00000004", "input", 0, 4)
 NO_EVENTS = {"fallbacks": {}, "parity": {"checked_images": 0, "failed_images": 0}}

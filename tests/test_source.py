@@ -12,7 +12,7 @@ from PIL import Image
 from skimage import data
 
 from batchvlm.config import ConfigError, DatasetConfig
-from batchvlm.decode import read_bytes
+from batchvlm.pipeline.decode import read_bytes
 from batchvlm.sources import make_source
 from conftest import run_embed
 

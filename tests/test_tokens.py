@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from batchvlm.checks import CheckFailed
-from batchvlm.tokens import FRAME, IMAGE, TEXT, build_layout, find_spans, place_images
+from batchvlm.pipeline.tokens import FRAME, IMAGE, TEXT, build_layout, find_spans, place_images
 
 X = 7
 
@@ -72,7 +72,7 @@ class _ShiftedPositions:
 def test_a_record_with_no_text_and_no_image_gets_empty_positions():
     from batchvlm.config import ModelConfig
     from batchvlm.families import load_family
-    from batchvlm.tokens import attach_positions
+    from batchvlm.pipeline.tokens import attach_positions
 
     qwen = load_family(ModelConfig(family="qwen2_vl"))
     layout = build_layout("", "<image>", [], qwen)
@@ -84,7 +84,7 @@ def test_a_record_with_no_text_and_no_image_gets_empty_positions():
 def test_position_ids_that_do_not_fit_the_sequence_are_caught(drop_last):
     from batchvlm.config import ModelConfig
     from batchvlm.families import load_family
-    from batchvlm.tokens import attach_positions
+    from batchvlm.pipeline.tokens import attach_positions
 
     qwen = load_family(ModelConfig(family="qwen2_vl"))
     plans = [qwen.plan(100, 150), qwen.plan(56, 56)]

@@ -9,11 +9,11 @@ from conftest import run_embed
 from transformers import Kimi_K25ForConditionalGeneration, Qwen2VLForConditionalGeneration
 
 from batchvlm.config import DecodeConfig, ModelConfig
-from batchvlm.decode import decode_image
+from batchvlm.pipeline.decode import decode_image
 from batchvlm.demo import demo_rows
 from batchvlm.families import load_family
-from batchvlm.reader import read_run
-from batchvlm.tokens import IMAGE
+from batchvlm.training.reader import read_run
+from batchvlm.pipeline.tokens import IMAGE
 
 MODELS = {"qwen2_vl": Qwen2VLForConditionalGeneration, "kimi_k25": Kimi_K25ForConditionalGeneration}
 

@@ -17,7 +17,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDe
 from batchvlm.config import ModelConfig
 from batchvlm.demo import tiny_checkpoint
 from batchvlm.families import load_family
-from batchvlm.reader import read_run
+from batchvlm.training.reader import read_run
 from batchvlm.training import PackedBatch, pack
 
 sys.path.insert(0, str(Path(__file__).parent / "families"))

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from batchvlm.config import ConfigError, ModelConfig
-from batchvlm.layouts import PatchLayout
+from batchvlm.format.layouts import PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
 
 

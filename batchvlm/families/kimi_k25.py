@@ -18,9 +18,9 @@ import torch
 from batchvlm.config import ConfigError, ModelConfig
 from batchvlm.families import (PatchFamily, checkpoint_and_tokenizer, choose_projector, processor_params,
                                token_id, tokenizer_digest)
-from batchvlm.layouts import RASTER_CHW, PatchLayout
+from batchvlm.format.layouts import RASTER_CHW, PatchLayout
 from batchvlm.records import ImagePlan
-from batchvlm.tokens import FRAME, IMAGE
+from batchvlm.pipeline.tokens import FRAME, IMAGE
 
 IMAGE_TOKEN = "<|media_pad|>"
 FRAME_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_end|>")

@@ -23,9 +23,9 @@ from batchvlm.checks import require
 from batchvlm.config import ConfigError, ModelConfig
 from batchvlm.families import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_params,
                                token_id, tokenizer_digest)
-from batchvlm.layouts import MERGE_WINDOW, PatchLayout
+from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
-from batchvlm.tokens import FRAME, IMAGE
+from batchvlm.pipeline.tokens import FRAME, IMAGE
 
 IMAGE_TOKEN = "<|image_pad|>"
 FRAME_TOKENS = ("<|vision_start|>", "<|vision_end|>")

@@ -22,9 +22,9 @@ import torch
 from batchvlm.config import ConfigError, ModelConfig
 from batchvlm.families import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_inputs,
                                processor_params, token_id, tokenizer_digest)
-from batchvlm.layouts import RASTER_HWC, PatchLayout
+from batchvlm.format.layouts import RASTER_HWC, PatchLayout
 from batchvlm.records import ImagePlan
-from batchvlm.tokens import FRAME, IMAGE
+from batchvlm.pipeline.tokens import FRAME, IMAGE
 
 IMAGE_TOKEN = "<image_soft_token>"
 FRAME_TOKENS = ("<start_of_image>", "<end_of_image>")

@@ -14,10 +14,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from batchvlm.encode import EXTRA_OUTPUTS
-from batchvlm.hf_features import EMBED_ID_PREFIX, embedding_layouts, features_key_of
-from batchvlm.reader import RecordTensors, committed_shards
-from batchvlm.tokens import IMAGE
+from batchvlm.pipeline.encode import EXTRA_OUTPUTS
+from batchvlm.format.hf_features import EMBED_ID_PREFIX, embedding_layouts, features_key_of
+from batchvlm.training.reader import RecordTensors, committed_shards
+from batchvlm.pipeline.tokens import IMAGE
 
 
 def mm_token_type_ids(token_tags: torch.Tensor) -> torch.Tensor:
@@ -43,10 +43,10 @@ def load_run_dataset(run_dir: str | Path, **kwargs):
 
 
 class DatasetRows:
-    """Rows of a `datasets` dataset of batchvlm shards, as the RecordTensors `batchvlm.reader` gives for them.
+    """Rows of a `datasets` dataset of batchvlm shards, as the RecordTensors `batchvlm.training.reader` gives for them.
 
     The embedding columns are bytes to `datasets`; their dtype and hidden size come from the dataset's own
-    features, where the job wrote them (`batchvlm.hf_features`). So any dataset descended from the shards works
+    features, where the job wrote them (`batchvlm.format.hf_features`). So any dataset descended from the shards works
     without the run: after `load_dataset` (`load_run_dataset`), `map`, `select`, `save_to_disk`/`load_from_disk`,
     streaming. Features that lost them (`cast_column` of an embedding column, `IterableDataset.map` without
     `features=`) are refused, naming the column.
@@ -75,7 +75,7 @@ class DatasetRows:
         return torch.frombuffer(bytearray(blob), dtype=dtype).view(-1, hidden)
 
     def tensors(self, row: dict) -> RecordTensors:
-        """One `datasets` row (a dict of Python values) as the tensors `batchvlm.reader` gives for it."""
+        """One `datasets` row (a dict of Python values) as the tensors `batchvlm.training.reader` gives for it."""
         positions = row.get("position_ids")
         return RecordTensors(
             id=row["id"],

@@ -23,8 +23,8 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from batchvlm.dedup import excluded_rows
-from batchvlm.reader import RecordArrays, ShardColumns, committed_units, read_tensor_columns
+from batchvlm.rundir.dedup import excluded_rows
+from batchvlm.training.reader import RecordArrays, ShardColumns, committed_units, read_tensor_columns
 from batchvlm.training.packing import PackedBatch, PackingError, first_fit_decreasing, pack_arrays
 
 RecordRef = tuple[int, int]  # (shard index, row)

@@ -7,7 +7,7 @@ import torch
 from skimage import data
 
 from batchvlm.config import DecodeConfig
-from batchvlm.decode import decode_image
+from batchvlm.pipeline.decode import decode_image
 from batchvlm.demo import demo_rows
 
 
@@ -48,7 +48,7 @@ def uint8_levels(family, ours: torch.Tensor, reference: torch.Tensor) -> torch.T
 
 def preprocessed(family, photos: list[np.ndarray]) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
     """Each photo through the torch backend at its planned size: its rows and its grid."""
-    from batchvlm.preprocess import TorchPreprocessor
+    from batchvlm.pipeline.preprocess import TorchPreprocessor
     from batchvlm.records import DecodedImage
 
     preprocessor = TorchPreprocessor(family, torch.device("cpu"), "black")

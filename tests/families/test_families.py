@@ -8,7 +8,7 @@ import torch
 from photos import demo_images, large_photos, photo_of_size, uint8_levels
 
 from batchvlm.checks import CheckFailed
-from batchvlm.preprocess import TorchPreprocessor
+from batchvlm.pipeline.preprocess import TorchPreprocessor
 from batchvlm.records import DecodedImage
 
 # On the CPU the torch backend resizes with torch's uint8 kernel, as the processors do: measured max

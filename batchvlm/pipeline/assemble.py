@@ -6,7 +6,7 @@ import pyarrow as pa
 import torch
 
 from batchvlm.checks import require
-from batchvlm.encode import EXTRA_OUTPUTS
+from batchvlm.pipeline.encode import EXTRA_OUTPUTS
 from batchvlm.records import EncodedRecord, QuarantinedRecord, SourceRecord
 
 EMBED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

@@ -20,9 +20,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from batchvlm.config import ConfigError, DatasetConfig, JobConfig
-from batchvlm.reader import committed_shards
+from batchvlm.training.reader import committed_shards
 from batchvlm.records import WorkUnit
-from batchvlm.durable import durable_write_json, read_json
+from batchvlm.rundir.durable import durable_write_json, read_json
 from batchvlm.sources import Source, make_source
 
 log = logging.getLogger("batchvlm")

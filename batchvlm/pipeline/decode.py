@@ -30,7 +30,7 @@ from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from batchvlm.checks import CheckFailed, require
 from batchvlm.config import DecodeConfig
 from batchvlm.faults import fault
-from batchvlm.jpeg import deferred
+from batchvlm.pipeline.jpeg import deferred
 from batchvlm.records import DecodedImage, EncodedJpeg, ImageRef
 
 # A truncated file must fail, never come back half black.

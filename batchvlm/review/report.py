@@ -1,12 +1,12 @@
 """The failure report of a run: what was quarantined, why, and for a requeue run what the requeue fixed.
 
 It also describes the written data for choosing training settings: tokens per image, sequence length
-and aspect ratio over the committed data shards, in one streamed pass (batchvlm.distributions).
+and aspect ratio over the committed data shards, in one streamed pass (batchvlm.review.distributions).
 
 The quarantine shards that the manifests list are streamed batch by batch without their image
 bytes; only counts, and the first `max_cards_per_check` rows of each check, are kept, so time and
 memory stay flat in the size of the quarantine. The images of the kept rows are read in a second
-pass, shard by shard, and turned into thumbnails (batchvlm.thumbnails). `python jobs/report.py`
+pass, shard by shard, and turned into thumbnails (batchvlm.review.thumbnails). `python jobs/report.py`
 prints `summary_text` and writes `report_html.render` to `<run>/report/index.html`.
 """
 
@@ -22,15 +22,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
-from batchvlm.assemble import QUARANTINE_SCHEMA
+from batchvlm.pipeline.assemble import QUARANTINE_SCHEMA
 from batchvlm.config import DecodeConfig, ModelConfig
-from batchvlm.distributions import Distribution, value_counts, written_distributions
-from batchvlm.preprocess import merged_stats
-from batchvlm.dedup import duplicate_rows
-from batchvlm.reader import committed_shards
-from batchvlm.requeue import read_lineage
-from batchvlm.durable import read_json
-from batchvlm.thumbnails import Thumbnail, Thumbnailer
+from batchvlm.review.distributions import Distribution, value_counts, written_distributions
+from batchvlm.pipeline.preprocess import merged_stats
+from batchvlm.rundir.dedup import duplicate_rows
+from batchvlm.training.reader import committed_shards
+from batchvlm.sources.requeue import read_lineage
+from batchvlm.rundir.durable import read_json
+from batchvlm.review.thumbnails import Thumbnail, Thumbnailer
 
 log = logging.getLogger("batchvlm")
 

@@ -21,12 +21,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchvlm.assemble import DATA_SCHEMA, QUARANTINE_SCHEMA
-from batchvlm.claims import Claim, Claims
-from batchvlm.dedup import write_ids
-from batchvlm.durable import TMP_MARK, json_text, publish, publish_exclusive, sha256_file, temporary_name
+from batchvlm.pipeline.assemble import DATA_SCHEMA, QUARANTINE_SCHEMA
+from batchvlm.rundir.claims import Claim, Claims
+from batchvlm.rundir.dedup import write_ids
+from batchvlm.rundir.durable import TMP_MARK, json_text, publish, publish_exclusive, sha256_file, temporary_name
 from batchvlm.faults import crash_point
-from batchvlm.preprocess import merged_stats
+from batchvlm.pipeline.preprocess import merged_stats
 from batchvlm.records import WorkUnit
 
 log = logging.getLogger("batchvlm")

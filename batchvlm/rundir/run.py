@@ -19,11 +19,11 @@ from omegaconf import OmegaConf
 
 import batchvlm
 from batchvlm.config import ConfigError, JobConfig
-from batchvlm.dedup import bucket_results
+from batchvlm.rundir.dedup import bucket_results
 from batchvlm.faults import crash_point
-from batchvlm.hf_features import SIZE_KEY, features_key
-from batchvlm.preprocess import merged_stats
-from batchvlm.durable import durable_write, durable_write_json, read_json
+from batchvlm.format.hf_features import SIZE_KEY, features_key
+from batchvlm.pipeline.preprocess import merged_stats
+from batchvlm.rundir.durable import durable_write, durable_write_json, read_json
 
 
 def weights_digest(module: torch.nn.Module) -> str:

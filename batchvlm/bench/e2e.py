@@ -29,17 +29,17 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from batchvlm.assemble import DATA_SCHEMA, data_row
-from batchvlm.claims import Claims
+from batchvlm.pipeline.assemble import DATA_SCHEMA, data_row
+from batchvlm.rundir.claims import Claims
 from batchvlm.config import DatasetConfig, DecodeConfig, JobConfig, ModelConfig, OutputConfig, RuntimeConfig
-from batchvlm.decode import Decoder
+from batchvlm.pipeline.decode import Decoder
 from batchvlm.demo import photographs
-from batchvlm.driver import Job, TokenBudgetBatcher, plan_and_lay_out
-from batchvlm.encode import encode_batch
-from batchvlm.jpeg import JpegBatchDecoder, deferred
-from batchvlm.preprocess import pack
+from batchvlm.executor.job import Job, TokenBudgetBatcher, plan_and_lay_out
+from batchvlm.pipeline.encode import encode_batch
+from batchvlm.pipeline.jpeg import JpegBatchDecoder, deferred
+from batchvlm.pipeline.preprocess import pack
 from batchvlm.records import ImageRef, PreparedRecord, SourceRecord, WorkUnit
-from batchvlm.sink import RunSink
+from batchvlm.rundir.sink import RunSink
 
 SIZE = (384, 512)  # height, width
 SINK_ROWS = 2000

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from html import escape
 
-from batchvlm.distributions import Distribution
-from batchvlm.report import Card, Report
+from batchvlm.review.distributions import Distribution
+from batchvlm.review.report import Card, Report
 
 MAX_LINEAGE_ROWS = 500
 SEARCHABLE_TEXT = 2000  # characters of a record's text that the search sees

@@ -30,8 +30,8 @@ import torch
 from batchvlm.config import ConfigError, ModelConfig, _one_of, _positive
 from batchvlm.demo import _build_once, demo_rows, home, photographs
 from batchvlm.families import load_family
-from batchvlm.preprocess import TorchPreprocessor, TritonPreprocessor
-from batchvlm.reader import committed_shards
+from batchvlm.pipeline.preprocess import TorchPreprocessor, TritonPreprocessor
+from batchvlm.training.reader import committed_shards
 from batchvlm.records import DecodedImage, PreparedRecord, SourceRecord, TokenLayout
 from batchvlm.training import LoaderConfig, PackedLoader, packing_efficiency
 
@@ -189,7 +189,7 @@ def repeated_demo_run(config: BenchConfig) -> Path:
     root = Path("outputs")
     name = f"bench-loader-{Path(config.model.path).name if config.model.path else config.model.family}-x{config.copies}"
     if not (root / name / "_SUCCESS").exists():
-        job = Path(__file__).resolve().parents[1] / "jobs" / "embed.py"
+        job = Path(__file__).resolve().parents[2] / "jobs" / "embed.py"
         model = [f"model.family={config.model.family}"] + ([f"model.path={config.model.path}"] if config.model.path else [])
         result = subprocess.run([sys.executable, str(job), "dataset=parquet", f"dataset.path={data}/*.parquet",
                                  f"output.root={root}", f"run_name={name}", "runtime.progress=false", *model],

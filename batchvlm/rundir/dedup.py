@@ -22,7 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchvlm.durable import durable_write, durable_write_json, read_json
+from batchvlm.rundir.durable import durable_write, durable_write_json, read_json
 
 IDS_SCHEMA = pa.schema([("bucket", pa.int32()), ("id", pa.string()), ("row", pa.int64()), ("kind", pa.string())])
 DUPLICATES_SCHEMA = pa.schema([("id", pa.string()), ("unit", pa.string()), ("source", pa.string()),

@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchvlm.dedup import excluded_rows
-from batchvlm.reader import committed_units
+from batchvlm.rundir.dedup import excluded_rows
+from batchvlm.training.reader import committed_units
 
 BATCH_ROWS = 8192
 HISTOGRAM_BINS = 16

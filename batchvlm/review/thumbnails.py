@@ -18,7 +18,7 @@ from PIL import Image
 
 from batchvlm.checks import CheckFailed
 from batchvlm.config import DecodeConfig
-from batchvlm.decode import Decoder
+from batchvlm.pipeline.decode import Decoder
 from batchvlm.records import ImageRef
 
 THUMBNAIL_TIMEOUT_S = 10.0  # a reviewer waits seconds for a page, not the job's per-image limit

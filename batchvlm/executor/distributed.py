@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
-from batchvlm.claims import Claims, owner_name
-from batchvlm.durable import durable_write_json
+from batchvlm.rundir.claims import Claims, owner_name
+from batchvlm.rundir.durable import durable_write_json
 
 
 @dataclass

@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from batchvlm.assemble import EMBED_DTYPES
-from batchvlm.dedup import excluded_rows
-from batchvlm.encode import EXTRA_OUTPUTS
-from batchvlm.hf_features import SIZE_KEY
+from batchvlm.pipeline.assemble import EMBED_DTYPES
+from batchvlm.rundir.dedup import excluded_rows
+from batchvlm.pipeline.encode import EXTRA_OUTPUTS
+from batchvlm.format.hf_features import SIZE_KEY
 
 
 @dataclass

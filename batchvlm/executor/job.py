@@ -21,28 +21,28 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from batchvlm.assemble import EMBED_DTYPES, data_row, quarantine_row
+from batchvlm.pipeline.assemble import EMBED_DTYPES, data_row, quarantine_row
 from batchvlm.checks import CheckFailed, unexpected_failure
 from batchvlm.config import JobConfig
-from batchvlm.decode import Decoder
-from batchvlm.claims import Claims, Heartbeat
-from batchvlm.dedup import commit_bucket, find_duplicates, result_path
-from batchvlm.distributed import Coordinator, init_ranks
-from batchvlm.encode import encode_batch, finish_batch, start_batch
+from batchvlm.pipeline.decode import Decoder
+from batchvlm.rundir.claims import Claims, Heartbeat
+from batchvlm.rundir.dedup import commit_bucket, find_duplicates, result_path
+from batchvlm.executor.distributed import Coordinator, init_ranks
+from batchvlm.pipeline.encode import encode_batch, finish_batch, start_batch
 from batchvlm.faults import crash_point
 from batchvlm.families import load_family
-from batchvlm.jpeg import JpegBatchDecoder, resolve_jpeg_decode
-from batchvlm.overlap import Streams
-from batchvlm.preprocess import PreprocessGuard, make_preprocessor, pack, resolve_backend
-from batchvlm.progress import Progress
+from batchvlm.pipeline.jpeg import JpegBatchDecoder, resolve_jpeg_decode
+from batchvlm.executor.overlap import Streams
+from batchvlm.pipeline.preprocess import PreprocessGuard, make_preprocessor, pack, resolve_backend
+from batchvlm.executor.progress import Progress
 from batchvlm.records import (EncodedRecord, Failure, PackedBatch, PreparedRecord, QuarantinedRecord, SourceRecord,
                               UnitEnd, UnitStart, WorkUnit)
-from batchvlm.requeue import requeue_source, write_lineage
-from batchvlm.rundir import RunDir
-from batchvlm.sink import RunSink, SinkWriter
+from batchvlm.sources.requeue import requeue_source, write_lineage
+from batchvlm.rundir.run import RunDir
+from batchvlm.rundir.sink import RunSink, SinkWriter
 from batchvlm.sources import Source, make_source
-from batchvlm.workunits import Plan, make_plan, read_plan
-from batchvlm.tokens import attach_positions, build_layout, place_images
+from batchvlm.rundir.workunits import Plan, make_plan, read_plan
+from batchvlm.pipeline.tokens import attach_positions, build_layout, place_images
 
 log = logging.getLogger("batchvlm")
 

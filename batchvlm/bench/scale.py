@@ -26,7 +26,7 @@ from PIL import Image
 from batchvlm.config import DatasetConfig
 from batchvlm.sources import make_source
 
-EMBED = Path(__file__).resolve().parents[1] / "jobs" / "embed.py"
+EMBED = Path(__file__).resolve().parents[2] / "jobs" / "embed.py"
 
 
 def small_images(count: int = 16) -> list[bytes]:

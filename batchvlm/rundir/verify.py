@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from batchvlm.dedup import FOLDER, bucket_results, duplicate_rows, find_duplicates
-from batchvlm.durable import TMP_MARK, sha256_file
-from batchvlm.sink import FOLDERS
-from batchvlm.workunits import PLAN_FILE, read_plan
+from batchvlm.rundir.dedup import FOLDER, bucket_results, duplicate_rows, find_duplicates
+from batchvlm.rundir.durable import TMP_MARK, sha256_file
+from batchvlm.rundir.sink import FOLDERS
+from batchvlm.rundir.workunits import PLAN_FILE, read_plan
 
 
 def verify_run(run_dir: Path) -> list[str]:

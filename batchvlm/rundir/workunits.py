@@ -15,7 +15,7 @@ from pathlib import Path
 
 from batchvlm.config import ConfigError, DatasetConfig
 from batchvlm.records import WorkUnit
-from batchvlm.durable import durable_write_json, read_json
+from batchvlm.rundir.durable import durable_write_json, read_json
 from batchvlm.sources import InputFile, Source
 
 PLAN_FILE = "units.json"
