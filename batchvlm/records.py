@@ -9,6 +9,15 @@ import torch
 
 
 @dataclass(frozen=True)
+class InputFile:
+    """One input as the plan records it."""
+
+    name: str  # stable, human-readable, unique within the run
+    location: str  # what a user would open: a path or URL
+    size: int | None = None  # bytes, where a listing tells it (a changed size refuses the old plan)
+
+
+@dataclass(frozen=True)
 class WorkUnit:
     """A contiguous row range of one input (a Parquet file's row groups, a tar shard, a dataset shard):
     the unit of claiming, commit and resume. Planned from metadata alone, so `stop` is None where the

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from batchvlm.kernels.reference import BACKGROUNDS, CHESSBOARD_GRAY, CHESSBOARD_SQUARE, CHESSBOARD_WHITE
 from batchvlm.kernels.taps import filter_taps, max_taps
-from batchvlm.executor.overlap import to_device
+from batchvlm.devices import to_device
 from batchvlm.format.layouts import MERGE_WINDOW, RASTER_CHW, RASTER_HWC, PatchLayout
 
 BLOCK = 1024

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from batchvlm.executor.job import Staged, made_on_the_side
-from batchvlm.executor.overlap import Streams, to_device
+from batchvlm.devices import to_device
+from batchvlm.executor.overlap import Streams
 from batchvlm.records import DecodedImage, PackedBatch, PreparedRecord, SourceRecord
 
 

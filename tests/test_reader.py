@@ -7,7 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from batchvlm.pipeline.assemble import DATA_SCHEMA, embed_bytes
+from batchvlm.pipeline.assemble import embed_bytes
+
+from batchvlm.format.schema import DATA_SCHEMA
 from batchvlm.training.reader import read_run, read_shard, tensors_of
 
 

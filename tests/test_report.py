@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from batchvlm.pipeline.assemble import QUARANTINE_SCHEMA
+from batchvlm.format.schema import QUARANTINE_SCHEMA
 from batchvlm.config import ConfigError, DatasetConfig, DecodeConfig, JobConfig, OutputConfig, RuntimeConfig
 from batchvlm.executor.job import run_job
 from batchvlm.review.report import build_report, summary_text

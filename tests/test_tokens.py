@@ -7,7 +7,8 @@ import copy
 import pytest
 
 from batchvlm.checks import CheckFailed
-from batchvlm.pipeline.tokens import FRAME, IMAGE, TEXT, build_layout, find_spans, place_images
+from batchvlm.pipeline.tokens import build_layout, find_spans, place_images
+from batchvlm.format.schema import FRAME, IMAGE, TEXT
 
 X = 7
 

@@ -13,7 +13,7 @@ from batchvlm.pipeline.decode import decode_image
 from batchvlm.demo import demo_rows
 from batchvlm.families import load_family
 from batchvlm.training.reader import read_run
-from batchvlm.pipeline.tokens import IMAGE
+from batchvlm.format.schema import IMAGE
 
 MODELS = {"qwen2_vl": Qwen2VLForConditionalGeneration, "kimi_k25": Kimi_K25ForConditionalGeneration}
 

@@ -20,7 +20,7 @@ from batchvlm.bench.tasks import BenchConfig, bench_loader, format_loader
 from batchvlm.config import ModelConfig
 from batchvlm.families import load_family
 from batchvlm.training.reader import committed_shards, read_run, table_tensors, tensors_of
-from batchvlm.pipeline.tokens import IMAGE
+from batchvlm.format.schema import IMAGE
 from batchvlm.training import (IGNORE_INDEX, DatasetRows, LoaderConfig, PackedLoader, PackingError, RunNotFinished,
                                first_fit_decreasing, load_run_dataset, mm_token_type_ids, pack,
                                vllm_qwen2_vl_image_input)

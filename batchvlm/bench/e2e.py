@@ -29,7 +29,9 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from batchvlm.pipeline.assemble import DATA_SCHEMA, data_row
+from batchvlm.pipeline.assemble import data_row
+
+from batchvlm.format.schema import DATA_SCHEMA
 from batchvlm.rundir.claims import Claims
 from batchvlm.config import DatasetConfig, DecodeConfig, JobConfig, ModelConfig, OutputConfig, RuntimeConfig
 from batchvlm.pipeline.decode import Decoder

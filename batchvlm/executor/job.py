@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from batchvlm.pipeline.assemble import EMBED_DTYPES, data_row, quarantine_row
+from batchvlm.pipeline.assemble import data_row, quarantine_row
+
+from batchvlm.format.schema import EMBED_DTYPES
 from batchvlm.checks import CheckFailed, unexpected_failure
 from batchvlm.config import JobConfig
 from batchvlm.pipeline.decode import Decoder

@@ -20,7 +20,7 @@ from batchvlm.families import (PatchFamily, checkpoint_and_tokenizer, choose_pro
                                token_id, tokenizer_digest)
 from batchvlm.format.layouts import RASTER_CHW, PatchLayout
 from batchvlm.records import ImagePlan
-from batchvlm.pipeline.tokens import FRAME, IMAGE
+from batchvlm.format.schema import FRAME, IMAGE
 
 IMAGE_TOKEN = "<|media_pad|>"
 FRAME_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_end|>")

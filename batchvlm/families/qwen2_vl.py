@@ -25,7 +25,7 @@ from batchvlm.families import (PatchFamily, checkpoint_and_tokenizer, load_submo
                                token_id, tokenizer_digest)
 from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
-from batchvlm.pipeline.tokens import FRAME, IMAGE
+from batchvlm.format.schema import FRAME, IMAGE
 
 IMAGE_TOKEN = "<|image_pad|>"
 FRAME_TOKENS = ("<|vision_start|>", "<|vision_end|>")

@@ -24,7 +24,7 @@ from batchvlm.families import (PatchFamily, checkpoint_and_tokenizer, load_submo
                                processor_params, token_id, tokenizer_digest)
 from batchvlm.format.layouts import RASTER_HWC, PatchLayout
 from batchvlm.records import ImagePlan
-from batchvlm.pipeline.tokens import FRAME, IMAGE
+from batchvlm.format.schema import FRAME, IMAGE
 
 IMAGE_TOKEN = "<image_soft_token>"
 FRAME_TOKENS = ("<start_of_image>", "<end_of_image>")

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import pyarrow as pa
 import torch
 
-from batchvlm.pipeline.assemble import EMBED_DTYPES
+from batchvlm.format.schema import EMBED_DTYPES
 
 EMBED_ID_PREFIX = "batchvlm:embed:"
 SIZE_KEY = "batchvlm.hidden_size."

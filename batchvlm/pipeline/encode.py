@@ -7,13 +7,6 @@ import torch
 from batchvlm.checks import CheckFailed, require
 from batchvlm.records import EncodedRecord, ImagePlan, PackedBatch
 
-EXTRA_OUTPUTS = {
-    "tower_embeds": "the tower's features before the projector, grouped per LLM token (model.embedding=both)",
-    "pooled_embeds": "one pooled vector per image (SigLIP2's attention-pooling head)",
-    "deepstack_embeds": "Qwen3-VL deepstack features per LLM token, the layers concatenated along hidden",
-}
-"""Outputs an encoder may return beside `image_embeds`; each is stored in its own column."""
-
 
 def expected_rows(name: str, plan: ImagePlan) -> int:
     return 1 if name == "pooled_embeds" else plan.num_tokens

@@ -23,7 +23,7 @@ from batchvlm.checks import CheckFailed, require
 from batchvlm.config import ConfigError
 from batchvlm.faults import fault
 from batchvlm.kernels.reference import composite, resize_image
-from batchvlm.executor.overlap import to_device
+from batchvlm.devices import to_device
 from batchvlm.records import DecodedImage, ImagePlan, PackedBatch, PreparedRecord
 
 log = logging.getLogger("batchvlm")

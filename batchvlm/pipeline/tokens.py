@@ -9,10 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from batchvlm.checks import require
+from batchvlm.format.schema import TEXT
 from batchvlm.records import ImagePlan, TokenLayout
-
-TEXT, IMAGE, FRAME = 0, 1, 2
-"""token_tags values: text, an image-embedding position, a frame token around an image's span."""
 
 
 def find_spans(input_ids: list[int], token_id: int) -> list[tuple[int, int]]:

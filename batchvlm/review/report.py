@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
-from batchvlm.pipeline.assemble import QUARANTINE_SCHEMA
+from batchvlm.format.schema import QUARANTINE_SCHEMA
 from batchvlm.config import DecodeConfig, ModelConfig
 from batchvlm.review.distributions import Distribution, value_counts, written_distributions
 from batchvlm.pipeline.preprocess import merged_stats

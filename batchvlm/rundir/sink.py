@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchvlm.pipeline.assemble import DATA_SCHEMA, QUARANTINE_SCHEMA
+from batchvlm.format.schema import DATA_SCHEMA, QUARANTINE_SCHEMA
 from batchvlm.rundir.claims import Claim, Claims
 from batchvlm.rundir.dedup import write_ids
 from batchvlm.rundir.durable import TMP_MARK, json_text, publish, publish_exclusive, sha256_file, temporary_name

@@ -12,17 +12,25 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 from batchvlm.config import ConfigError, DatasetConfig
-from batchvlm.records import WorkUnit
 from batchvlm.rundir.durable import durable_write_json, read_json
-from batchvlm.sources import InputFile, Source
+from batchvlm.records import InputFile, WorkUnit
 
 PLAN_FILE = "units.json"
 IDS_PER_BUCKET = 2_000_000
 """Planned records per hash partition of the duplicate pass: its memory is one partition's ids."""
 BYTES_PER_UNKNOWN_RECORD = 100_000
 """For units whose record count only reading tells (tar shards): a guess from their bytes."""
+
+
+class Plannable(Protocol):
+    """What planning needs of a source (sources.Source): its inputs, and its units cut from their metadata."""
+
+    inputs: dict[str, InputFile]
+
+    def plan(self) -> list[WorkUnit]: ...
 
 
 @dataclass
@@ -54,7 +62,7 @@ def _buckets(units: list[WorkUnit], configured: int | None) -> int:
     return max(1, math.ceil(records / IDS_PER_BUCKET))
 
 
-def make_plan(run_dir: Path, source: Source, cfg: DatasetConfig, dedup_buckets: int | None) -> Plan:
+def make_plan(run_dir: Path, source: Plannable, cfg: DatasetConfig, dedup_buckets: int | None) -> Plan:
     """Rank 0: the run's plan, read back (after checking the inputs did not change) or made and written."""
     path = run_dir / PLAN_FILE
     inputs = list(source.inputs.values())

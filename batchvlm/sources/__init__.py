@@ -18,25 +18,15 @@ import os
 import posixpath
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import fsspec
 
 from batchvlm.config import ConfigError, DatasetConfig
-from batchvlm.records import Failure, ImageRef, SourceRecord, WorkUnit
+from batchvlm.records import Failure, ImageRef, InputFile, SourceRecord, WorkUnit
 
 KINDS = {"demo": "parquet", "parquet": "parquet", "webdataset": "webdataset", "disk": "hf", "imagefolder": "hf",
          "hub": "hf"}
 """dataset.kind -> the module under batchvlm/sources/ that reads it."""
-
-
-@dataclass(frozen=True)
-class InputFile:
-    """One input as the plan records it."""
-
-    name: str  # stable, human-readable, unique within the run
-    location: str  # what a user would open: a path or URL
-    size: int | None = None  # bytes, where a listing tells it (a changed size refuses the old plan)
 
 
 class Source:

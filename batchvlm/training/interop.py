@@ -14,10 +14,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from batchvlm.pipeline.encode import EXTRA_OUTPUTS
+from batchvlm.format.schema import EXTRA_OUTPUTS
 from batchvlm.format.hf_features import EMBED_ID_PREFIX, embedding_layouts, features_key_of
 from batchvlm.training.reader import RecordTensors, committed_shards
-from batchvlm.pipeline.tokens import IMAGE
+from batchvlm.format.schema import IMAGE
 
 
 def mm_token_type_ids(token_tags: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from batchvlm.training.reader import RecordArrays, RecordTensors, record_arrays, span_positions, tensor_of
-from batchvlm.pipeline.tokens import IMAGE
+from batchvlm.format.schema import IMAGE
 
 IGNORE_INDEX = -100
 """The label transformers' cross-entropy skips."""

@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from batchvlm.pipeline.assemble import EMBED_DTYPES
+from batchvlm.format.schema import EMBED_DTYPES
 from batchvlm.rundir.dedup import excluded_rows
-from batchvlm.pipeline.encode import EXTRA_OUTPUTS
+from batchvlm.format.schema import EXTRA_OUTPUTS
 from batchvlm.format.hf_features import SIZE_KEY
 
 

@@ -15,7 +15,8 @@ from batchvlm.config import ModelConfig
 from batchvlm.families import load_family
 from batchvlm.families.qwen2_vl import QwenProcessorParams, mrope_positions, qwen_plan
 from batchvlm.records import ImagePlan
-from batchvlm.pipeline.tokens import IMAGE, build_layout
+from batchvlm.pipeline.tokens import build_layout
+from batchvlm.format.schema import IMAGE
 
 QWEN3 = QwenProcessorParams(patch_size=16, min_pixels=65536, max_pixels=16777216, image_mean=(0.5,) * 3,
                             image_std=(0.5,) * 3)
@@ -160,7 +161,7 @@ def test_stored_qwen3_outputs_with_deepstack_give_the_full_models_logits(tmp_pat
     from batchvlm.pipeline.decode import decode_image
     from batchvlm.demo import demo_rows
     from batchvlm.training.reader import read_run
-    from batchvlm.pipeline.tokens import IMAGE
+    from batchvlm.format.schema import IMAGE
 
     checkpoint = tmp_path / "qwen3"
     _tiny_variant(checkpoint, qwen, qwen3_config(qwen))
