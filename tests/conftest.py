@@ -17,6 +17,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+PLUGINS = Path(__file__).resolve().parent / "families" / "plugins"
+"""A family from outside batchvlm (framed_moonvit.py) and its YAML (conf/model/), found as a user's own would be: the
+module on the Python path (the tests' and the jobs' they start), the YAML on Hydra's search path (PLUGIN_SEARCHPATH)."""
+PLUGIN_FAMILY = "framed_moonvit"
+PLUGIN_SEARCHPATH = f"hydra.searchpath=[file://{PLUGINS / 'conf'}]"
+sys.path.insert(0, str(PLUGINS))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))
 
 
 def shared_folder(name: str) -> Path:
@@ -58,10 +65,14 @@ def demo_run(tmp_path_factory) -> Path:
     return root / "demo"
 
 
-FAMILY_NAMES = ["kimi_k25", "qwen2_vl", "siglip2"]
+def all_families() -> list[str]:
+    """Every family batchvlm finds, and the one from outside it: each test over families runs over all of them."""
+    from batchvlm.families import family_names
+
+    return family_names() + [PLUGIN_FAMILY]
 
 
-@pytest.fixture(scope="session", params=FAMILY_NAMES)
+@pytest.fixture(scope="session", params=all_families())
 def family(request):
     """Each family with its tiny demo checkpoint."""
     from batchvlm.config import ModelConfig

@@ -26,7 +26,8 @@ from PIL import Image
 from batchvlm.config import DatasetConfig
 from batchvlm.sources import make_source
 
-EMBED = Path(__file__).resolve().parents[2] / "jobs" / "embed.py"
+EMBED = [sys.executable, "-m", "batchvlm.jobs.embed"]
+"""The job as an installed package runs it: no path into a source checkout."""
 
 
 def small_images(count: int = 16) -> list[bytes]:
@@ -72,7 +73,7 @@ def plan_cost(path: Path, limit: int | None) -> dict:
 
 
 def _job(path: Path, out: Path, run_name: str, env: dict, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(EMBED), "dataset=parquet", f"dataset.path={path}",
+    return subprocess.Popen([*EMBED, "dataset=parquet", f"dataset.path={path}",
                              f"output.root={out}", f"run_name={run_name}", "runtime.progress=false", *overrides],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 

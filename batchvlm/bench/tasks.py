@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import torch
 
 from batchvlm.config import ConfigError, ModelConfig, _one_of, _positive
-from batchvlm.demo import _build_once, demo_rows, home, photographs
+from batchvlm.demo import build_once, demo_rows, home, photographs
 from batchvlm.families import load_family
 from batchvlm.pipeline.preprocess import TorchPreprocessor, TritonPreprocessor
 from batchvlm.training.reader import committed_shards
@@ -184,14 +184,13 @@ def _write_repeated_demo(copies: int, folder: Path) -> None:
 
 def repeated_demo_run(config: BenchConfig) -> Path:
     """A finished run of the demo records repeated `copies` times, embedded by the job itself on first use."""
-    data = _build_once(home() / f"bench-loader-x{config.copies}", lambda folder: _write_repeated_demo(config.copies,
+    data = build_once(home() / f"bench-loader-x{config.copies}", lambda folder: _write_repeated_demo(config.copies,
                                                                                                        folder))
     root = Path("outputs")
     name = f"bench-loader-{Path(config.model.path).name if config.model.path else config.model.family}-x{config.copies}"
     if not (root / name / "_SUCCESS").exists():
-        job = Path(__file__).resolve().parents[2] / "jobs" / "embed.py"
         model = [f"model.family={config.model.family}"] + ([f"model.path={config.model.path}"] if config.model.path else [])
-        result = subprocess.run([sys.executable, str(job), "dataset=parquet", f"dataset.path={data}/*.parquet",
+        result = subprocess.run([sys.executable, "-m", "batchvlm.jobs.embed", "dataset=parquet", f"dataset.path={data}/*.parquet",
                                  f"output.root={root}", f"run_name={name}", "runtime.progress=false", *model],
                                 capture_output=True, text=True)
         if result.returncode:
