@@ -29,19 +29,21 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from batchvlm.pipeline.assemble import data_row
-
-from batchvlm.format.schema import DATA_SCHEMA
-from batchvlm.rundir.claims import Claims
 from batchvlm.config import DatasetConfig, DecodeConfig, JobConfig, ModelConfig, OutputConfig, RuntimeConfig
-from batchvlm.pipeline.decode import Decoder
 from batchvlm.demo import DEMO_VERSION, build_once, home, photographs
+from batchvlm.executor.batching import TokenBudgetBatcher
+from batchvlm.executor.job import Parts, rank_job
+from batchvlm.executor.worker import plan_and_lay_out
 from batchvlm.families import kimi_k25
-from batchvlm.executor.job import Job, TokenBudgetBatcher, plan_and_lay_out
+from batchvlm.format.schema import DATA_SCHEMA
+from batchvlm.pipeline.assemble import data_row
+from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.encode import encode_batch
 from batchvlm.pipeline.jpeg import JpegBatchDecoder, deferred
-from batchvlm.pipeline.preprocess import pack
-from batchvlm.records import ImageRef, PreparedRecord, SourceRecord, WorkUnit
+from batchvlm.pipeline.preprocess import preprocess_batch
+from batchvlm.records import ImageRef, OutputRow, PreparedRecord, SourceRecord, WorkUnit
+from batchvlm.rundir.claims import Claims
+from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.rundir.sink import RunSink
 
 SIZE = (384, 512)  # height, width
@@ -77,14 +79,14 @@ def job_config(path: Path, out: Path, model: ModelConfig, records: int, name: st
                      runtime=RuntimeConfig(progress=False, overlap=overlap))
 
 
-def run_whole(cfg: JobConfig, out: Path) -> tuple[Job, float]:
-    """The job, in this process; its images/s over every record (a ratio over quarantined records would measure
-    nothing, so there must be none)."""
-    job = Job(cfg, out / cfg.run_name)
+def run_whole(cfg: JobConfig, out: Path) -> tuple[Parts, float]:
+    """The job, in this process; its parts, and its images/s over every record (a ratio over quarantined records
+    would measure nothing, so there must be none)."""
+    job = rank_job(cfg, out / cfg.run_name)
     summary = job.run_all()
     if summary["written"] != summary["records_in"]:
         raise RuntimeError(f"the e2e job {cfg.run_name} quarantined records: {summary['by_check']}")
-    return job, summary["records_per_s"]
+    return job.parts, summary["records_per_s"]
 
 
 def timed(run) -> tuple[float, object]:
@@ -112,7 +114,7 @@ def bench_e2e(config) -> dict:
         _, batch_by_batch_rate = run_whole(job_config(path, out, model, config.records, "e2e-off", overlap=False), out)
         _, device_decode_rate = run_whole(job_config(path, out, model, config.records, "e2e-jpeg", jpeg="device"), out)
         stages, batches, rows = stage_rates(job, images)
-        tower_s = sum(timed(lambda b=b: job.on_device.encoder(b.pixel_values, b.grid_thw))[0] for b in batches)
+        tower_s = sum(timed(lambda b=b: job.stage.encoder(b.pixel_values, b.grid_thw))[0] for b in batches)
         sink_s, bare_s = sink_against_bare_write(job, rows, out)
         stages["sink"] = 1 / sink_s
         return {"records": config.records, "tower": config.tower, "device": str(job.device),
@@ -125,7 +127,7 @@ def bench_e2e(config) -> dict:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def stage_rates(job: Job, images: list[bytes]) -> tuple[dict, list, list]:
+def stage_rates(job: Parts, images: list[bytes]) -> tuple[dict, list, list]:
     """Each stage alone on the same records, images/s; returns the packed batches and the assembled rows."""
     records = [SourceRecord(f"photo-{i:05d}", "u", "bench", i, "<image> a photograph", [ImageRef(data=image)], seq=i)
                for i, image in enumerate(images)]
@@ -138,17 +140,17 @@ def stage_rates(job: Job, images: list[bytes]) -> tuple[dict, list, list]:
                                         for record, image in zip(records, decoded)])
     batcher = TokenBudgetBatcher(job.job.preprocess.token_budget, job.job.preprocess.max_images_per_batch)
     groups = [closed for record in prepared if (closed := batcher.add(record))] + [batcher.flush()]
-    preprocess_s, batches = timed(lambda: [pack(group, job.on_device.preprocessor) for group in groups])
-    encode_s, encoded = timed(lambda: [e for batch in batches for e in encode_batch(job.on_device.encoder, batch,
-                                                                                    job.embed_dtype)])
-    assemble_s, rows = timed(lambda: [data_row(e, job.embed_dtype, job.hidden_sizes) for e in encoded])
+    preprocess_s, batches = timed(lambda: [preprocess_batch(group, job.stage.preprocessor) for group in groups])
+    dtype, sizes = job.assembler.embed_dtype, job.assembler.hidden_sizes
+    encode_s, encoded = timed(lambda: [e for batch in batches for e in encode_batch(job.stage.encoder, batch, dtype)])
+    assemble_s, rows = timed(lambda: [data_row(e, dtype, sizes) for e in encoded])
     count = len(images)
     return ({"decode": count / decode_s, "plan+layout": count / layout_s,
              "preprocess": count / preprocess_s, "tower+checks": count / encode_s, "assemble": count / assemble_s},
             batches, rows)
 
 
-def decode_both_ways(job: Job, images: list[bytes], group_sizes: list[int]) -> dict:
+def decode_both_ways(job: Parts, images: list[bytes], group_sizes: list[int]) -> dict:
     """images/s of the safe path (in the isolated child, one image at a time, as a worker runs it), of the worker's
     header check, and of the batched decode on the job's device in the packed batches' groups (after one warm-up
     group: nvJPEG's first call sets up its handles)."""
@@ -185,19 +187,20 @@ def decode_both_ways(job: Job, images: list[bytes], group_sizes: list[int]) -> d
             "batched_images_per_s": count / batched_s, "max_levels": levels}
 
 
-def sink_against_bare_write(job: Job, rows: list[dict], out: Path) -> tuple[float, float]:
+def sink_against_bare_write(job: Parts, rows: list[dict], out: Path) -> tuple[float, float]:
     """Seconds per row of each, over SINK_ROWS rows (the records' rows repeated with their own ids): a unit of
     a real size, so the commit's fixed cost (fsyncs, checksums, manifest) weighs as it does in a job."""
     rows = [{**rows[i % len(rows)], "id": f"row-{i:06d}", "row": i} for i in range(SINK_ROWS)]
-    metadata = job.run.schema_metadata(job.hidden_sizes)
-    sink = RunSink(out / "sink", metadata, job.job.output.compression)
-    sink.claims = Claims(out / "sink" / "claims", "rank00000-bench", 60)
+    metadata = job.run.schema_metadata(job.assembler.hidden_sizes)
+    layout = RunLayout(out / "sink")
+    claims = Claims(layout.claims("bench"), "rank00000-bench", 60)
+    sink = RunSink(layout, metadata, job.job.output.compression, claims, dedup_buckets=1)
     unit = WorkUnit("bench-00000000", "bench", 0, len(rows))
 
     def through_sink():
-        sink.start_unit(unit, sink.claims.try_claim(unit.unit_id))
+        sink.start_unit(unit, claims.try_claim(unit.unit_id))
         for seq, row in enumerate(rows):
-            sink.add(unit.unit_id, seq, "data", row, {})
+            sink.add(OutputRow(SourceRecord(row["id"], unit.unit_id, "bench", seq, "", [], seq=seq), DATA, row, {}))
         sink.end_unit(unit, len(rows))
 
     def bare_write():

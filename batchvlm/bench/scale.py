@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,8 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from batchvlm.config import DatasetConfig
+from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.manifest import committed_units
 from batchvlm.sources import make_source
 
 EMBED = [sys.executable, "-m", "batchvlm.jobs.embed"]
@@ -73,23 +76,24 @@ def plan_cost(path: Path, limit: int | None) -> dict:
 
 
 def _job(path: Path, out: Path, run_name: str, env: dict, *overrides: str) -> subprocess.Popen:
+    """The job in a session of its own, so that stopping it stops its DataLoader workers and decoder too."""
     return subprocess.Popen([*EMBED, "dataset=parquet", f"dataset.path={path}",
                              f"output.root={out}", f"run_name={run_name}", "runtime.progress=false", *overrides],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
 
 
 def first_commit_seconds(path: Path, out: Path, env: dict, unit_records: int) -> float:
     started = time.perf_counter()
     job = _job(path, out, "first", env, f"dataset.unit_records={unit_records}")
-    manifests = out / "first" / "manifest"
+    layout = RunLayout(out / "first")
     try:
-        while not (manifests.is_dir() and any(manifests.glob("*.json"))):
+        while not committed_units(layout):
             if job.poll() is not None:
                 raise RuntimeError(f"the embed job exited with {job.returncode} before committing a unit")
             time.sleep(0.05)
         return time.perf_counter() - started
     finally:
-        job.kill()
+        os.killpg(job.pid, signal.SIGKILL)  # the job and every process it started
         job.wait()
 
 

@@ -27,11 +27,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from batchvlm.config import ConfigError, ModelConfig, _one_of, _positive
+from batchvlm.config import ConfigError, ModelConfig, one_of, positive
 from batchvlm.demo import build_once, demo_rows, home, photographs
 from batchvlm.families import load_family
 from batchvlm.pipeline.preprocess import TorchPreprocessor, TritonPreprocessor
-from batchvlm.training.reader import committed_shards
+from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.manifest import listed_shards
 from batchvlm.records import DecodedImage, PreparedRecord, SourceRecord, TokenLayout
 from batchvlm.training import LoaderConfig, PackedLoader, packing_efficiency
 
@@ -68,10 +69,10 @@ class BenchConfig:
     """task=e2e: base (a ViT-B-sized MoonViT, built once) | tiny (the demo tower)."""
 
     def __post_init__(self) -> None:
-        _one_of("task", self.task, ("preprocess", "scale", "loader", "e2e"))
-        _one_of("tower", self.tower, ("base", "tiny"))
+        one_of("task", self.task, ("preprocess", "scale", "loader", "e2e"))
+        one_of("tower", self.tower, ("base", "tiny"))
         for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens", "records"):
-            _positive(key, getattr(self, key))
+            positive(key, getattr(self, key))
         if self.workers < 0:
             raise ConfigError(f"workers={self.workers} must be >= 0")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -188,7 +189,7 @@ def repeated_demo_run(config: BenchConfig) -> Path:
                                                                                                        folder))
     root = Path("outputs")
     name = f"bench-loader-{Path(config.model.path).name if config.model.path else config.model.family}-x{config.copies}"
-    if not (root / name / "_SUCCESS").exists():
+    if not RunLayout(root / name).success.exists():
         model = [f"model.family={config.model.family}"] + ([f"model.path={config.model.path}"] if config.model.path else [])
         result = subprocess.run([sys.executable, "-m", "batchvlm.jobs.embed", "dataset=parquet", f"dataset.path={data}/*.parquet",
                                  f"output.root={root}", f"run_name={name}", "runtime.progress=false", *model],
@@ -202,7 +203,7 @@ def bench_loader(config: BenchConfig) -> dict:
     run_dir = Path(config.run_dir) if config.run_dir else repeated_demo_run(config)
     loader = PackedLoader(run_dir, LoaderConfig(max_tokens=config.max_tokens, num_workers=config.workers),
                           rank=0, world_size=1)
-    shards = committed_shards(run_dir)
+    shards = [shard for _, shard in listed_shards(RunLayout(run_dir))]
     tokens = sum(int(lengths.sum()) for lengths in loader.index.lengths)
 
     def scan() -> None:

@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
+from batchvlm.devices import on_cpu
 from batchvlm.rundir.claims import Claims, owner_name
 from batchvlm.rundir.durable import durable_write_json
+from batchvlm.rundir.layout import RunLayout
 
 
 @dataclass
@@ -41,10 +43,10 @@ class Ranks:
 
 def init_ranks(device: str) -> tuple[Ranks, torch.device]:
     """The process's rank and the device it owns (cuda:<local rank> on GPUs)."""
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    state = PartialState(cpu=on_cpu)
+    cpu = on_cpu(device)
+    state = PartialState(cpu=cpu)
     ranks = Ranks(state.process_index, state.num_processes, state.local_process_index, state)
-    if on_cpu:
+    if cpu:
         return ranks, torch.device("cpu")
     if device in ("auto", "cuda"):
         return ranks, torch.device("cuda", ranks.local_rank)
@@ -59,26 +61,25 @@ class Coordinator:
     can never time out a barrier and a dead rank costs only the units it held.
     """
 
-    def __init__(self, run_dir: Path, ranks: Ranks):
+    def __init__(self, layout: RunLayout, ranks: Ranks):
         self.ranks = ranks
-        self.root = run_dir / "ranks"
-        token = self.root / "attempt.json"
+        self.layout = layout
         if ranks.is_main:
-            if self.root.exists():
-                shutil.rmtree(self.root)
-            self.root.mkdir(parents=True)
-            durable_write_json(token, {"attempt": uuid.uuid4().hex, "world": ranks.world})
+            if layout.ranks.exists():
+                shutil.rmtree(layout.ranks)
+            layout.ranks.mkdir(parents=True)
+            durable_write_json(layout.attempt_token, {"attempt": uuid.uuid4().hex, "world": ranks.world})
         ranks.barrier()
-        self.attempt = self.root / json.loads(token.read_text())["attempt"]
-        self.attempt.mkdir(parents=True, exist_ok=True)
+        self.attempt = json.loads(layout.attempt_token.read_text())["attempt"]
+        layout.attempt(self.attempt).mkdir(parents=True, exist_ok=True)
         self.owner = owner_name(ranks.rank, uuid.uuid4().hex[:8])
         self._last_report = 0.0
 
     def claims(self, lease_s: float) -> Claims:
-        return Claims(self.attempt / "claims", self.owner, lease_s)
+        return Claims(self.layout.claims(self.attempt), self.owner, lease_s)
 
     def _file(self, rank: int, kind: str) -> Path:
-        return self.attempt / f"rank-{rank:05d}.{kind}.json"
+        return self.layout.rank_file(self.attempt, rank, kind)
 
     def report(self, records_done: int, force: bool = False) -> None:
         now = time.monotonic()
@@ -104,7 +105,7 @@ class Coordinator:
 
     def _read_all(self, kind: str) -> list[dict]:
         found = []
-        for path in self.attempt.glob(f"rank-*.{kind}.json"):
+        for path in self.layout.rank_files(self.attempt, kind):
             try:
                 found.append(json.loads(path.read_text()))
             except (FileNotFoundError, json.JSONDecodeError):

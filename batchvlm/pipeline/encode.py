@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from batchvlm.checks import CheckFailed, require
-from batchvlm.records import EncodedRecord, ImagePlan, PackedBatch
+from batchvlm.records import EncodedRecord, ImagePlan, PixelBatch
 
 
 def expected_rows(name: str, plan: ImagePlan) -> int:
@@ -16,7 +16,7 @@ def cu_seqlens_of(grid_thw: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(grid_thw.prod(-1).cumsum(0), (1, 0)).to(torch.int32)
 
 
-def check_packing(batch: PackedBatch) -> None:
+def check_packing(batch: PixelBatch) -> None:
     rows = int(batch.pixel_values.shape[0])
     cu = cu_seqlens_of(batch.grid_thw)
     total = int(batch.grid_thw.prod(-1).sum())
@@ -27,19 +27,19 @@ def check_packing(batch: PackedBatch) -> None:
             expected=f"0 .. {rows}, increasing", observed=cu.tolist())
 
 
-def encode_batch(encoder, batch: PackedBatch, out_dtype: torch.dtype | None = None) -> list[EncodedRecord]:
+def encode_batch(encoder, batch: PixelBatch, out_dtype: torch.dtype | None = None) -> list[EncodedRecord]:
     """Run the tower on a packed batch and split its outputs per record, checked."""
     return finish_batch(encoder, batch, start_batch(encoder, batch), out_dtype)
 
 
-def start_batch(encoder, batch: PackedBatch) -> dict[str, list[torch.Tensor]]:
+def start_batch(encoder, batch: PixelBatch) -> dict[str, list[torch.Tensor]]:
     """The tower's outputs for the batch ({output name: one tensor per image}), as launched: on CUDA the
     kernels are queued and the host is free until `finish_batch` reads the results."""
     check_packing(batch)
     return encoder(batch.pixel_values, batch.grid_thw)
 
 
-def finish_batch(encoder, batch: PackedBatch, outputs: dict[str, list[torch.Tensor]],
+def finish_batch(encoder, batch: PixelBatch, outputs: dict[str, list[torch.Tensor]],
                  out_dtype: torch.dtype | None = None) -> list[EncodedRecord]:
     """The outputs split per record, checked. The checks of the whole batch cost one device sync
     (non-finite values counted per image on the device, read back at once), and the outputs come back

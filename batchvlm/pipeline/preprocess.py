@@ -6,7 +6,7 @@ Hugging Face image processor, the oracle); `auto` is triton on CUDA, torch other
 
 Every image is checked against its plan whichever backend ran, and a deterministic sample of
 images is compared with the HF processor (parity). An image that fails is redone on the CPU path
-(`preprocess.fallback=cpu`) or its record quarantined (`quarantine`); `PreprocessGuard` counts both.
+(`preprocess.fallback=cpu`) or its record quarantined (`quarantine`); `PreprocessGuard` notes either on the record.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from batchvlm.config import ConfigError
 from batchvlm.faults import fault
 from batchvlm.kernels.reference import composite, resize_image
 from batchvlm.devices import to_device
-from batchvlm.records import DecodedImage, ImagePlan, PackedBatch, PreparedRecord
+from batchvlm.records import DecodedImage, ImagePlan, PixelBatch, PreparedRecord, PreprocessStats
 
 log = logging.getLogger("batchvlm")
 
@@ -156,7 +156,7 @@ class TritonPreprocessor:
                                           [plan.resized for plan in plans], [plan.padded for plan in plans],
                                           self.family.layout, self.family.resample, self.background, self.scale,
                                           self.bias, self.device)
-        # The grid the kernel was told to write (its rows are checked in `pack`: their count, and that every
+        # The grid the kernel was told to write (`preprocess_batch` checks its rows: their count, and that every
         # value was written, since the output starts as NaN).
         grids = [self.family.grid_of(torch.empty((3, *plan.padded), device="meta")) for plan in plans]
         return list(torch.split(packed, counts)), grids
@@ -193,8 +193,7 @@ class PreprocessGuard:
     """Beyond the per-image checks: the sampled parity check against the HF processor, and what
     happens to an image that fails a check (redone on the CPU path, or its record quarantined).
 
-    Counts are kept by (record id, image index), so re-packing a batch (the driver bisects failing
-    batches) never counts an image twice.
+    What it does to an image is written on its record (PreparedRecord.preprocess), by image index.
     """
 
     cpu: TorchPreprocessor | None = None
@@ -202,25 +201,11 @@ class PreprocessGuard:
     fallback: bool = False
     parity_sample_rate: float = 0.0
     parity_max_levels: float = 3.0
-    fallbacks: dict = dataclasses.field(default_factory=dict)
-    """(record id, image index) -> the check that sent the image to the CPU path."""
-    parity_checked: set = dataclasses.field(default_factory=set)
-    parity_failed: set = dataclasses.field(default_factory=set)
 
     @classmethod
     def from_config(cls, config, family, background: str) -> "PreprocessGuard":
         return cls(cpu=TorchPreprocessor(family, torch.device("cpu"), background), fallback=config.fallback == "cpu",
                    parity_sample_rate=config.parity_sample_rate, parity_max_levels=config.parity_max_levels)
-
-    def take(self, record_id: str) -> dict:
-        """The record's images redone on the CPU path (by check) and its parity sample, handed over once the
-        record is emitted so that they land in its unit's manifest (and survive a restart), and forgotten here."""
-        mine = lambda keys: {key for key in keys if key[0] == record_id}  # noqa: E731
-        fallbacks = Counter(self.fallbacks.pop(key) for key in mine(self.fallbacks))
-        checked, failed = mine(self.parity_checked), mine(self.parity_failed)
-        self.parity_checked -= checked
-        self.parity_failed -= failed
-        return {"fallbacks": dict(fallbacks), "parity": {"checked_images": len(checked), "failed_images": len(failed)}}
 
     def sampled(self, image: DecodedImage) -> bool:
         """Deterministic by content: a rerun samples the same images."""
@@ -229,22 +214,22 @@ class PreprocessGuard:
     def checked_rows(self, record: PreparedRecord, index: int, image: DecodedImage, plan: ImagePlan, grid: tuple,
                      rows: torch.Tensor, all_finite: bool) -> torch.Tensor:
         """The image's rows once they pass every check: the backend's, or the CPU path's instead."""
-        key = (record.source.id, index)
+        stats = record.preprocess
         try:
             _check_image(index, plan, grid, rows)
             require(all_finite, "preprocess.feature_length", f"image {index}: pixel rows hold NaN or Inf (values "
                     "the backend never wrote)", expected="every value written and finite", observed="non-finite",
                     image_index=index)
             if self.sampled(image):
-                self.parity_checked.add(key)
-                self._check_parity(index, image, plan, rows, key)
+                stats.parity_checked.add(index)
+                self._check_parity(index, image, plan, rows, stats)
             return rows
         except CheckFailed as failure:
             if not self.fallback:
                 failure.record = record
                 raise
             log.warning("%s image %d: %s; redone on the CPU path", record.source.id, index, failure)
-            self.fallbacks[key] = failure.check
+            stats.fallbacks[index] = failure.check
             cpu_rows, cpu_grid = self.cpu.image_rows(image, plan)
             try:
                 _check_image(index, plan, cpu_grid, cpu_rows)
@@ -253,7 +238,8 @@ class PreprocessGuard:
                 raise
             return cpu_rows.to(rows.device)
 
-    def _check_parity(self, index: int, image: DecodedImage, plan: ImagePlan, rows: torch.Tensor, key) -> None:
+    def _check_parity(self, index: int, image: DecodedImage, plan: ImagePlan, rows: torch.Tensor,
+                      stats: PreprocessStats) -> None:
         """Within parity_max_levels uint8 levels of the HF processor; of the CPU path for RGBA images,
         which the HF processors do not composite."""
         if image.has_alpha:
@@ -262,7 +248,7 @@ class PreprocessGuard:
             oracle, _ = self.cpu.family.reference_preprocess([image.on_host()])
         levels = self._levels(rows.detach().float().cpu(), oracle.float(), plan)
         if levels is None or levels > self.parity_max_levels:
-            self.parity_failed.add(key)
+            stats.parity_failed.add(index)
             observed = (f"shape {tuple(rows.shape)} vs {tuple(oracle.shape)}" if levels is None
                         else f"{levels:.2f} levels")
             raise CheckFailed("preprocess.parity", f"image {index}: the backend's pixels differ from the reference "
@@ -279,14 +265,14 @@ class PreprocessGuard:
 
 
 def merged_stats(parts: list[dict]) -> dict:
-    """`PreprocessGuard.take()` results (or manifests, which carry their sum) added up."""
+    """`PreprocessStats.counts()` of records (or of units, as their manifests keep them) added up."""
     fallbacks = sum((Counter(part.get("fallbacks", {})) for part in parts), Counter())
     return {"fallbacks": dict(fallbacks),
             "parity": {key: sum(part.get("parity", {}).get(key, 0) for part in parts)
                        for key in ("checked_images", "failed_images")}}
 
 
-def pack(records: list[PreparedRecord], preprocessor, guard: PreprocessGuard | None = None) -> PackedBatch:
+def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: PreprocessGuard | None = None) -> PixelBatch:
     """Preprocess every image of the records and pack them, checking grids and row counts per image."""
     guard = guard or PreprocessGuard()
     rows, grids = preprocessor(records)
@@ -306,7 +292,7 @@ def pack(records: list[PreparedRecord], preprocessor, guard: PreprocessGuard | N
     require(pixel_values.shape[0] == int(grid_thw.prod(-1).sum()), "preprocess.feature_length",
             "packed pixel rows do not match the batch's grids",
             expected=int(grid_thw.prod(-1).sum()), observed=pixel_values.shape[0])
-    return PackedBatch(pixel_values=pixel_values, grid_thw=grid_thw, records=records)
+    return PixelBatch(pixel_values=pixel_values, grid_thw=grid_thw, records=records)
 
 
 def _check_image(index: int, plan: ImagePlan, grid: tuple, image_rows: torch.Tensor) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -20,7 +19,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchvlm.rundir.dedup import excluded_rows
-from batchvlm.training.reader import committed_units
+from batchvlm.rundir.layout import DATA, RunLayout
+from batchvlm.rundir.manifest import listed_shards
 
 BATCH_ROWS = 8192
 HISTOGRAM_BINS = 16
@@ -81,14 +81,14 @@ class Distribution:
         return f"{value:.2f}" if self.log_bins else f"{value:,}"
 
 
-def written_distributions(run_dir: Path) -> list[Distribution]:
+def written_distributions(layout: RunLayout) -> list[Distribution]:
     """Tokens per image, sequence length and aspect ratio of the committed data, leaving out the later
     occurrences of an id as read_run does; empty for a run with no rows."""
     tokens, lengths, aspects = Counter(), Counter(), Counter()
-    excluded = excluded_rows(run_dir)
+    excluded = excluded_rows(layout)
     # token_tags has one entry per token like input_ids, at a quarter of its bytes
     columns = ["row", "image_num_tokens", "token_tags", "original_size"]
-    for unit, shard in committed_units(run_dir, "data"):
+    for unit, shard in listed_shards(layout, DATA):
         for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=columns):
             if unit in excluded:
                 batch = batch.filter(pc.invert(pc.is_in(batch.column("row"), pa.array(sorted(excluded[unit])))))

@@ -7,12 +7,11 @@ The quarantine shards that the manifests list are streamed batch by batch withou
 bytes; only counts, and the first `max_cards_per_check` rows of each check, are kept, so time and
 memory stay flat in the size of the quarantine. The images of the kept rows are read in a second
 pass, shard by shard, and turned into thumbnails (batchvlm.review.thumbnails). `python jobs/report.py`
-prints `summary_text` and writes `report_html.render` to `<run>/report/index.html`.
+prints `summary_text` and writes `review.html.render` to the run's report page (RunLayout.report_page).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,15 +21,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
-from batchvlm.format.schema import QUARANTINE_SCHEMA
 from batchvlm.config import DecodeConfig, ModelConfig
-from batchvlm.review.distributions import Distribution, value_counts, written_distributions
+from batchvlm.format.schema import QUARANTINE_SCHEMA
 from batchvlm.pipeline.preprocess import merged_stats
-from batchvlm.rundir.dedup import duplicate_rows
-from batchvlm.training.reader import committed_shards
-from batchvlm.sources.requeue import read_lineage
-from batchvlm.rundir.durable import read_json
+from batchvlm.review.distributions import Distribution, value_counts, written_distributions
 from batchvlm.review.thumbnails import Thumbnail, Thumbnailer
+from batchvlm.rundir.dedup import committed_results, duplicate_rows
+from batchvlm.rundir.durable import read_json
+from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
+from batchvlm.rundir.manifest import Manifest, ManifestError, RunTotals, all_manifests, listed_shards
+from batchvlm.sources.requeue import read_lineage
 
 log = logging.getLogger("batchvlm")
 
@@ -86,43 +86,48 @@ class Report:
         return self.by_check[check] - len(self.cards.get(check, []))
 
 
-def read_manifests(run_dir: Path) -> list[dict]:
-    if not (run_dir / "manifest").is_dir():
-        raise ReportError(f"run_dir={str(run_dir)!r} is not a batchvlm run directory (no manifest/ folder)")
-    return [json.loads(path.read_text()) for path in sorted((run_dir / "manifest").glob("*.json"))]
+def read_manifests(layout: RunLayout) -> list[Manifest]:
+    if not layout.manifests.is_dir():
+        raise ReportError(f"run_dir={str(layout.root)!r} is not a batchvlm run directory (no "
+                          f"{layout.name_of(layout.manifests)}/ folder)")
+    try:
+        return all_manifests(layout)
+    except ManifestError as error:
+        raise ReportError(str(error)) from None
 
 
 def build_report(run_dir: Path, max_cards_per_check: int = 50, thumbnails: bool = True) -> Report:
-    manifests = read_manifests(run_dir)
-    success = read_json(run_dir / "_SUCCESS")
-    report = Report(run_dir=run_dir, complete=success is not None,
-                    records_in=sum(m["records_in"] for m in manifests), written=sum(m["written"] for m in manifests),
-                    quarantined=0, fallbacks=_fallbacks(success, manifests), max_cards_per_check=max_cards_per_check)
-    config = _run_config(run_dir)
+    layout = RunLayout(run_dir)
+    manifests = read_manifests(layout)
+    success = read_json(layout.success)
+    totals = RunTotals.of(manifests, committed_results(layout))
+    report = Report(run_dir=run_dir, complete=success is not None, records_in=totals.records_in,
+                    written=totals.written, quarantined=0, fallbacks=_fallbacks(success, manifests),
+                    max_cards_per_check=max_cards_per_check)
+    config = _run_config(layout)
     report.placeholder = config.get("dataset", {}).get("placeholder", report.placeholder)
-    for shard in committed_shards(run_dir, "quarantine"):
+    for _, shard in listed_shards(layout, QUARANTINE):
         _scan_shard(report, shard)
-    _scan_duplicates(report, run_dir)
-    report.written_data = written_distributions(run_dir)
+    _scan_duplicates(report, layout)
+    report.written_data = written_distributions(layout)
     if thumbnails:
         _attach_thumbnails(report, config)
-    if (lineage := read_lineage(run_dir)) is not None:
-        report.requeue = _requeue_outcome(run_dir, lineage)
+    if (lineage := read_lineage(layout)) is not None:
+        report.requeue = _requeue_outcome(layout, lineage)
         report.was_check = {entry["id"]: entry["check"] for entry in lineage["requeued"]}
     return report
 
 
-def _fallbacks(success: dict | None, manifests: list[dict]) -> Counter:
-    """Images the preprocessing redid on the CPU path, by check: `_SUCCESS`'s, else (a run not finished)
+def _fallbacks(success: dict | None, manifests: list[Manifest]) -> Counter:
+    """Images the preprocessing redid on the CPU path, by check: the run's totals', else (a run not finished)
     the sum of the manifests, which carry them per unit."""
     counts = success["fallbacks"] if success is not None and "fallbacks" in success else \
-        merged_stats(manifests)["fallbacks"]
+        merged_stats([manifest.preprocess for manifest in manifests])["fallbacks"]
     return +Counter(counts)
 
 
-def _run_config(run_dir: Path) -> dict:
-    path = run_dir / "config.yaml"
-    return OmegaConf.to_container(OmegaConf.load(path)) if path.exists() else {}
+def _run_config(layout: RunLayout) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(layout.config)) if layout.config.exists() else {}
 
 
 def _scan_shard(report: Report, shard: Path) -> None:
@@ -147,10 +152,10 @@ def _scan_shard(report: Report, shard: Path) -> None:
         offset += batch.num_rows
 
 
-def _scan_duplicates(report: Report, run_dir: Path) -> None:
+def _scan_duplicates(report: Report, layout: RunLayout) -> None:
     """Later occurrences of an id that sit in data shards: set aside by the reader, so quarantined here."""
-    for duplicate in duplicate_rows(run_dir):
-        if duplicate["kind"] != "data":
+    for duplicate in duplicate_rows(layout):
+        if duplicate["kind"] != DATA:
             continue  # already quarantined under its own check
         earlier = f"unit {duplicate['first_unit']}, row {duplicate['first_row']}"
         row = {name: None for name in ROW_COLUMNS} | {
@@ -159,7 +164,6 @@ def _scan_duplicates(report: Report, run_dir: Path) -> None:
             "message": f"id {duplicate['id']!r} appeared earlier ({earlier}); this later occurrence is left out",
             "expected": "a unique id", "observed": f"also at {earlier}", "image_paths": [], "text": ""}
         report.quarantined += 1
-        report.written -= 1
         report.by_check[row["check"]] += 1
         report.by_stage["source"] += 1
         report.by_source[row["source"]] += 1
@@ -207,18 +211,18 @@ def _planner(config: dict):
         return None
 
 
-def _column_by_id(run_dir: Path, kind: str, column: str) -> dict[str, str]:
+def _column_by_id(layout: RunLayout, kind: str, column: str) -> dict[str, str]:
     """id -> one column's value, over the committed shards of `kind` (data or quarantine)."""
     found = {}
-    for shard in committed_shards(run_dir, kind):
+    for _, shard in listed_shards(layout, kind):
         for batch in pq.ParquetFile(shard).iter_batches(columns=["id", column]):
             found.update(zip(batch.column("id").to_pylist(), batch.column(column).to_pylist()))
     return found
 
 
-def _requeue_outcome(run_dir: Path, lineage: dict) -> RequeueOutcome:
-    written = _column_by_id(run_dir, "data", "source")
-    quarantined = _column_by_id(run_dir, "quarantine", "check")
+def _requeue_outcome(layout: RunLayout, lineage: dict) -> RequeueOutcome:
+    written = _column_by_id(layout, DATA, "source")
+    quarantined = _column_by_id(layout, QUARANTINE, "check")
     fixed = [entry for entry in lineage["requeued"] if entry["id"] in written]
     still = [{**entry, "now_check": quarantined.get(entry["id"], "not committed yet")}
              for entry in lineage["requeued"] if entry["id"] not in written]

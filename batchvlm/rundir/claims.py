@@ -20,6 +20,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchvlm.rundir.durable import publish_exclusive
+
 
 @dataclass(frozen=True)
 class Claim:
@@ -70,17 +72,13 @@ class Claims:
             generation += 1
 
     def _create(self, task: str, generation: int) -> Claim | None:
-        """Publish the claim file whole or not at all: written beside it, then hard-linked to its name,
-        which fails if the name exists (O_EXCL semantics, and no reader ever sees it half written)."""
+        """Publish the claim file whole or not at all (durable.publish_exclusive: written beside it, then
+        hard-linked to its name, which fails if the name exists, and no reader ever sees it half written)."""
         final = self._claim_file(task, generation)
         tmp = final.with_name(f".{final.name}.{self.owner}.{os.getpid()}")  # workers of one rank share the owner
         tmp.write_text(json.dumps({"owner": self.owner, "generation": generation}))
-        try:
-            os.link(tmp, final)
-        except FileExistsError:
+        if not publish_exclusive(tmp, final):
             return None
-        finally:
-            tmp.unlink()
         return Claim(task, generation, self.owner)
 
     def try_claim(self, task: str) -> Claim | None:

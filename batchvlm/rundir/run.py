@@ -1,4 +1,4 @@
-"""The run directory: resolved config, fingerprint, schema metadata and the `_SUCCESS` marker.
+"""The run directory: resolved config, fingerprint, schema metadata, and the run's totals written last.
 
 A run directory belongs to one fingerprint (family, processor, checkpoint digests, dtypes,
 versions). Reopening it with another is refused, naming what differs, so runs never mix.
@@ -19,11 +19,13 @@ from omegaconf import OmegaConf
 
 import batchvlm
 from batchvlm.config import ConfigError, JobConfig
-from batchvlm.rundir.dedup import bucket_results
 from batchvlm.faults import crash_point
 from batchvlm.format.hf_features import SIZE_KEY, features_key
 from batchvlm.pipeline.preprocess import merged_stats
+from batchvlm.rundir.dedup import bucket_results
 from batchvlm.rundir.durable import durable_write, durable_write_json, read_json
+from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.manifest import RunTotals
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -40,8 +42,9 @@ def config_digest(checkpoint: Path) -> str:
 
 
 class RunDir:
-    def __init__(self, path: Path, job: JobConfig, family, encoder, ranks):
-        self.path = path
+    def __init__(self, layout: RunLayout, job: JobConfig, family, encoder, ranks):
+        self.layout = layout
+        self.path = layout.root
         self.job = job
         self.family = family
         fingerprint = {
@@ -70,14 +73,14 @@ class RunDir:
     def _claim(self) -> None:
         """Rank 0 writes the fingerprint and the starting config of a new run directory."""
         self._check_fingerprint()
-        if not (self.path / "fingerprint.json").exists():
-            durable_write_json(self.path / "fingerprint.json", self.fingerprint)
-        if not (self.path / "config.yaml").exists():  # the config that started the run; restarts log theirs
+        if not self.layout.fingerprint.exists():
+            durable_write_json(self.layout.fingerprint, self.fingerprint)
+        if not self.layout.config.exists():  # the config that started the run; restarts log theirs
             resolved = OmegaConf.to_yaml(OmegaConf.structured(self.job))
-            durable_write(self.path / "config.yaml", lambda tmp: tmp.write_text(resolved))
+            durable_write(self.layout.config, lambda tmp: tmp.write_text(resolved))
 
     def _check_fingerprint(self) -> None:
-        existing = self.path / "fingerprint.json"
+        existing = self.layout.fingerprint
         if existing.exists() and (previous := json.loads(existing.read_text())) != self.fingerprint:
             raise ConfigError(f"{self.path} was written with another fingerprint "
                               f"({_differences(previous, self.fingerprint)}); "
@@ -95,44 +98,33 @@ class RunDir:
                 "huggingface": features_key(hidden_sizes, embed_dtype)}
 
     def completed(self) -> dict | None:
-        """The totals of a finished run (its `_SUCCESS`), or None."""
-        return read_json(self.path / "_SUCCESS")
+        """The totals of a finished run, or None."""
+        return read_json(self.layout.success)
 
     def finish(self, plan, seconds: float, records_seen: int, image_tokens: int) -> dict:
-        """Rank 0, once every unit and duplicate bucket is committed: totals, and `_SUCCESS` if complete.
-
-        Later occurrences of an id that the duplicate pass found in data shards count as quarantined under
-        source.duplicate_id (the reader leaves them out), so records_in == written + quarantined holds."""
-        manifests = [manifest for manifest in plan.manifests(self.path) if manifest is not None]
-        buckets = bucket_results(self.path, plan.dedup_buckets)
-        moved = sum(result["in_data"] for result in buckets if result)
-        by_check: dict[str, int] = {}
-        for manifest in manifests:
-            for check, count in manifest["checks"].items():
-                by_check[check] = by_check.get(check, 0) + count
-        if moved:
-            by_check["source.duplicate_id"] = by_check.get("source.duplicate_id", 0) + moved
+        """Rank 0, once every unit and duplicate bucket is committed: the run's totals (RunTotals), written last
+        where the run is complete."""
+        manifests = [manifest for manifest in plan.manifests(self.layout) if manifest is not None]
+        buckets = bucket_results(self.layout, plan.dedup_buckets)
+        totals = RunTotals.of(manifests, buckets)
         summary = {
             "run_dir": str(self.path),
-            "units": len(plan.units), "units_committed": len(manifests),
-            "records_in": sum(m["records_in"] for m in manifests),
-            "written": sum(m["written"] for m in manifests) - moved,
-            "quarantined": sum(m["quarantined"] for m in manifests) + moved,
-            "by_check": dict(sorted(by_check.items())),
-            "duplicates": {"later_occurrences": sum(result["duplicates"] for result in buckets if result),
-                           "in_data": moved},
+            "units": len(plan.units), "units_committed": totals.units_committed,
+            "records_in": totals.records_in, "written": totals.written, "quarantined": totals.quarantined,
+            "by_check": totals.by_check,
+            "duplicates": {"later_occurrences": totals.later_occurrences, "in_data": totals.duplicates_in_data},
             "complete": len(manifests) == len(plan.units) and all(buckets),
             "seconds": seconds,
             "records_per_s": records_seen / seconds if seconds else 0.0,
             "tokens_per_s": image_tokens / seconds if seconds else 0.0,
             # images redone on the CPU path, by check, and the parity sample, from every unit's manifest
-            **merged_stats(manifests),
+            **merged_stats([manifest.preprocess for manifest in manifests]),
             "host": platform.node(),
         }
-        if summary["complete"] and not (self.path / "_SUCCESS").exists():
+        if summary["complete"] and not self.layout.success.exists():
             crash_point("finish.before_success")
-            durable_write_json(self.path / "_SUCCESS", summary)
-            shutil.rmtree(self.path / "ranks", ignore_errors=True)  # per-attempt rank state, no longer needed
+            durable_write_json(self.layout.success, summary)
+            shutil.rmtree(self.layout.ranks, ignore_errors=True)  # per-attempt rank state, no longer needed
         return summary
 
 

@@ -10,7 +10,6 @@ record writes no quarantine file. Readers and resume trust only what a manifest 
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -21,18 +20,19 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchvlm.faults import crash_point
 from batchvlm.format.schema import DATA_SCHEMA, QUARANTINE_SCHEMA
+from batchvlm.pipeline.preprocess import merged_stats
+from batchvlm.records import OutputRow, UnitEnd, UnitStart, WorkUnit
 from batchvlm.rundir.claims import Claim, Claims
 from batchvlm.rundir.dedup import write_ids
-from batchvlm.rundir.durable import TMP_MARK, json_text, publish, publish_exclusive, sha256_file, temporary_name
-from batchvlm.faults import crash_point
-from batchvlm.pipeline.preprocess import merged_stats
-from batchvlm.records import WorkUnit
+from batchvlm.rundir.durable import json_text, publish, publish_exclusive, sha256_file, temporary_name
+from batchvlm.rundir.layout import DATA, IDS, QUARANTINE, RunLayout
+from batchvlm.rundir.manifest import Listing, Manifest, committed_units
 
 log = logging.getLogger("batchvlm")
 
-SCHEMAS = {"data": DATA_SCHEMA, "quarantine": QUARANTINE_SCHEMA}
-FOLDERS = ("data", "quarantine", "ids", "manifest")
+SCHEMAS = {DATA: DATA_SCHEMA, QUARANTINE: QUARANTINE_SCHEMA}
 ROW_GROUP_ROWS = 256
 ROW_GROUP_BYTES = 64 * 1024 * 1024
 
@@ -80,11 +80,11 @@ class OpenUnit:
     unit: WorkUnit
     claim: Claim
     shards: dict[str, ShardWriter]
-    pending: dict[int, tuple[str, dict, dict]] = field(default_factory=dict)  # seq -> (kind, row, preprocess)
+    pending: dict[int, OutputRow] = field(default_factory=dict)  # by seq, until the rows before it arrive
     next_seq: int = 0
     ids: list[tuple[str, int, str]] = field(default_factory=list)
     checks: Counter = field(default_factory=Counter)
-    preprocess: list = field(default_factory=list)  # each record's PreprocessGuard.take()
+    preprocess: list = field(default_factory=list)  # each record's PreprocessStats.counts()
     expected: int | None = None
 
     @property
@@ -93,58 +93,52 @@ class OpenUnit:
 
 
 class RunSink:
-    """Owns the run directory's data/, quarantine/, ids/ and manifest/ folders for one rank."""
+    """Writes one rank's units into the run directory's unit folders and commits them under their claims."""
 
-    def __init__(self, run_dir: Path, metadata: dict[str, str], compression: str, rank: int = 0,
-                 dedup_buckets: int = 1):
-        self.run_dir = run_dir
+    def __init__(self, layout: RunLayout, metadata: dict[str, str], compression: str, claims: Claims,
+                 dedup_buckets: int, rank: int = 0):
+        self.layout = layout
         self.rank = rank
+        self.claims = claims
         self.dedup_buckets = dedup_buckets
         self.metadata = {k.encode(): v.encode() for k, v in metadata.items()}
         self.compression = None if compression == "none" else compression
-        for name in FOLDERS:
-            (run_dir / name).mkdir(parents=True, exist_ok=True)
+        for folder in layout.unit_folders():
+            folder.mkdir(parents=True, exist_ok=True)
         self.open: dict[str, OpenUnit] = {}
-        self.claims: Claims | None = None
         self.lost: list[str] = []  # units another rank committed or took over first
 
     # -- state on disk --------------------------------------------------------------------------
-    def manifest_path(self, unit_id: str) -> Path:
-        return self.run_dir / "manifest" / f"{unit_id}.json"
-
     def committed(self) -> set[str]:
-        return {path.stem for path in (self.run_dir / "manifest").glob("*.json")}
-
-    def manifests(self) -> dict[str, dict]:
-        return {path.stem: json.loads(path.read_text()) for path in (self.run_dir / "manifest").glob("*.json")}
-
-    def remove_orphans(self) -> list[Path]:
-        """What crashed or outrun holders left: temporary files, and files no manifest lists. No reader
-        trusts them; their units are redone (or were committed by another holder)."""
-        listed = {listed["path"] for manifest in self.manifests().values() for listed in manifest["files"].values()}
-        orphans = [path for name in FOLDERS for path in (self.run_dir / name).iterdir()
-                   if TMP_MARK in path.name or (name != "manifest" and f"{name}/{path.name}" not in listed)]
-        for path in orphans:
-            path.unlink(missing_ok=True)
-        return orphans
+        return committed_units(self.layout)
 
     # -- records --------------------------------------------------------------------------------
     def start_unit(self, unit: WorkUnit, claim: Claim) -> None:
-        shards = {kind: ShardWriter(self.run_dir / kind / f"{unit.unit_id}.{claim.token}.parquet", schema,
-                                    self.metadata, self.compression) for kind, schema in SCHEMAS.items()}
+        shards = {kind: ShardWriter(self.layout.shard(kind, unit.unit_id, claim.token), schema, self.metadata,
+                                    self.compression) for kind, schema in SCHEMAS.items()}
         self.open[unit.unit_id] = OpenUnit(unit, claim, shards)
 
-    def add(self, unit_id: str, seq: int, kind: str, row: dict, preprocess: dict) -> None:
-        """A record's row (`kind` data or quarantine) at its position `seq` in the unit."""
+    def take(self, item: UnitStart | OutputRow | UnitEnd) -> None:
+        """The next item of the job's stream: a unit opens, a record's row arrives, a unit's record count is known."""
+        if isinstance(item, UnitStart):
+            self.start_unit(item.unit, item.claim)
+        elif isinstance(item, UnitEnd):
+            self.end_unit(item.unit, item.num_records)
+        else:
+            self.add(item)
+
+    def add(self, row: OutputRow) -> None:
+        """A record's row, written once every row before it in the unit is."""
+        unit_id = row.source.unit_id
         state = self.open[unit_id]
-        state.pending[seq] = (kind, row, preprocess)
+        state.pending[row.source.seq] = row
         while state.next_seq in state.pending:
-            kind, row, preprocess = state.pending.pop(state.next_seq)
-            state.shards[kind].append(row)
-            state.ids.append((row["id"], row["row"], kind))
-            if kind == "quarantine":
-                state.checks[row["check"]] += 1
-            state.preprocess.append(preprocess)
+            row = state.pending.pop(state.next_seq)
+            state.shards[row.kind].append(row.values)
+            state.ids.append((row.values["id"], row.values["row"], row.kind))
+            if row.kind == QUARANTINE:
+                state.checks[row.values["check"]] += 1
+            state.preprocess.append(row.preprocess)
             state.next_seq += 1
         self._maybe_commit(unit_id)
 
@@ -156,33 +150,32 @@ class RunSink:
         if self.open[unit_id].complete:
             self.commit(self.open.pop(unit_id))
 
-    def commit(self, state: OpenUnit) -> dict | None:
+    def commit(self, state: OpenUnit) -> Manifest | None:
         """Publish the unit's files and its manifest; None where another holder won the unit."""
         unit = state.unit
-        if self.claims is not None and not self.claims.holds(state.claim):
+        if not self.claims.holds(state.claim):
             return self._give_up(state, "another rank took the unit over")
         try:
             files = self._publish_files(state)
         except FileNotFoundError:  # a holder that outlived its lease: the run's end cleared its files
             return self._give_up(state, "its files were removed after another rank committed the unit")
         crash_point("commit.before_manifest")
-        written = state.shards["data"].rows
-        manifest = {"unit": unit.unit_id, "source": unit.source, "start": unit.start, "stop": unit.stop,
-                    "records_in": state.expected, "written": written, "quarantined": state.shards["quarantine"].rows,
-                    "checks": dict(sorted(state.checks.items())), **merged_stats(state.preprocess), "files": files,
-                    "rank": self.rank, "claim": state.claim.token}
-        path = self.manifest_path(unit.unit_id)
+        manifest = Manifest(unit=unit.unit_id, source=unit.source, start=unit.start, stop=unit.stop,
+                            records_in=state.expected, written=state.shards[DATA].rows,
+                            quarantined=state.shards[QUARANTINE].rows, checks=dict(sorted(state.checks.items())),
+                            files=files, rank=self.rank, claim=state.claim.token, **merged_stats(state.preprocess))
+        path = self.layout.manifest(unit.unit_id)
         tmp = temporary_name(path)
-        tmp.write_text(json_text(manifest))
+        tmp.write_text(json_text(manifest.to_json()))
         if not publish_exclusive(tmp, path):
-            for listed in files.values():
-                (self.run_dir / listed["path"]).unlink(missing_ok=True)
+            for listing in files.values():
+                self.layout.listed(listing.path).unlink(missing_ok=True)
             self.lost.append(unit.unit_id)
             log.info("unit %s was committed by another rank first; this rank's copy is removed", unit.unit_id)
             return None
         return manifest
 
-    def _publish_files(self, state: OpenUnit) -> dict:
+    def _publish_files(self, state: OpenUnit) -> dict[str, Listing]:
         """Shards with rows, then the ids file, each renamed to its final name; their manifest listings."""
         files = {}
         for kind, shard in state.shards.items():
@@ -190,11 +183,11 @@ class RunSink:
             if shard.rows:
                 publish(shard.tmp, shard.path)
                 files[kind] = self._listing(shard.path, shard.rows)
-        ids_path = self.run_dir / "ids" / f"{state.unit.unit_id}.{state.claim.token}.parquet"
+        ids_path = self.layout.shard(IDS, state.unit.unit_id, state.claim.token)
         ids_tmp = temporary_name(ids_path)
         buckets = write_ids(ids_tmp, state.ids, self.dedup_buckets)
         publish(ids_tmp, ids_path)
-        files["ids"] = {**self._listing(ids_path, len(state.ids)), "buckets": buckets}
+        files[IDS] = self._listing(ids_path, len(state.ids), buckets)
         return files
 
     def _give_up(self, state: OpenUnit, why: str) -> None:
@@ -204,9 +197,8 @@ class RunSink:
         log.warning("unit %s not committed: %s", state.unit.unit_id, why)
         return None
 
-    def _listing(self, path: Path, rows: int) -> dict:
-        return {"path": f"{path.parent.name}/{path.name}", "rows": rows, "bytes": path.stat().st_size,
-                "sha256": sha256_file(path)}
+    def _listing(self, path: Path, rows: int, buckets: dict[str, int] | None = None) -> Listing:
+        return Listing(self.layout.name_of(path), rows, path.stat().st_size, sha256_file(path), buckets)
 
     def abandon_open_units(self) -> None:
         """Units left open when the stream ended early (a job abort): their temporary files go."""
@@ -217,7 +209,8 @@ class RunSink:
 
 
 class SinkWriter:
-    """Runs the sink on a thread behind a bounded queue, so writing never stalls the device loop."""
+    """Runs the sink on a thread behind a bounded queue, so writing never stalls the device loop: `submit` hands it
+    the job's stream item by item (RunSink.take)."""
 
     def __init__(self, sink: RunSink, maxsize: int):
         self.sink = sink
@@ -227,16 +220,16 @@ class SinkWriter:
         self.thread.start()
 
     def _run(self) -> None:
-        while (task := self.queue.get()) is not None:
+        while (item := self.queue.get()) is not None:
             if self.error is None:
                 try:
-                    task()
+                    self.sink.take(item)
                 except BaseException as error:  # surfaced to the main thread on the next submit/close
                     self.error = error
 
-    def submit(self, task) -> None:
+    def submit(self, item: UnitStart | OutputRow | UnitEnd) -> None:
         self._raise_if_failed()
-        self.queue.put(task)
+        self.queue.put(item)
 
     def close(self) -> None:
         if self.thread.is_alive():

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Protocol
 
 from batchvlm.config import ConfigError, DatasetConfig
-from batchvlm.rundir.durable import durable_write_json, read_json
 from batchvlm.records import InputFile, WorkUnit
-
-PLAN_FILE = "units.json"
+from batchvlm.rundir.durable import durable_write_json
+from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.manifest import Manifest, manifests_in_order
 IDS_PER_BUCKET = 2_000_000
 """Planned records per hash partition of the duplicate pass: its memory is one partition's ids."""
 BYTES_PER_UNKNOWN_RECORD = 100_000
@@ -40,10 +40,10 @@ class Plan:
     units: list[WorkUnit]
     dedup_buckets: int
 
-    def manifests(self, run_dir: Path) -> list[dict | None]:
+    def manifests(self, layout: RunLayout) -> list[Manifest | None]:
         """Each unit's manifest in plan order (the order the first occurrence of an id is decided by), None
         where the unit is not committed."""
-        return [read_json(run_dir / "manifest" / f"{unit.unit_id}.json") for unit in self.units]
+        return manifests_in_order(layout, [unit.unit_id for unit in self.units])
 
     def claim_order(self) -> list[WorkUnit]:
         """Largest first (bytes, then rows), so the last units any rank takes are small ones."""
@@ -62,12 +62,12 @@ def _buckets(units: list[WorkUnit], configured: int | None) -> int:
     return max(1, math.ceil(records / IDS_PER_BUCKET))
 
 
-def make_plan(run_dir: Path, source: Plannable, cfg: DatasetConfig, dedup_buckets: int | None) -> Plan:
+def make_plan(layout: RunLayout, source: Plannable, cfg: DatasetConfig, dedup_buckets: int | None) -> Plan:
     """Rank 0: the run's plan, read back (after checking the inputs did not change) or made and written."""
-    path = run_dir / PLAN_FILE
+    path = layout.plan
     inputs = list(source.inputs.values())
     if path.exists():
-        plan = read_plan(run_dir)
+        plan = read_plan(layout)
         _check_same_inputs(path, plan, inputs, plan_params(cfg))
         return plan
     units = source.plan()
@@ -92,7 +92,7 @@ def _check_same_inputs(path: Path, plan: Plan, inputs: list[InputFile], params: 
                           "use another run_name=... for a new run")
 
 
-def read_plan(run_dir: Path) -> Plan:
-    raw = json.loads((run_dir / PLAN_FILE).read_text())
+def read_plan(layout: RunLayout) -> Plan:
+    raw = json.loads(layout.plan.read_text())
     return Plan([InputFile(**i) for i in raw["inputs"]], raw["params"], [WorkUnit(**u) for u in raw["units"]],
                 raw["dedup_buckets"])

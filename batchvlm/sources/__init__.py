@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import fsspec
 
+from batchvlm.checks import failure
 from batchvlm.config import ConfigError, DatasetConfig
 from batchvlm.records import Failure, ImageRef, InputFile, SourceRecord, WorkUnit
 
@@ -150,12 +151,12 @@ def source_failure(cfg: DatasetConfig, row: dict, record: SourceRecord) -> Failu
     """img2dataset's failed downloads (status != success), and image-less rows where images are required."""
     if cfg.status_column is not None and row.get(cfg.status_column) != "success":
         error = row.get("error_message")
-        return Failure("source.download_failed", "source", f"the image was not downloaded: {cfg.status_column}="
+        return failure("source.download_failed", f"the image was not downloaded: {cfg.status_column}="
                        f"{row.get(cfg.status_column)!r}" + (f" ({error})" if error else ""),
-                       expected="success", observed=repr(row.get(cfg.status_column)), exception_type="CheckFailed")
+                       expected="success", observed=repr(row.get(cfg.status_column)))
     if cfg.require_images and not any(ref.data or ref.path for ref in record.images):
-        return Failure("source.missing_image", "source", f"the row has no image in {cfg.images_column!r}",
-                       expected="at least one image", observed="none", exception_type="CheckFailed")
+        return failure("source.missing_image", f"the row has no image in {cfg.images_column!r}",
+                       expected="at least one image", observed="none")
     return None
 
 

@@ -20,14 +20,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from batchvlm.config import ConfigError, DatasetConfig, JobConfig
-from batchvlm.training.reader import committed_shards
 from batchvlm.records import WorkUnit
 from batchvlm.rundir.durable import durable_write_json, read_json
+from batchvlm.rundir.layout import QUARANTINE, RunLayout
+from batchvlm.rundir.manifest import listed_shards
 from batchvlm.sources import Source, make_source
 
 log = logging.getLogger("batchvlm")
-
-LINEAGE_FILE = "lineage.json"
 
 
 @dataclass(frozen=True)
@@ -53,10 +52,12 @@ class Located:
 
 def quarantined_records(run_dir: Path, checks: list[str] | None) -> list[Quarantined]:
     """The quarantined records of a run (only those of `checks`, if given), streamed from its shards."""
-    if not (run_dir / "manifest").is_dir():
-        raise ConfigError(f"requeue_from={str(run_dir)!r} is not a batchvlm run directory (no manifest/ folder)")
+    layout = RunLayout(run_dir)
+    if not layout.manifests.is_dir():
+        raise ConfigError(f"requeue_from={str(run_dir)!r} is not a batchvlm run directory (no "
+                          f"{layout.name_of(layout.manifests)}/ folder)")
     records = []
-    for shard in committed_shards(run_dir, "quarantine"):
+    for _, shard in listed_shards(layout, QUARANTINE):
         for batch in pq.ParquetFile(shard).iter_batches(columns=["id", "source", "row", "check", "stage"]):
             records += [Quarantined(**row) for row in batch.to_pylist() if checks is None or row["check"] in checks]
     return records
@@ -123,7 +124,7 @@ class RequeueSource(Source):
         if not self.found:
             raise ConfigError(f"none of the {len(wanted)} quarantined records of {run_dir} is in the current dataset "
                               f"(dataset.kind={cfg.kind}, dataset.path={cfg.path}); requeue with the dataset "
-                              f"overrides of the original run (see {run_dir / 'config.yaml'})")
+                              f"overrides of the original run (see {RunLayout(run_dir).config})")
         self.rows: dict[str, list[int]] = {}
         for located in self.found:
             self.rows.setdefault(located.input, []).append(located.row)
@@ -171,9 +172,9 @@ def requeue_source(job: JobConfig, run_dir: Path) -> RequeueSource:
     return source
 
 
-def write_lineage(run_dir: Path, source: RequeueSource) -> None:
-    durable_write_json(run_dir / LINEAGE_FILE, source.lineage())
+def write_lineage(layout: RunLayout, source: RequeueSource) -> None:
+    durable_write_json(layout.lineage, source.lineage())
 
 
-def read_lineage(run_dir: Path) -> dict | None:
-    return read_json(run_dir / LINEAGE_FILE)
+def read_lineage(layout: RunLayout) -> dict | None:
+    return read_json(layout.lineage)

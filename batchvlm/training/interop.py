@@ -16,7 +16,9 @@ import torch
 
 from batchvlm.format.schema import EXTRA_OUTPUTS
 from batchvlm.format.hf_features import EMBED_ID_PREFIX, embedding_layouts, features_key_of
-from batchvlm.training.reader import RecordTensors, committed_shards
+from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.manifest import listed_shards
+from batchvlm.training.reader import RecordTensors
 from batchvlm.format.schema import IMAGE
 
 
@@ -30,7 +32,7 @@ def load_run_dataset(run_dir: str | Path, **kwargs):
     data/, which may hold the files of an attempt that did not commit. `kwargs` go to `load_dataset`."""
     import datasets
 
-    shards = committed_shards(run_dir)
+    shards = [shard for _, shard in listed_shards(RunLayout(Path(run_dir)))]
     if not shards:
         raise ValueError(f"{run_dir} has no committed shards")
     schema = pq.read_schema(shards[0])

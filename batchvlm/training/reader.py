@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +14,8 @@ import torch
 
 from batchvlm.format.schema import EMBED_DTYPES
 from batchvlm.rundir.dedup import excluded_rows
+from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.manifest import listed_shards
 from batchvlm.format.schema import EXTRA_OUTPUTS
 from batchvlm.format.hf_features import SIZE_KEY
 
@@ -215,24 +216,9 @@ def read_shard(path: str | Path, skip_rows: set[int] = frozenset()) -> Iterator[
         yield from (record for row, record in zip(rows, table_tensors(table)) if row not in skip_rows)
 
 
-def committed_units(run_dir: str | Path, kind: str = "data") -> list[tuple[str, Path]]:
-    """(unit, shard) for every shard of `kind` that a manifest lists: the only ones a reader may trust.
-    A unit with no record of that kind has no such shard."""
-    run_dir = Path(run_dir)
-    units = []
-    for manifest_file in sorted((run_dir / "manifest").glob("*.json")):
-        listed = json.loads(manifest_file.read_text())["files"].get(kind)
-        if listed is not None:
-            units.append((manifest_file.stem, run_dir / listed["path"]))
-    return units
-
-
-def committed_shards(run_dir: str | Path, kind: str = "data") -> list[Path]:
-    return [shard for _, shard in committed_units(run_dir, kind)]
-
-
 def read_run(run_dir: str | Path) -> Iterator[RecordTensors]:
     """Every committed record, leaving out the later occurrences of an id that the duplicate pass listed."""
-    excluded = excluded_rows(Path(run_dir))
-    for unit, shard in committed_units(run_dir):
+    layout = RunLayout(Path(run_dir))
+    excluded = excluded_rows(layout)
+    for unit, shard in listed_shards(layout):
         yield from read_shard(shard, excluded.get(unit, frozenset()))
