@@ -157,7 +157,7 @@ class EncodedRecord:
     prepared: PreparedRecord
     image_embeds: list[torch.Tensor]  # one [num_tokens_i, hidden] tensor per image
     extras: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    """Further outputs per image where the family has them (see encode.EXTRA_OUTPUTS)."""
+    """Further outputs per image where the family has them (see format.schema.EXTRA_OUTPUTS)."""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`python jobs/bench.py task=preprocess|scale|loader|e2e`: measurements side by side in one run (batchvlm/bench.py):
+"""`python jobs/bench.py task=preprocess|scale|loader|e2e`: measurements side by side in one run (batchvlm/bench/):
 triton vs torch vs the family's HF processor; start-up and memory as the dataset grows; the training loader vs a
 bare pyarrow scan of the same shards, and packing efficiency."""
 

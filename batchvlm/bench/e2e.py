@@ -230,4 +230,3 @@ def format_e2e(result: dict) -> str:
              f"{result['sink_rows_per_s'] / result['bare_rows_per_s']:.2f}x",
              "stages alone (images/s): " + ", ".join(f"{name} {rate:.1f}" for name, rate in result["stages"].items())]
     return "\n".join(lines)
-

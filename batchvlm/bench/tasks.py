@@ -1,7 +1,7 @@
 """Benchmarks measured side by side in one run (DESIGN.md, Performance model).
 
-task=scale: batchvlm/bench_scale.py (start-up and memory as the dataset grows).
-task=e2e: batchvlm/bench_e2e.py (the job against its tower, the sink against a bare write, stage by stage).
+task=scale: bench/scale.py (start-up and memory as the dataset grows).
+task=e2e: bench/e2e.py (the job against its tower, the sink against a bare write, stage by stage).
 
 task=preprocess: one fixed mix of image sizes (real photos, plus synthetic extremes) through the
 Triton kernels (where CUDA is), the torch ops and the family's HF processor (with `device=` where

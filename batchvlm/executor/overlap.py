@@ -8,7 +8,7 @@ Lifetimes across the two streams:
   has run, so the host tensor may be dropped as soon as the copy is queued.
 - a tensor made on the side stream and read on the compute stream (the packed pixels; the pixels decoded on the
   device, which a batch redone on the checked path packs again there) belongs to the side stream's pool: freed
-  once the driver drops it, the caching allocator could give its block to the side stream's next batch while the
+  once the job drops it, the caching allocator could give its block to the side stream's next batch while the
   tower still reads it. `hand_over` makes the compute stream wait for the side stream's event and
   `record_stream`s the tensor on the compute stream, so the block is reused only after the compute stream's work
   queued so far (the tower on this batch) is done.

@@ -36,7 +36,7 @@ class Encoder(Protocol):
 
     def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         """Run the tower on a packed batch; return per output name (`image_embeds` and any of
-        encode.EXTRA_OUTPUTS) one tensor per image: [num_tokens_i, hidden], pooled ones [1, hidden]."""
+        format.schema.EXTRA_OUTPUTS) one tensor per image: [num_tokens_i, hidden], pooled ones [1, hidden]."""
 
 
 class Family(Protocol):

@@ -245,6 +245,7 @@ def from_config(model: ModelConfig) -> Qwen2VL:
 # -- tiny checkpoint ---------------------------------------------------------------------------
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
+
 def write_tiny_checkpoint(folder: Path) -> None:
     """Vision tower + merger + a 2-layer LLM, from a config with a fixed seed."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor

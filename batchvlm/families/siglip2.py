@@ -252,6 +252,7 @@ def from_config(model: ModelConfig) -> Siglip2:
 # -- tiny checkpoint ---------------------------------------------------------------------------
 SIGLIP_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
 
+
 def write_tiny_checkpoint(folder: Path) -> None:
     """A NaFlex vision tower with its attention-pooling head, from a config with a fixed seed."""
     from transformers import Siglip2ImageProcessor, Siglip2VisionConfig, Siglip2VisionModel

@@ -35,7 +35,7 @@ DATA_SCHEMA = pa.schema([
     ("image_num_tokens", pa.list_(pa.int32())),
     ("num_image_tokens", pa.int32()),
     ("image_embeds", pa.large_binary()),
-    # Null where the family has no such output (see encode.EXTRA_OUTPUTS and Family.positions).
+    # Null where the family has no such output (see EXTRA_OUTPUTS and Family.positions).
     ("tower_embeds", pa.large_binary()),
     ("pooled_embeds", pa.large_binary()),
     ("deepstack_embeds", pa.large_binary()),

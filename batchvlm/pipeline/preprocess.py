@@ -277,7 +277,7 @@ def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: Preproc
     guard = guard or PreprocessGuard()
     rows, grids = preprocessor(records)
     images, plans = _images_and_plans(records)
-    # Which image lost its grid cannot be told from a short list: the driver bisects such a batch.
+    # Which image lost its grid cannot be told from a short list: the device stage bisects such a batch.
     require(len(grids) == len(plans), "preprocess.grid_match", "the backend returned a grid count that differs "
             "from the batch's image count", expected=len(plans), observed=len(grids))
     require(len(rows) == len(plans), "preprocess.feature_length", "the backend returned pixels for a different "

@@ -165,4 +165,5 @@ class RunTotals:
         return cls(units_committed=len(manifests), records_in=sum(m.records_in for m in manifests),
                    written=sum(m.written for m in manifests) - moved,
                    quarantined=sum(m.quarantined for m in manifests) + moved, by_check=dict(sorted(by_check.items())),
-                   later_occurrences=sum(result["duplicates"] for result in buckets if result), duplicates_in_data=moved)
+                   later_occurrences=sum(result["duplicates"] for result in buckets if result),
+                   duplicates_in_data=moved)

@@ -140,6 +140,3 @@ def _differences(old: dict, new: dict, prefix: str = "") -> str:
         elif a != b:
             diffs.append(f"{prefix}{key}: {a!r} -> {b!r}")
     return "; ".join(diffs)
-
-
-

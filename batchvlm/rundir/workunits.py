@@ -3,7 +3,7 @@
 `units.json` holds the inputs (name, location, size), the parameters that cut them, the units and
 the number of hash partitions of the duplicate pass. A restart lists the inputs again (O(files))
 and refuses a plan whose inputs or parameters changed; it never reads a footer or an image twice.
-Ranks claim units dynamically (claims.py), the largest first, so the run ends on small units.
+Ranks claim units dynamically (rundir.claims), the largest first, so the run ends on small units.
 """
 
 from __future__ import annotations

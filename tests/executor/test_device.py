@@ -109,7 +109,7 @@ def test_an_empty_batch_never_reaches_the_tower(device):
 
 # -- Device.submit: batch k+1 staged while batch k encodes -------------------------------------
 def submit_all(on_device, batches) -> list[tuple[list[str], list[tuple[str, str]]]]:
-    """What the driver does: each batch handed in, then the end of the stream; the results as they come back."""
+    """What the job does: each batch handed in, then the end of the stream; the results as they come back."""
     results, pending = [], None
     for batch in [*batches, []]:
         encoded, quarantined, pending = on_device.submit(pending, batch)

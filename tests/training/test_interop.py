@@ -1,4 +1,5 @@
-"""Interop: the run as a `datasets` dataset whose rows become the reader's tensors, and the inputs transformers and vLLM take."""
+"""Interop: the run as a `datasets` dataset whose rows become the reader's tensors, and the inputs that transformers
+and vLLM take."""
 
 from __future__ import annotations
 

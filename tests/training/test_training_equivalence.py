@@ -111,4 +111,3 @@ def test_packed_batch_under_flash_attention_gives_each_record_its_own_logits(fam
             alone_batch = pack([record], MAX_TOKENS).to("cuda")
             alone = logits(model, alone_batch, alone_batch.position_ids).float()
             assert (packed[start:stop] - alone).abs().max() <= 2e-2 * alone.abs().max(), (name, record.id)
-
