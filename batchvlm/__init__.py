@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from batchvlm.reader import RecordTensors, read_run, read_shard  # noqa: E402
+from batchvlm.training.reader import RecordTensors, read_run, read_shard  # noqa: E402
 
 __all__ = ["RecordTensors", "read_run", "read_shard", "__version__"]

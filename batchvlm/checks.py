@@ -122,6 +122,12 @@ def require(condition: bool, check: str, message: str, expected: object = "", ob
         raise CheckFailed(check, message, expected, observed, image_index)
 
 
+def failure(check: str, message: str, expected: object = "", observed: object = "") -> Failure:
+    """The Failure a record is quarantined with where nothing is raised (a row as it is read): the check must be in
+    the catalogue, as for CheckFailed."""
+    return CheckFailed(check, message, expected, observed).to_failure()
+
+
 def unexpected_failure(check: str, error: BaseException, image_index: int | None = None) -> Failure:
     """A Failure for an exception that no check anticipated, filed under the stage's catch-all check."""
     return Failure(check=check, stage=CATALOGUE[check].stage, message=f"{type(error).__name__}: {error}",

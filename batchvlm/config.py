@@ -22,12 +22,12 @@ class ConfigError(ValueError):
     """A config value that cannot work. The message names the key."""
 
 
-def _one_of(key: str, value: object, allowed: tuple) -> None:
+def one_of(key: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
 
 
-def _positive(key: str, value: int | float) -> None:
+def positive(key: str, value: int | float) -> None:
     if value <= 0:
         raise ConfigError(f"{key}={value!r} must be > 0")
 
@@ -72,16 +72,16 @@ class DatasetConfig:
     """Read only the first N rows of each input file (for smoke runs)."""
 
     def __post_init__(self) -> None:
-        _one_of("dataset.kind", self.kind, ("demo", "parquet", "webdataset", "disk", "imagefolder", "hub"))
-        _one_of("dataset.missing_placeholder", self.missing_placeholder, ("prepend", "quarantine"))
-        _positive("dataset.unit_records", self.unit_records)
-        _positive("dataset.unit_bytes", self.unit_bytes)
+        one_of("dataset.kind", self.kind, ("demo", "parquet", "webdataset", "disk", "imagefolder", "hub"))
+        one_of("dataset.missing_placeholder", self.missing_placeholder, ("prepend", "quarantine"))
+        positive("dataset.unit_records", self.unit_records)
+        positive("dataset.unit_bytes", self.unit_bytes)
         if self.kind != "demo" and not self.path:
             raise ConfigError(f"dataset.path is required for dataset.kind={self.kind}")
         if not self.placeholder:
             raise ConfigError("dataset.placeholder must not be empty")
         if self.limit is not None:
-            _positive("dataset.limit", self.limit)
+            positive("dataset.limit", self.limit)
 
 
 @dataclass
@@ -109,10 +109,10 @@ class ModelConfig:
     """Overrides of the checkpoint's processor parameters (family-specific keys, validated by the family)."""
 
     def __post_init__(self) -> None:
-        _one_of("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
-        _one_of("model.embedding", self.embedding, ("auto", "projector", "tower", "both"))
-        _one_of("model.framing", self.framing, ("k3", "plain"))
-        _one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
+        one_of("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        one_of("model.embedding", self.embedding, ("auto", "projector", "tower", "both"))
+        one_of("model.framing", self.framing, ("k3", "plain"))
+        one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"model.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
 
@@ -136,11 +136,11 @@ class DecodeConfig:
     and any the batched call fails on, on the safe path | auto: device when the job runs on CUDA, safe otherwise."""
 
     def __post_init__(self) -> None:
-        _one_of("decode.isolation", self.isolation, ("process", "none"))
-        _one_of("decode.jpeg", self.jpeg, ("safe", "auto", "device"))
-        _positive("decode.timeout_s", self.timeout_s)
-        _positive("decode.max_pixels", self.max_pixels)
-        _positive("decode.max_bytes", self.max_bytes)
+        one_of("decode.isolation", self.isolation, ("process", "none"))
+        one_of("decode.jpeg", self.jpeg, ("safe", "auto", "device"))
+        positive("decode.timeout_s", self.timeout_s)
+        positive("decode.max_pixels", self.max_pixels)
+        positive("decode.max_bytes", self.max_bytes)
         if not self.formats:
             raise ConfigError("decode.formats must name at least one format")
 
@@ -156,8 +156,8 @@ class PreprocessConfig:
     background: str = "black"
     """Background that transparent pixels are composited onto: black | white | gray | chessboard."""
     fallback: str = "cpu"
-    """An image whose backend result fails a preprocess check: cpu (redone on the CPU torch path, counted in
-    _SUCCESS) | quarantine (its record is quarantined under the check)."""
+    """An image whose backend result fails a preprocess check: cpu (redone on the CPU torch path, counted in the
+    run's totals) | quarantine (its record is quarantined under the check)."""
     parity_sample_rate: float = 0.001
     """Fraction of images (chosen by content hash, so reruns pick the same) also run through the family's HF
     processor and compared with the backend (check preprocess.parity). The HF processor runs on the CPU."""
@@ -165,14 +165,14 @@ class PreprocessConfig:
     """Largest pixel difference from the HF processor that parity accepts, in uint8 levels."""
 
     def __post_init__(self) -> None:
-        _one_of("preprocess.backend", self.backend, ("auto", "triton", "torch", "reference"))
-        _one_of("preprocess.fallback", self.fallback, ("cpu", "quarantine"))
+        one_of("preprocess.backend", self.backend, ("auto", "triton", "torch", "reference"))
+        one_of("preprocess.fallback", self.fallback, ("cpu", "quarantine"))
         if not 0.0 <= self.parity_sample_rate <= 1.0:
             raise ConfigError(f"preprocess.parity_sample_rate={self.parity_sample_rate} must be in [0, 1]")
-        _positive("preprocess.parity_max_levels", self.parity_max_levels)
-        _one_of("preprocess.background", self.background, ("black", "white", "gray", "chessboard"))
-        _positive("preprocess.token_budget", self.token_budget)
-        _positive("preprocess.max_images_per_batch", self.max_images_per_batch)
+        positive("preprocess.parity_max_levels", self.parity_max_levels)
+        one_of("preprocess.background", self.background, ("black", "white", "gray", "chessboard"))
+        positive("preprocess.token_budget", self.token_budget)
+        positive("preprocess.max_images_per_batch", self.max_images_per_batch)
 
 
 @dataclass
@@ -186,8 +186,8 @@ class OutputConfig:
     """Original image bytes kept in a quarantine row up to this size; larger ones keep only their path."""
 
     def __post_init__(self) -> None:
-        _one_of("output.embed_dtype", self.embed_dtype, ("bfloat16", "float16", "float32"))
-        _one_of("output.compression", self.compression, ("zstd", "snappy", "none"))
+        one_of("output.embed_dtype", self.embed_dtype, ("bfloat16", "float16", "float32"))
+        one_of("output.compression", self.compression, ("zstd", "snappy", "none"))
         if self.quarantine_bytes_cap < 0:
             raise ConfigError("output.quarantine_bytes_cap must be >= 0")
 
@@ -230,13 +230,13 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if self.num_workers < 0:
             raise ConfigError("runtime.num_workers must be >= 0")
-        _positive("runtime.prefetch", self.prefetch)
-        _positive("runtime.writer_queue", self.writer_queue)
-        _positive("runtime.progress_interval_s", self.progress_interval_s)
-        _positive("runtime.lease_s", self.lease_s)
-        _positive("runtime.poll_s", self.poll_s)
+        positive("runtime.prefetch", self.prefetch)
+        positive("runtime.writer_queue", self.writer_queue)
+        positive("runtime.progress_interval_s", self.progress_interval_s)
+        positive("runtime.lease_s", self.lease_s)
+        positive("runtime.poll_s", self.poll_s)
         if self.dedup_buckets is not None:
-            _positive("runtime.dedup_buckets", self.dedup_buckets)
+            positive("runtime.dedup_buckets", self.dedup_buckets)
 
 
 @dataclass

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One input as the plan records it."""
+
+    name: str  # stable, human-readable, unique within the run
+    location: str  # what a user would open: a path or URL
+    size: int | None = None  # bytes, where a listing tells it (a changed size refuses the old plan)
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,22 @@ class TokenLayout:
 
 
 @dataclass
+class PreprocessStats:
+    """What preprocessing did to a record's images beyond its plan, kept by image index so that packing the record
+    again (a batch bisected or redone) never counts an image twice. It rides on the record to its unit's manifest."""
+
+    fallbacks: dict[int, str] = field(default_factory=dict)
+    """image index -> the check whose failure sent the image to the CPU path"""
+    parity_checked: set[int] = field(default_factory=set)
+    parity_failed: set[int] = field(default_factory=set)
+
+    def counts(self) -> dict:
+        """The counts a manifest keeps (pipeline.preprocess.merged_stats adds them up)."""
+        return {"fallbacks": dict(Counter(self.fallbacks.values())),
+                "parity": {"checked_images": len(self.parity_checked), "failed_images": len(self.parity_failed)}}
+
+
+@dataclass
 class PreparedRecord:
     """A record ready for the device: decoded, planned and laid out (built in a worker)."""
 
@@ -119,6 +145,7 @@ class PreparedRecord:
     images: list[DecodedImage | EncodedJpeg]  # EncodedJpeg until the main process decodes it (decode.jpeg=device)
     plans: list[ImagePlan]
     layout: TokenLayout
+    preprocess: PreprocessStats = field(default_factory=PreprocessStats)
 
     @property
     def num_patches(self) -> int:
@@ -130,7 +157,7 @@ class EncodedRecord:
     prepared: PreparedRecord
     image_embeds: list[torch.Tensor]  # one [num_tokens_i, hidden] tensor per image
     extras: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    """Further outputs per image where the family has them (see encode.EXTRA_OUTPUTS)."""
+    """Further outputs per image where the family has them (see format.schema.EXTRA_OUTPUTS)."""
 
 
 @dataclass
@@ -150,6 +177,17 @@ class Failure:
 class QuarantinedRecord:
     source: SourceRecord
     failure: Failure
+    preprocess: PreprocessStats = field(default_factory=PreprocessStats)  # where it failed after preprocessing
+
+
+@dataclass
+class OutputRow:
+    """A record's row for its unit's shard of `kind` (data or quarantine), at its place (`source.seq`) in the unit."""
+
+    source: SourceRecord
+    kind: str
+    values: dict
+    preprocess: dict  # PreprocessStats.counts()
 
 
 @dataclass
@@ -169,7 +207,7 @@ class UnitEnd:
 
 
 @dataclass
-class PackedBatch:
+class PixelBatch:
     """Images of several records packed along the row axis, in the layout the tower takes."""
 
     pixel_values: torch.Tensor

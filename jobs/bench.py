@@ -1,4 +1,4 @@
-"""`python jobs/bench.py task=preprocess|scale|loader|e2e`: measurements side by side in one run (batchvlm/bench.py):
+"""`python jobs/bench.py task=preprocess|scale|loader|e2e`: measurements side by side in one run (batchvlm/bench/):
 triton vs torch vs the family's HF processor; start-up and memory as the dataset grows; the training loader vs a
 bare pyarrow scan of the same shards, and packing efficiency."""
 
@@ -12,9 +12,9 @@ import transformers
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from batchvlm.bench import BenchConfig, bench_loader, bench_preprocess, format_loader, format_preprocess
-from batchvlm.bench_e2e import bench_e2e, format_e2e
-from batchvlm.bench_scale import bench_scale, format_scale
+from batchvlm.bench.tasks import BenchConfig, bench_loader, bench_preprocess, format_loader, format_preprocess
+from batchvlm.bench.e2e import bench_e2e, format_e2e
+from batchvlm.bench.scale import bench_scale, format_scale
 from batchvlm.config import ConfigError
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

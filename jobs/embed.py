@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from batchvlm.config import ConfigError, register_schemas, to_job_config
-from batchvlm.driver import JobAborted, run_job, summarize
+from batchvlm.executor.job import JobAborted, run_job, summarize
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 register_schemas()

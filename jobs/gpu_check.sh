@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: this is the GPU check')"
 unset TRITON_INTERPRET
-python -m pytest -q tests/test_kernels.py
+python -m pytest -q tests/kernels/test_pack_pixels.py
 python jobs/bench.py task=preprocess
 python jobs/bench.py task=e2e records=128
-python -m pytest -q tests/test_overlap.py tests/test_jpeg.py tests/test_driver_device.py tests/test_encode.py
+python -m pytest -q tests/executor/test_overlap.py tests/pipeline/test_jpeg.py tests/executor/test_device.py tests/pipeline/test_encode.py

@@ -1,5 +1,5 @@
 """`python jobs/report.py run_dir=outputs/<run>`: the failure summary in the terminal and
-`<run>/report/index.html`, one self-contained page (see README.md, "Reviewing failures")."""
+the run's report page (`<run>/report/index.html`), one self-contained page (see README.md, "Reviewing failures")."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import hydra
 from omegaconf import DictConfig
 
 from batchvlm.config import ConfigError, required_path
-from batchvlm.report import ReportError, build_report, summary_text
-from batchvlm.report_html import render
+from batchvlm.review.report import ReportError, build_report, summary_text
+from batchvlm.review.html import render
+from batchvlm.rundir.layout import RunLayout
 
 
 @hydra.main(config_path="pkg://batchvlm.conf", config_name="report", version_base=None)
@@ -23,7 +24,7 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, ReportError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    page = run_dir / "report" / "index.html"
+    page = RunLayout(run_dir).report_page
     page.parent.mkdir(exist_ok=True)
     page.write_text(render(report), encoding="utf-8")
     print(summary_text(report))

@@ -8,7 +8,7 @@ import hydra
 from omegaconf import DictConfig
 
 from batchvlm.config import ConfigError, required_path
-from batchvlm.verify import verify_run
+from batchvlm.rundir.verify import verify_run
 
 
 @hydra.main(config_path="pkg://batchvlm.conf", config_name="verify", version_base=None)

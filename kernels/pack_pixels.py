@@ -26,8 +26,8 @@ import triton.language as tl
 
 from batchvlm.kernels.reference import BACKGROUNDS, CHESSBOARD_GRAY, CHESSBOARD_SQUARE, CHESSBOARD_WHITE
 from batchvlm.kernels.taps import filter_taps, max_taps
-from batchvlm.overlap import to_device
-from batchvlm.layouts import MERGE_WINDOW, RASTER_CHW, RASTER_HWC, PatchLayout
+from batchvlm.devices import to_device
+from batchvlm.format.layouts import MERGE_WINDOW, RASTER_CHW, RASTER_HWC, PatchLayout
 
 BLOCK = 1024
 LAYOUT_CODES = {RASTER_CHW: 0, MERGE_WINDOW: 1, RASTER_HWC: 2}

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+PLUGINS = Path(__file__).resolve().parent / "families" / "plugins"
+"""A family from outside batchvlm (framed_moonvit.py) and its YAML (conf/model/), found as a user's own would be: the
+module on the Python path (the tests' and the jobs' they start), the YAML on Hydra's search path (PLUGIN_SEARCHPATH)."""
+PLUGIN_FAMILY = "framed_moonvit"
+PLUGIN_SEARCHPATH = f"hydra.searchpath=[file://{PLUGINS / 'conf'}]"
+sys.path.insert(0, str(PLUGINS))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))
 
 
 def shared_folder(name: str) -> Path:
@@ -35,10 +43,48 @@ def shared_folder(name: str) -> Path:
     return folder
 
 
-def run_embed(*overrides: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def quarantine_rows(run_dir: Path) -> list[dict]:
+    """id, check, stage and source of every row in the run's quarantine folder."""
+    import pyarrow.parquet as pq
+
+    return [row for path in sorted((run_dir / "quarantine").glob("*.parquet"))
+            for row in pq.read_table(path, columns=["id", "check", "stage", "source"]).to_pylist()]
+
+
+def data_ids(run_dir: Path) -> set[str]:
+    """The ids in the run's data folder."""
+    import pyarrow.parquet as pq
+
+    return {row["id"] for path in (run_dir / "data").glob("*.parquet")
+            for row in pq.read_table(path, columns=["id"]).to_pylist()}
+
+
+def embed_command(*overrides: str) -> list[str]:
     """`python jobs/embed.py overrides...` as a user runs it."""
-    return subprocess.run([sys.executable, str(REPO / "jobs" / "embed.py"), *overrides], cwd=cwd or REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return [sys.executable, str(REPO / "jobs" / "embed.py"), *overrides]
+
+
+def run_embed(*overrides: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(embed_command(*overrides), cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def run_embed_measured(*overrides: str, timeout: int = 600) -> tuple[subprocess.CompletedProcess, float]:
+    """run_embed, and the peak RSS in GiB of the job's own processes: os.wait4 of the job reports it and the
+    children it reaped (its workers, its decoder), where RUSAGE_CHILDREN would be the largest child of the whole
+    test session so far."""
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        job = subprocess.Popen(embed_command(*overrides), cwd=REPO, stdout=stdout, stderr=stderr, text=True)
+        deadline = threading.Timer(timeout, job.kill)
+        deadline.start()
+        try:
+            _, status, usage = os.wait4(job.pid, 0)
+        finally:
+            deadline.cancel()
+        job.returncode = os.waitstatus_to_exitcode(status)
+        stdout.seek(0)
+        stderr.seek(0)
+        return subprocess.CompletedProcess(job.args, job.returncode, stdout.read(), stderr.read()), \
+            usage.ru_maxrss / 2**20
 
 
 @pytest.fixture(scope="session")
@@ -58,13 +104,50 @@ def demo_run(tmp_path_factory) -> Path:
     return root / "demo"
 
 
-FAMILY_NAMES = ["kimi_k25", "qwen2_vl", "siglip2"]
+def all_families() -> list[str]:
+    """Every family batchvlm finds, and the one from outside it: each test over families runs over all of them."""
+    from batchvlm.families import family_names
+
+    return family_names() + [PLUGIN_FAMILY]
 
 
-@pytest.fixture(scope="session", params=FAMILY_NAMES)
+@pytest.fixture(scope="session", params=all_families())
 def family(request):
     """Each family with its tiny demo checkpoint."""
     from batchvlm.config import ModelConfig
     from batchvlm.families import load_family
 
     return load_family(ModelConfig(family=request.param))
+
+
+# -- runs the training tests and the loader bench read --------------------------------------------------
+def committed_shards(run_dir, kind: str = "data") -> list[Path]:
+    """The shards the run's manifests list, as a reader trusts them."""
+    from batchvlm.rundir.layout import RunLayout
+    from batchvlm.rundir.manifest import listed_shards
+
+    return [shard for _, shard in listed_shards(RunLayout(Path(run_dir)), kind)]
+
+
+@pytest.fixture(scope="session")
+def qwen_run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("outputs")
+    result = run_embed(f"output.root={root}", "run_name=qwen", "model=qwen2_vl_tiny")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "qwen"
+
+
+@pytest.fixture(scope="session")
+def records(qwen_run):
+    from batchvlm.training.reader import read_run
+
+    return list(read_run(qwen_run))
+
+
+@pytest.fixture(scope="session")
+def siglip_run(tmp_path_factory) -> Path:
+    """A run with an embedding column beside image_embeds: SigLIP2's pooled_embeds, one vector per image."""
+    root = tmp_path_factory.mktemp("outputs")
+    result = run_embed(f"output.root={root}", "run_name=siglip", "model=siglip2_tiny", "dataset.limit=6")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "siglip"

@@ -1,4 +1,4 @@
-"""The embedded demo builds quietly, and without its extra says which to install."""
+"""The embedded demo, without its extra, says which to install."""
 
 from __future__ import annotations
 
@@ -7,13 +7,7 @@ import sys
 import pytest
 
 from batchvlm.config import ConfigError
-from batchvlm.demo import MEDIA_TOKENS, build_tokenizer, photographs
-
-
-def test_building_the_demo_tokenizer_writes_nothing_to_stdout_or_stderr(capfd):
-    tokenizer = build_tokenizer(["An astronaut in a white suit.", "A cup of coffee on a saucer."], MEDIA_TOKENS)
-    assert tokenizer.convert_tokens_to_ids("<|media_pad|>") is not None
-    assert capfd.readouterr() == ("", "")  # off a terminal, the BPE trainer's bars were three blank lines
+from batchvlm.demo import photographs
 
 
 def test_the_demo_without_scikit_image_names_the_extra_to_install(monkeypatch):

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from batchvlm.config import ConfigError, ModelConfig
-from batchvlm.families import (PatchFamily, checkpoint_and_tokenizer, choose_projector, processor_params,
-                               token_id, tokenizer_digest)
-from batchvlm.layouts import RASTER_CHW, PatchLayout
+from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, choose_projector, processor_params,
+                                      tiny_tokenizer, token_id, tokenizer_digest)
+from batchvlm.format.layouts import RASTER_CHW, PatchLayout
 from batchvlm.records import ImagePlan
-from batchvlm.tokens import FRAME, IMAGE
+from batchvlm.format.schema import FRAME, IMAGE
 
 IMAGE_TOKEN = "<|media_pad|>"
 FRAME_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_end|>")
@@ -162,6 +162,10 @@ class KimiK25(PatchFamily):
         projector = choose_projector(self.embedding, projector)
         return KimiEncoder(tower, projector, self.params.merge_size, self.embedding == "both").to(device).eval()
 
+    def just_over_budget(self) -> tuple[int, int]:
+        side, p = math.isqrt(self.params.max_patches), self.params.patch_size
+        return p * side, p * (side + 1)  # one column of patches over max_patches
+
     def fingerprint(self) -> dict:
         return {"family": self.name, "processor": dataclasses.asdict(self.params), "framing": self.framing,
                 "embedding": self.embedding, "tokenizer": tokenizer_digest(self.tokenizer)}
@@ -186,7 +190,48 @@ def _tower_and_projector(checkpoint: Path, config, kwargs: dict):
     return full.model.vision_tower, full.model.mm_projector
 
 
-def from_config(model: ModelConfig) -> KimiK25:
+def from_config(model: ModelConfig, family_class: type[KimiK25] = KimiK25) -> KimiK25:
+    """The family (or a subclass that states its own difference, as a user's MoonViT family may) of a checkpoint."""
     checkpoint, tokenizer = checkpoint_and_tokenizer(model)
     params = KimiProcessorParams.from_checkpoint(checkpoint, dict(model.processor))
-    return KimiK25(checkpoint, params, tokenizer, model.framing, model.embedding, model.attn_implementation)
+    return family_class(checkpoint, params, tokenizer, model.framing, model.embedding, model.attn_implementation)
+
+
+# -- tiny checkpoint ---------------------------------------------------------------------------
+MEDIA_TOKENS = ["<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
+                "<|kimi_k25_video_placeholder|>"]
+
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        pos_emb_height=16, pos_emb_width=16)
+BASE_VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                        pos_emb_height=64, pos_emb_width=64)
+"""A ViT-B-sized MoonViT for the end-to-end benchmark, where the tower must cost what a real one does."""
+
+
+def write_tiny_checkpoint(folder: Path, vision: dict = TINY_VISION) -> None:
+    """MoonViT tower + projector + a one-layer MoE LLM, from a config with a fixed seed."""
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration, Kimi_K25ImageProcessor
+
+    tokenizer = tiny_tokenizer(MEDIA_TOKENS)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in MEDIA_TOKENS}
+    config = Kimi_K25Config(
+        text_config=dict(model_type="deepseek_v3", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                         kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                         max_position_embeddings=8192, n_group=1, topk_group=1),
+        vision_config=dict(**vision, patch_size=14, rope_parameters={"rope_type": "axial", "rope_theta": 10000.0}),
+        projection_hidden_size=vision["hidden_size"], image_token_id=ids["<|media_pad|>"],
+        video_token_id=ids["<|kimi_k25_video_placeholder|>"], vision_start_token_id=ids["<|media_begin|>"],
+        vision_end_token_id=ids["<|media_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Kimi_K25ForConditionalGeneration(config).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    Kimi_K25ImageProcessor(patch_size=14, merge_size=2, max_patches=16384,
+                           size={"max_height": 512, "max_width": 512}).save_pretrained(folder)
+
+
+def write_base_checkpoint(folder: Path) -> None:
+    """The tiny checkpoint with a ViT-B-sized tower (BASE_VISION)."""
+    write_tiny_checkpoint(folder, BASE_VISION)

@@ -21,11 +21,11 @@ import torch
 
 from batchvlm.checks import require
 from batchvlm.config import ConfigError, ModelConfig
-from batchvlm.families import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_params,
-                               token_id, tokenizer_digest)
-from batchvlm.layouts import MERGE_WINDOW, PatchLayout
+from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_params,
+                                      tiny_tokenizer, token_id, tokenizer_digest)
+from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
-from batchvlm.tokens import FRAME, IMAGE
+from batchvlm.format.schema import FRAME, IMAGE
 
 IMAGE_TOKEN = "<|image_pad|>"
 FRAME_TOKENS = ("<|vision_start|>", "<|vision_end|>")
@@ -210,6 +210,10 @@ class Qwen2VL(PatchFamily):
                                dtype=dtype, attn_implementation=self.attn_implementation)
         return QwenEncoder(tower, embedding, self.params.merge_size).to(device).eval()
 
+    def just_over_budget(self) -> tuple[int, int]:
+        factor = self.params.factor
+        return factor * 16, self.params.max_pixels // (factor * 16) + factor
+
     def fingerprint(self) -> dict:
         return {"family": self.name, "version": self.version, "processor": dataclasses.asdict(self.params),
                 "embedding": self.embedding, "tokenizer": tokenizer_digest(self.tokenizer)}
@@ -236,3 +240,30 @@ def from_config(model: ModelConfig) -> Qwen2VL:
     checkpoint, tokenizer = checkpoint_and_tokenizer(model)
     params = QwenProcessorParams.from_checkpoint(checkpoint, dict(model.processor))
     return Qwen2VL(checkpoint, params, tokenizer, model.embedding, model.attn_implementation)
+
+
+# -- tiny checkpoint ---------------------------------------------------------------------------
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def write_tiny_checkpoint(folder: Path) -> None:
+    """Vision tower + merger + a 2-layer LLM, from a config with a fixed seed."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    tokenizer = tiny_tokenizer(QWEN_TOKENS)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_TOKENS}
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, embed_dim=32, num_heads=2, hidden_size=64, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).eval().save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    # A small max_pixels keeps the demo fast on a CPU and sends its larger photos down the shrinking branch.
+    Qwen2VLImageProcessor(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 256}).save_pretrained(folder)

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from batchvlm.config import ConfigError, ModelConfig
-from batchvlm.families import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_inputs,
-                               processor_params, token_id, tokenizer_digest)
-from batchvlm.layouts import RASTER_HWC, PatchLayout
+from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_inputs,
+                                      processor_params, tiny_tokenizer, token_id, tokenizer_digest)
+from batchvlm.format.layouts import RASTER_HWC, PatchLayout
 from batchvlm.records import ImagePlan
-from batchvlm.tokens import FRAME, IMAGE
+from batchvlm.format.schema import FRAME, IMAGE
 
 IMAGE_TOKEN = "<image_soft_token>"
 FRAME_TOKENS = ("<start_of_image>", "<end_of_image>")
@@ -234,6 +234,10 @@ class Siglip2(PatchFamily):
                                dtype=dtype, attn_implementation=self.attn_implementation)
         return SiglipEncoder(tower).to(device).eval()
 
+    def just_over_budget(self) -> tuple[int, int]:
+        side, p = math.isqrt(self.params.max_num_patches), self.params.patch_size
+        return p * side, p * side + 1  # one pixel over the patch budget
+
     def fingerprint(self) -> dict:
         return {"family": self.name, "processor": dataclasses.asdict(self.params), "embedding": self.embedding,
                 "tokenizer": tokenizer_digest(self.tokenizer)}
@@ -243,3 +247,20 @@ def from_config(model: ModelConfig) -> Siglip2:
     checkpoint, tokenizer = checkpoint_and_tokenizer(model)
     params = SiglipProcessorParams.from_checkpoint(checkpoint, dict(model.processor))
     return Siglip2(checkpoint, params, tokenizer, model.embedding, model.attn_implementation)
+
+
+# -- tiny checkpoint ---------------------------------------------------------------------------
+SIGLIP_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+
+
+def write_tiny_checkpoint(folder: Path) -> None:
+    """A NaFlex vision tower with its attention-pooling head, from a config with a fixed seed."""
+    from transformers import Siglip2ImageProcessor, Siglip2VisionConfig, Siglip2VisionModel
+
+    tokenizer = tiny_tokenizer(SIGLIP_TOKENS)
+    config = Siglip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 patch_size=16, num_patches=256, vision_use_head=True)
+    torch.manual_seed(0)
+    Siglip2VisionModel(config).eval().save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    Siglip2ImageProcessor(patch_size=16, max_num_patches=256).save_pretrained(folder)

@@ -18,25 +18,16 @@ import os
 import posixpath
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import fsspec
 
+from batchvlm.checks import failure
 from batchvlm.config import ConfigError, DatasetConfig
-from batchvlm.records import Failure, ImageRef, SourceRecord, WorkUnit
+from batchvlm.records import Failure, ImageRef, InputFile, SourceRecord, WorkUnit
 
 KINDS = {"demo": "parquet", "parquet": "parquet", "webdataset": "webdataset", "disk": "hf", "imagefolder": "hf",
          "hub": "hf"}
 """dataset.kind -> the module under batchvlm/sources/ that reads it."""
-
-
-@dataclass(frozen=True)
-class InputFile:
-    """One input as the plan records it."""
-
-    name: str  # stable, human-readable, unique within the run
-    location: str  # what a user would open: a path or URL
-    size: int | None = None  # bytes, where a listing tells it (a changed size refuses the old plan)
 
 
 class Source:
@@ -160,12 +151,12 @@ def source_failure(cfg: DatasetConfig, row: dict, record: SourceRecord) -> Failu
     """img2dataset's failed downloads (status != success), and image-less rows where images are required."""
     if cfg.status_column is not None and row.get(cfg.status_column) != "success":
         error = row.get("error_message")
-        return Failure("source.download_failed", "source", f"the image was not downloaded: {cfg.status_column}="
+        return failure("source.download_failed", f"the image was not downloaded: {cfg.status_column}="
                        f"{row.get(cfg.status_column)!r}" + (f" ({error})" if error else ""),
-                       expected="success", observed=repr(row.get(cfg.status_column)), exception_type="CheckFailed")
+                       expected="success", observed=repr(row.get(cfg.status_column)))
     if cfg.require_images and not any(ref.data or ref.path for ref in record.images):
-        return Failure("source.missing_image", "source", f"the row has no image in {cfg.images_column!r}",
-                       expected="at least one image", observed="none", exception_type="CheckFailed")
+        return failure("source.missing_image", f"the row has no image in {cfg.images_column!r}",
+                       expected="at least one image", observed="none")
     return None
 
 

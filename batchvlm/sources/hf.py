@@ -12,8 +12,8 @@ from functools import cached_property
 import datasets
 
 from batchvlm.config import ConfigError
-from batchvlm.records import SourceRecord, WorkUnit
-from batchvlm.sources import InputFile, Source, cut_units, record_from_row, stable_name
+from batchvlm.records import InputFile, SourceRecord, WorkUnit
+from batchvlm.sources import Source, cut_units, record_from_row, stable_name
 
 datasets.disable_progress_bars()  # the job's own progress covers the reading
 

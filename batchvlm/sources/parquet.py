@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchvlm.config import ConfigError
-from batchvlm.records import SourceRecord, WorkUnit
-from batchvlm.sources import InputFile, Source, cut_units, list_files, open_input, parent_of, record_from_row
+from batchvlm.records import InputFile, SourceRecord, WorkUnit
+from batchvlm.sources import Source, cut_units, list_files, open_input, parent_of, record_from_row
 
 FOOTER_BLOCK = 1 << 16
 """Read size for footers of remote files: fsspec's default blocks (MBs) would fetch data pages too."""

@@ -17,8 +17,8 @@ import posixpath
 import tarfile
 from collections.abc import Iterator
 
-from batchvlm.records import SourceRecord, WorkUnit
-from batchvlm.sources import InputFile, Source, list_files, open_input, parent_of, record_from_row
+from batchvlm.records import InputFile, SourceRecord, WorkUnit
+from batchvlm.sources import Source, list_files, open_input, parent_of, record_from_row
 
 KEY = "__key__"
 

@@ -14,10 +14,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from batchvlm.encode import EXTRA_OUTPUTS
-from batchvlm.hf_features import EMBED_ID_PREFIX, embedding_layouts, features_key_of
-from batchvlm.reader import RecordTensors, committed_shards
-from batchvlm.tokens import IMAGE
+from batchvlm.format.schema import EXTRA_OUTPUTS
+from batchvlm.format.hf_features import EMBED_ID_PREFIX, embedding_layouts, features_key_of
+from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.manifest import listed_shards
+from batchvlm.training.reader import RecordTensors
+from batchvlm.format.schema import IMAGE
 
 
 def mm_token_type_ids(token_tags: torch.Tensor) -> torch.Tensor:
@@ -30,7 +32,7 @@ def load_run_dataset(run_dir: str | Path, **kwargs):
     data/, which may hold the files of an attempt that did not commit. `kwargs` go to `load_dataset`."""
     import datasets
 
-    shards = committed_shards(run_dir)
+    shards = [shard for _, shard in listed_shards(RunLayout(Path(run_dir)))]
     if not shards:
         raise ValueError(f"{run_dir} has no committed shards")
     schema = pq.read_schema(shards[0])
@@ -43,10 +45,10 @@ def load_run_dataset(run_dir: str | Path, **kwargs):
 
 
 class DatasetRows:
-    """Rows of a `datasets` dataset of batchvlm shards, as the RecordTensors `batchvlm.reader` gives for them.
+    """Rows of a `datasets` dataset of batchvlm shards, as the RecordTensors `batchvlm.training.reader` gives for them.
 
     The embedding columns are bytes to `datasets`; their dtype and hidden size come from the dataset's own
-    features, where the job wrote them (`batchvlm.hf_features`). So any dataset descended from the shards works
+    features, where the job wrote them (`batchvlm.format.hf_features`). So any dataset descended from the shards works
     without the run: after `load_dataset` (`load_run_dataset`), `map`, `select`, `save_to_disk`/`load_from_disk`,
     streaming. Features that lost them (`cast_column` of an embedding column, `IterableDataset.map` without
     `features=`) are refused, naming the column.
@@ -75,7 +77,7 @@ class DatasetRows:
         return torch.frombuffer(bytearray(blob), dtype=dtype).view(-1, hidden)
 
     def tensors(self, row: dict) -> RecordTensors:
-        """One `datasets` row (a dict of Python values) as the tensors `batchvlm.reader` gives for it."""
+        """One `datasets` row (a dict of Python values) as the tensors `batchvlm.training.reader` gives for it."""
         positions = row.get("position_ids")
         return RecordTensors(
             id=row["id"],

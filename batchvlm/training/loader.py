@@ -23,15 +23,17 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from batchvlm.dedup import excluded_rows
-from batchvlm.reader import RecordArrays, ShardColumns, committed_units, read_tensor_columns
+from batchvlm.rundir.dedup import excluded_rows
+from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.manifest import listed_shards
+from batchvlm.training.reader import RecordArrays, ShardColumns, read_tensor_columns
 from batchvlm.training.packing import PackedBatch, PackingError, first_fit_decreasing, pack_arrays
 
 RecordRef = tuple[int, int]  # (shard index, row)
 
 
 class RunNotFinished(RuntimeError):
-    """The run has no _SUCCESS: its units may still change, so training on it is refused unless asked for."""
+    """The run is not finished: its units may still change, so training on it is refused unless asked for."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class LoaderConfig:
     num_workers: int = 2
     """DataLoader worker processes that read and pack; 0 packs in the calling process."""
     allow_unfinished: bool = False
-    """Train on the committed units of a run that has no _SUCCESS yet."""
+    """Train on the committed units of a run that is not finished yet."""
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "shuffle_buffer", "pack_buffer"):
@@ -67,11 +69,11 @@ class RunIndex:
 
     @classmethod
     def of(cls, run_dir: str | Path, allow_unfinished: bool = False) -> RunIndex:
-        run_dir = Path(run_dir)
-        if not (run_dir / "_SUCCESS").exists() and not allow_unfinished:
-            raise RunNotFinished(f"{run_dir} has no _SUCCESS: the run is unfinished or still running; "
-                                 "finish it, or pass allow_unfinished=True to train on its committed units")
-        units, excluded = committed_units(run_dir), excluded_rows(run_dir)
+        layout = RunLayout(Path(run_dir))
+        if not layout.success.exists() and not allow_unfinished:
+            raise RunNotFinished(f"{run_dir} has no {layout.name_of(layout.success)}: the run is unfinished or still "
+                                 "running; finish it, or pass allow_unfinished=True to train on its committed units")
+        units, excluded = listed_shards(layout), excluded_rows(layout)
         tables = [pq.read_table(path, columns=["input_ids", "row"]) for _, path in units]
         lengths = [pc.list_value_length(table.column("input_ids")).to_numpy().astype(np.int64) for table in tables]
         kept = [np.flatnonzero(~np.isin(table.column("row").to_numpy(), list(excluded.get(unit, ()))))

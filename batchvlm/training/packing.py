@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from batchvlm.reader import RecordArrays, RecordTensors, record_arrays, span_positions, tensor_of
-from batchvlm.tokens import IMAGE
+from batchvlm.training.reader import RecordArrays, RecordTensors, record_arrays, span_positions, tensor_of
+from batchvlm.format.schema import IMAGE
 
 IGNORE_INDEX = -100
 """The label transformers' cross-entropy skips."""

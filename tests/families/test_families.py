@@ -8,7 +8,7 @@ import torch
 from photos import demo_images, large_photos, photo_of_size, uint8_levels
 
 from batchvlm.checks import CheckFailed
-from batchvlm.preprocess import TorchPreprocessor
+from batchvlm.pipeline.preprocess import TorchPreprocessor
 from batchvlm.records import DecodedImage
 
 # On the CPU the torch backend resizes with torch's uint8 kernel, as the processors do: measured max
@@ -20,14 +20,8 @@ PIXEL_MEAN_LEVELS = 0.001
 
 def extreme_sizes(family) -> list[tuple[int, int]]:
     """(height, width): tiny, thin, wide, exactly on the family's size boundary, just over its budget."""
-    p = family.layout.patch_size
-    factor = p * family.layout.merge_size
-    over_budget = {
-        "kimi_k25": lambda: (p * 128, p * 128 + p),  # one column of patches over max_patches = 16384
-        "qwen2_vl": lambda: (factor * 16, family.params.max_pixels // (factor * 16) + factor),
-        "siglip2": lambda: (p * 16, p * 16 + 1),
-    }[family.name]()
-    return [(1, 1), (1, 300), (300, 1), (30, 4000), (factor * 3, factor * 5), over_budget]
+    factor = family.layout.patch_size * family.layout.merge_size
+    return [(1, 1), (1, 300), (300, 1), (30, 4000), (factor * 3, factor * 5), family.just_over_budget()]
 
 
 def named_images(family):
@@ -42,11 +36,14 @@ def reference_or_rejection(family, pixels):
         return error
 
 
-def test_every_registered_family_is_under_test():
-    from batchvlm.families import FAMILIES
-    from conftest import FAMILY_NAMES
+def test_families_are_found_by_module_name_and_a_users_own_by_its_path():
+    from conftest import PLUGIN_FAMILY
 
-    assert sorted(FAMILIES) == sorted(FAMILY_NAMES)
+    from batchvlm.config import ModelConfig
+    from batchvlm.families import family_names, load_family
+
+    assert family_names() == ["kimi_k25", "qwen2_vl", "siglip2"]  # every module of batchvlm/families but common
+    assert load_family(ModelConfig(family=PLUGIN_FAMILY)).name == PLUGIN_FAMILY
 
 
 def test_planned_grids_and_token_counts_equal_the_hf_processor(family):

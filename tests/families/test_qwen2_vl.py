@@ -15,7 +15,8 @@ from batchvlm.config import ModelConfig
 from batchvlm.families import load_family
 from batchvlm.families.qwen2_vl import QwenProcessorParams, mrope_positions, qwen_plan
 from batchvlm.records import ImagePlan
-from batchvlm.tokens import IMAGE, build_layout
+from batchvlm.pipeline.tokens import build_layout
+from batchvlm.format.schema import IMAGE
 
 QWEN3 = QwenProcessorParams(patch_size=16, min_pixels=65536, max_pixels=16777216, image_mean=(0.5,) * 3,
                             image_std=(0.5,) * 3)
@@ -157,10 +158,10 @@ def test_stored_qwen3_outputs_with_deepstack_give_the_full_models_logits(tmp_pat
     from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
     from batchvlm.config import DecodeConfig
-    from batchvlm.decode import decode_image
+    from batchvlm.pipeline.decode import decode_image
     from batchvlm.demo import demo_rows
-    from batchvlm.reader import read_run
-    from batchvlm.tokens import IMAGE
+    from batchvlm.training.reader import read_run
+    from batchvlm.format.schema import IMAGE
 
     checkpoint = tmp_path / "qwen3"
     _tiny_variant(checkpoint, qwen, qwen3_config(qwen))

@@ -156,7 +156,7 @@ def test_flash_attention_2_is_handed_the_image_boundaries_as_cu_seqlens(monkeypa
 
 def test_packed_batches_carry_no_padding_rows_where_the_processor_pads(siglip):
     """Packing efficiency on the demo photos: real patches / rows the tower is given."""
-    from batchvlm.families import processor_inputs
+    from batchvlm.families.common import processor_inputs
 
     photos = [p for _, p in demo_images()]
     rows, grids = preprocessed(siglip, photos)

@@ -1,0 +1,242 @@
+"""Benchmarks measured side by side in one run (DESIGN.md, Performance model).
+
+task=scale: bench/scale.py (start-up and memory as the dataset grows).
+task=e2e: bench/e2e.py (the job against its tower, the sink against a bare write, stage by stage).
+
+task=preprocess: one fixed mix of image sizes (real photos, plus synthetic extremes) through the
+Triton kernels (where CUDA is), the torch ops and the family's HF processor (with `device=` where
+it takes one), each fed the same host uint8 images and timed until its output is on the device.
+Throughput is counted in images and in input uint8 bytes per second.
+
+task=loader: one epoch of the training loader (read, pack, check) against a bare pyarrow scan of the
+same committed shards (every column read, the tokens counted), in tokens per second, and the
+packing efficiency of the epoch's plan. The shards are those of `run_dir`, or of a run of the demo
+records repeated `copies` times (built on first use).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from batchvlm.config import ConfigError, ModelConfig, one_of, positive
+from batchvlm.demo import build_once, demo_rows, home, photographs
+from batchvlm.families import load_family
+from batchvlm.pipeline.preprocess import TorchPreprocessor, TritonPreprocessor
+from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.manifest import listed_shards
+from batchvlm.records import DecodedImage, PreparedRecord, SourceRecord, TokenLayout
+from batchvlm.training import LoaderConfig, PackedLoader, packing_efficiency
+
+
+@dataclass
+class BenchConfig:
+    task: str = "preprocess"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The family whose plan, layout and HF processor are measured."""
+    device: str = "auto"
+    """auto (cuda when available) | cpu | cuda | cuda:N."""
+    repeats: int = 5
+    """Timed passes over the mix per backend, after one warm-up pass; the best is reported."""
+    background: str = "black"
+    rows: int = 1_000_000
+    """task=scale: rows of the synthetic dataset (written once under $BATCHVLM_BENCH_DIR or the temp folder)."""
+    files: int = 100
+    """task=scale: Parquet files the rows are spread over."""
+    rss_records: int = 2000
+    """task=scale: N, the records of the smaller of the two full runs whose peak RSS is compared (10N)."""
+    first_unit_records: int = 1000
+    """task=scale: dataset.unit_records of the run timed to its first committed unit."""
+    run_dir: str | None = None
+    """task=loader: the run whose shards are read; default: the demo records times `copies`, embedded once."""
+    copies: int = 20
+    """task=loader: how many times the demo records are repeated for the default run."""
+    max_tokens: int = 4096
+    """task=loader: tokens per packed sequence."""
+    workers: int = 0
+    """task=loader: DataLoader workers of the loader (0: in this process, like the scan)."""
+    records: int = 16
+    """task=e2e: records (one 512x384 JPEG each) run through the job and through each stage."""
+    tower: str = "base"
+    """task=e2e: base (a ViT-B-sized MoonViT, built once) | tiny (the demo tower)."""
+
+    def __post_init__(self) -> None:
+        one_of("task", self.task, ("preprocess", "scale", "loader", "e2e"))
+        one_of("tower", self.tower, ("base", "tiny"))
+        for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens", "records"):
+            positive(key, getattr(self, key))
+        if self.workers < 0:
+            raise ConfigError(f"workers={self.workers} must be >= 0")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
+
+
+def image_mix() -> list[tuple[str, np.ndarray]]:
+    """Photos of common sizes, one RGBA logo, and the extremes: large enough to be scaled down, thin, tiny."""
+    data = photographs()
+    coffee, rocket = data.coffee(), data.rocket()
+    return [("astronaut", data.astronaut()), ("coffee", coffee), ("chelsea", data.chelsea()), ("rocket", rocket),
+            ("hubble", data.hubble_deep_field()), ("retina", data.retina()), ("logo_rgba", data.logo()),
+            ("coffee_6mp", np.ascontiguousarray(np.tile(coffee, (5, 5, 1)))),
+            ("rocket_strip", np.ascontiguousarray(np.tile(rocket[200:216], (1, 4, 1)))),
+            ("coffee_column", np.ascontiguousarray(coffee[:, 280:300])),
+            ("tiny", np.ascontiguousarray(coffee[200:220, 300:320]))]
+
+
+def records_of(mix: list[tuple[str, np.ndarray]], family) -> list[PreparedRecord]:
+    records = []
+    for name, pixels in mix:
+        image = DecodedImage(pixels, "PNG", "")
+        source = SourceRecord(id=name, unit_id="bench", source="bench", row=0, text="", images=[])
+        records.append(PreparedRecord(source, [image], [family.plan(image.height, image.width)],
+                                      TokenLayout([], [], [])))
+    return records
+
+
+def hf_runner(family, mix, device: torch.device):
+    """The family's HF processor on the whole mix in one call, as a user would call it."""
+    processor = family.reference_processor()
+    kwargs = {"return_tensors": "pt"}
+    if "device" in getattr(processor, "valid_kwargs", object).__annotations__:
+        kwargs["device"] = str(device)
+    # HF processors take RGB; they have no transparent-background compositing.
+    tensors = [torch.from_numpy(np.ascontiguousarray(pixels[..., :3])).permute(2, 0, 1) for _, pixels in mix]
+    return lambda: processor(images=tensors, **kwargs)["pixel_values"], "device" in kwargs
+
+
+def best_seconds(run, device: torch.device, repeats: int) -> float:
+    run()  # warm-up: kernel compilation, allocator, caches
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def best_interleaved(runs: dict, repeats: int) -> dict[str, float]:
+    """Best time of each run, the runs taking turns, so that a machine busy for a while slows them alike."""
+    times = {name: [] for name in runs}
+    for _ in range(repeats + 1):  # the first round warms caches and is not counted
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - started)
+    return {name: min(values[1:]) for name, values in times.items()}
+
+
+def bench_preprocess(config: BenchConfig) -> dict:
+    device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if config.device == "auto" else config.device)
+    family = load_family(config.model)
+    mix = image_mix()
+    records = records_of(mix, family)
+    runners = {}
+    if device.type == "cuda":
+        runners["triton"] = lambda backend=TritonPreprocessor(family, device, config.background): backend(records)
+    runners["torch"] = lambda backend=TorchPreprocessor(family, device, config.background): backend(records)
+    hf, hf_on_device = hf_runner(family, mix, device)
+    runners["hf"] = hf
+    seconds = {name: best_seconds(run, device, config.repeats) for name, run in runners.items()}
+    images, nbytes = len(mix), sum(pixels.nbytes for _, pixels in mix)
+    return {"family": family.name, "device": str(device), "images": images, "input_bytes": nbytes,
+            "hf_device": str(device) if hf_on_device else "cpu", "repeats": config.repeats,
+            "backends": {name: {"seconds": s, "images_per_s": images / s, "bytes_per_s": nbytes / s}
+                         for name, s in seconds.items()},
+            "ratios": {f"{a}/{b}": seconds[b] / seconds[a] for a, b in
+                       [("triton", "torch"), ("triton", "hf"), ("torch", "hf")] if a in seconds and b in seconds}}
+
+
+def format_preprocess(result: dict) -> str:
+    lines = [f"preprocess bench: family {result['family']}, device {result['device']} (HF processor on "
+             f"{result['hf_device']}), {result['images']} images, {result['input_bytes'] / 1e6:.1f} MB uint8, "
+             f"best of {result['repeats']}",
+             f"{'backend':<8} {'images/s':>10} {'MB/s':>10} {'ms/pass':>10}"]
+    for name, row in result["backends"].items():
+        lines.append(f"{name:<8} {row['images_per_s']:>10.1f} {row['bytes_per_s'] / 1e6:>10.1f} "
+                     f"{row['seconds'] * 1e3:>10.1f}")
+    lines.append("speed-up: " + ", ".join(f"{pair} {ratio:.2f}x" for pair, ratio in result["ratios"].items()))
+    return "\n".join(lines)
+
+
+def _write_repeated_demo(copies: int, folder: Path) -> None:
+    import datasets
+
+    features = datasets.Features({"id": datasets.Value("string"), "images": datasets.List(datasets.Image()),
+                                  "text": datasets.Value("string")})
+    rows = demo_rows()
+    for copy in range(copies):
+        table = {"id": [f"{r['id']}-{copy}" for r in rows], "text": [r["text"] for r in rows],
+                 "images": [[{"bytes": b, "path": None} for b in r["images"]] for r in rows]}
+        datasets.Dataset.from_dict(table, features=features).to_parquet(str(folder / f"demo-{copy:03d}.parquet"))
+
+
+def repeated_demo_run(config: BenchConfig) -> Path:
+    """A finished run of the demo records repeated `copies` times, embedded by the job itself on first use."""
+    data = build_once(home() / f"bench-loader-x{config.copies}", lambda folder: _write_repeated_demo(config.copies,
+                                                                                                       folder))
+    root = Path("outputs")
+    name = f"bench-loader-{Path(config.model.path).name if config.model.path else config.model.family}-x{config.copies}"
+    if not RunLayout(root / name).success.exists():
+        model = [f"model.family={config.model.family}"] + ([f"model.path={config.model.path}"] if config.model.path else [])
+        result = subprocess.run([sys.executable, "-m", "batchvlm.jobs.embed", "dataset=parquet", f"dataset.path={data}/*.parquet",
+                                 f"output.root={root}", f"run_name={name}", "runtime.progress=false", *model],
+                                capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"the embed job for the loader bench failed:\n{result.stderr[-3000:]}")
+    return root / name
+
+
+def bench_loader(config: BenchConfig) -> dict:
+    run_dir = Path(config.run_dir) if config.run_dir else repeated_demo_run(config)
+    loader = PackedLoader(run_dir, LoaderConfig(max_tokens=config.max_tokens, num_workers=config.workers),
+                          rank=0, world_size=1)
+    shards = [shard for _, shard in listed_shards(RunLayout(run_dir))]
+    tokens = sum(int(lengths.sum()) for lengths in loader.index.lengths)
+
+    def scan() -> None:
+        # ParquetFile.read, not pq.read_table: the latter first discovers a dataset at the path, which
+        # costs about a third of the read of a 1 MB shard and would flatter the loader.
+        counted = sum(pc.sum(pc.list_value_length(pq.ParquetFile(path).read().column("input_ids"))).as_py()
+                      for path in shards)
+        assert counted == tokens
+
+    def epoch() -> None:
+        assert sum(batch.num_tokens for batch in loader) == tokens
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a DataLoader worker: a batch's small ops gain nothing from intra-op threads
+    try:
+        seconds = best_interleaved({"pyarrow scan": scan, "loader": epoch}, config.repeats)
+    finally:
+        torch.set_num_threads(threads)
+    packs = loader.epoch_packs()
+    return {"run_dir": str(run_dir), "shards": len(shards), "records": sum(map(len, loader.index.lengths)),
+            "tokens": tokens, "max_tokens": config.max_tokens, "workers": config.workers, "repeats": config.repeats,
+            "readers": {name: {"seconds": s, "tokens_per_s": tokens / s} for name, s in seconds.items()},
+            "ratio": seconds["pyarrow scan"] / seconds["loader"], "packs": len(packs),
+            "packing_efficiency": packing_efficiency(loader.index, packs, config.max_tokens)}
+
+
+def format_loader(result: dict) -> str:
+    lines = [f"loader bench: {result['run_dir']}, {result['records']} records in {result['shards']} shards, "
+             f"{result['tokens']} tokens; max_tokens {result['max_tokens']}, {result['workers']} workers, "
+             f"best of {result['repeats']}",
+             f"{'reader':<13} {'tokens/s':>12} {'ms/epoch':>10}"]
+    for name, row in result["readers"].items():
+        lines.append(f"{name:<13} {row['tokens_per_s']:>12.0f} {row['seconds'] * 1e3:>10.1f}")
+    lines.append(f"loader / pyarrow scan: {result['ratio']:.2f}x")
+    lines.append(f"packing efficiency: {result['packing_efficiency']:.3f} ({result['packs']} packs of {result['max_tokens']})")
+    return "\n".join(lines)

@@ -1,0 +1,113 @@
+"""Ranks under `accelerate launch` (or srun + accelerate, or plain python): who am I, and barriers.
+
+Everything else is coordinated through the shared run directory, so nothing here assumes one node.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+
+from batchvlm.devices import on_cpu
+from batchvlm.rundir.claims import Claims, owner_name
+from batchvlm.rundir.durable import durable_write_json
+from batchvlm.rundir.layout import RunLayout
+
+
+@dataclass
+class Ranks:
+    rank: int
+    world: int
+    local_rank: int
+    state: PartialState
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            self.state.wait_for_everyone()
+
+    def close(self) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def init_ranks(device: str) -> tuple[Ranks, torch.device]:
+    """The process's rank and the device it owns (cuda:<local rank> on GPUs)."""
+    cpu = on_cpu(device)
+    state = PartialState(cpu=cpu)
+    ranks = Ranks(state.process_index, state.num_processes, state.local_process_index, state)
+    if cpu:
+        return ranks, torch.device("cpu")
+    if device in ("auto", "cuda"):
+        return ranks, torch.device("cuda", ranks.local_rank)
+    return ranks, torch.device(device)
+
+
+class Coordinator:
+    """Per-attempt rank state in the shared run directory: progress counts, claims and heartbeats.
+
+    Ranks meet only here once they have started: they claim units and buckets through files, and the
+    end of the run is every unit and bucket committed, not a collective, so a long tail on one rank
+    can never time out a barrier and a dead rank costs only the units it held.
+    """
+
+    def __init__(self, layout: RunLayout, ranks: Ranks):
+        self.ranks = ranks
+        self.layout = layout
+        if ranks.is_main:
+            if layout.ranks.exists():
+                shutil.rmtree(layout.ranks)
+            layout.ranks.mkdir(parents=True)
+            durable_write_json(layout.attempt_token, {"attempt": uuid.uuid4().hex, "world": ranks.world})
+        ranks.barrier()
+        self.attempt = json.loads(layout.attempt_token.read_text())["attempt"]
+        layout.attempt(self.attempt).mkdir(parents=True, exist_ok=True)
+        self.owner = owner_name(ranks.rank, uuid.uuid4().hex[:8])
+        self._last_report = 0.0
+
+    def claims(self, lease_s: float) -> Claims:
+        return Claims(self.layout.claims(self.attempt), self.owner, lease_s)
+
+    def _file(self, rank: int, kind: str) -> Path:
+        return self.layout.rank_file(self.attempt, rank, kind)
+
+    def report(self, records_done: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_report > 1.0:
+            self._last_report = now
+            durable_write_json(self._file(self.ranks.rank, "progress"), {"records": records_done})
+
+    def records_done(self) -> int:
+        return sum(stats["records"] for stats in self._read_all("progress"))
+
+    def done(self, stats: dict) -> None:
+        self.report(stats.get("records", 0), force=True)
+        durable_write_json(self._file(self.ranks.rank, "done"), stats)
+
+    def rank_stats(self, claims: Claims, poll_s: float) -> list[dict]:
+        """Rank 0: what every rank reported once it finished; a rank whose heartbeat expired reports nothing."""
+        def settled(rank: int) -> bool:
+            return self._file(rank, "done").exists() or claims.expired(owner_name(rank, "*"))
+
+        while not all(settled(rank) for rank in range(self.ranks.world)):
+            time.sleep(poll_s)
+        return self._read_all("done")
+
+    def _read_all(self, kind: str) -> list[dict]:
+        found = []
+        for path in self.layout.rank_files(self.attempt, kind):
+            try:
+                found.append(json.loads(path.read_text()))
+            except (FileNotFoundError, json.JSONDecodeError):
+                continue
+        return found

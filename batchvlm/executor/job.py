@@ -1,0 +1,249 @@
+"""The job: one rank's part of it, as a plain chain of steps. It knows stages and records, no family.
+
+    build:     the device, the family and its tower, the run directory, the device stage       (build)
+    plan:      rank 0 plans the units from the inputs' metadata; every rank reads the plan     (Job.plan)
+    embed:     until every unit is committed, by any rank:                                     (Job.embed)
+                 workers:       claim a unit -> source -> decode -> plan -> layout             (executor.worker)
+                 main process:  token-budget batches -> device -> rows                         (batching, device, rows)
+                 writer thread: sink (atomic per-unit commit)                                  (rundir.sink)
+    dedup:     ranks claim the hash buckets of the ids and list the later occurrences          (Job.find_duplicates)
+    finish:    rank 0 writes the run's totals once every rank is done                          (rundir.run)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from batchvlm.config import JobConfig
+from batchvlm.executor.batching import TokenBudgetBatcher, batches
+from batchvlm.executor.device import Device, encoded
+from batchvlm.executor.distributed import Coordinator, Ranks, init_ranks
+from batchvlm.executor.overlap import Streams
+from batchvlm.executor.progress import Progress
+from batchvlm.executor.rows import Assembler, rows
+from batchvlm.executor.tally import JobAborted, Tally
+from batchvlm.executor.worker import PreparedStream, prepared_units
+from batchvlm.families import Family, load_family
+from batchvlm.format.schema import EMBED_DTYPES
+from batchvlm.pipeline.decode import Decoder
+from batchvlm.pipeline.jpeg import JpegBatchDecoder, resolve_jpeg_decode
+from batchvlm.pipeline.preprocess import PreprocessGuard, make_preprocessor, resolve_backend
+from batchvlm.records import WorkUnit
+from batchvlm.rundir.claims import Claims, Heartbeat
+from batchvlm.rundir.dedup import commit_bucket, find_duplicates
+from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
+from batchvlm.rundir.manifest import remove_orphans
+from batchvlm.rundir.run import RunDir
+from batchvlm.rundir.sink import RunSink, SinkWriter
+from batchvlm.rundir.workunits import Plan, make_plan, read_plan
+from batchvlm.sources import Source, make_source
+from batchvlm.sources.requeue import RequeueSource, requeue_source, write_lineage
+
+__all__ = ["JobAborted", "run_job", "summarize"]
+
+log = logging.getLogger("batchvlm")
+
+
+def resolve_auto(job: JobConfig, device: torch.device) -> JobConfig:
+    """The config with its `auto` choices made for the device the job runs on: the fingerprint and config.yaml name
+    what runs (the backends' pixels differ by a level, nvJPEG's are not libjpeg-turbo's)."""
+    return dataclasses.replace(
+        job, preprocess=dataclasses.replace(job.preprocess, backend=resolve_backend(job.preprocess.backend, device)),
+        decode=dataclasses.replace(job.decode, jpeg=resolve_jpeg_decode(job.decode.jpeg, device)))
+
+
+@dataclass
+class Parts:
+    """What a rank runs the job with, all built before any unit is claimed."""
+
+    job: JobConfig
+    ranks: Ranks
+    device: torch.device
+    layout: RunLayout
+    family: Family
+    run: RunDir
+    stage: Device
+    assembler: Assembler
+    requeue: RequeueSource | None
+
+
+def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device) -> Parts:
+    """The family and its tower, the run directory (its fingerprint checked), and the device stage."""
+    family = load_family(job.model)
+    requeue = requeue_source(job, layout.root) if job.requeue_from else None
+    encoder = family.load_encoder(device, EMBED_DTYPES[job.model.dtype])
+    run = RunDir(layout, job, family, encoder, ranks)
+    embed_dtype = EMBED_DTYPES[job.output.embed_dtype]
+    stage = Device(make_preprocessor(job.preprocess.backend, family, device, job.preprocess.background), encoder,
+                   PreprocessGuard.from_config(job.preprocess, family, job.preprocess.background), embed_dtype,
+                   Streams(device) if job.runtime.overlap else None, _jpeg_decoder(job, device))
+    assembler = Assembler(embed_dtype, encoder.hidden_sizes, job.output.quarantine_bytes_cap, run.fingerprint_digest)
+    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue)
+
+
+def _jpeg_decoder(job: JobConfig, device: torch.device) -> JpegBatchDecoder | None:
+    """decode.jpeg=device: the batched decoder, with the safe path (forced: it must not defer again) for the
+    images it cannot decode."""
+    if job.decode.jpeg != "device":
+        return None
+    return JpegBatchDecoder(device, Decoder(dataclasses.replace(job.decode, jpeg="safe")))
+
+
+class Job:
+    """One rank's part of the job; every rank of `accelerate launch` runs one."""
+
+    def __init__(self, parts: Parts):
+        self.parts, self.job, self.layout, self.ranks = parts, parts.job, parts.layout, parts.ranks
+        self.tally = Tally(parts.job.checks)
+
+    def run_all(self) -> dict | None:
+        """Embed until every unit is committed, then find duplicates; rank 0 returns the summary."""
+        started = time.perf_counter()
+        if (done := self.parts.run.completed()) is not None:
+            log.info("%s is already complete: nothing to do", self.layout.root)
+            return done
+        plan, source, coordinator = self.plan()
+        claims = coordinator.claims(self.job.runtime.lease_s)
+        sink = RunSink(self.layout, self.parts.run.schema_metadata(self.parts.assembler.hidden_sizes),
+                       self.job.output.compression, claims, plan.dedup_buckets, self.ranks.rank)
+        heartbeat = Heartbeat(claims)
+        try:
+            self.embed(plan, source, claims, sink, coordinator)
+            self.find_duplicates(plan, claims)
+        finally:
+            heartbeat.stop()
+        tally = self.tally
+        coordinator.done({"rank": self.ranks.rank, "records": tally.seen, "image_tokens": tally.image_tokens})
+        if not self.ranks.is_main:
+            return None
+        remove_orphans(self.layout)  # files of ranks that died or lost a unit: no manifest lists them
+        stats = coordinator.rank_stats(claims, self.job.runtime.poll_s)
+        return self.parts.run.finish(plan, time.perf_counter() - started, sum(s["records"] for s in stats),
+                                     sum(s["image_tokens"] for s in stats))
+
+    def plan(self) -> tuple[Plan, Source, Coordinator]:
+        """Rank 0 plans from the inputs' metadata (or checks the plan of an earlier attempt) and clears what a
+        crashed attempt left; the others read the plan, and list nothing."""
+        requeue = self.parts.requeue
+        if self.ranks.is_main:
+            started = time.perf_counter()
+            source = requeue or make_source(self.job.dataset)
+            plan = make_plan(self.layout, source, self.job.dataset, self.job.runtime.dedup_buckets)
+            log.info("plan: %d work units from %d inputs in %.2f s", len(plan.units), len(plan.inputs),
+                     time.perf_counter() - started)
+            if requeue is not None:
+                write_lineage(self.layout, requeue)
+            if removed := remove_orphans(self.layout):
+                log.info("removed %d files of an earlier attempt that no manifest lists", len(removed))
+        coordinator = Coordinator(self.layout, self.ranks)  # a barrier: the plan exists after it
+        plan = read_plan(self.layout)
+        if not self.ranks.is_main:
+            source = requeue or make_source(self.job.dataset, plan.inputs)
+        return plan, source, coordinator
+
+    def embed(self, plan: Plan, source: Source, claims: Claims, sink: RunSink, coordinator: Coordinator) -> None:
+        """Claim and embed units until every unit of the plan is committed (by any rank)."""
+        committed = sink.committed()
+        log.info("rank %d/%d: %d work units in the run, %d committed", self.ranks.rank, self.ranks.world,
+                 len(plan.units), len(committed))
+        todo = [unit for unit in plan.claim_order() if unit.unit_id not in committed]
+        progress = Progress(sum(unit.num_rows or 0 for unit in todo) or None, f"embed {self.layout.root.name}",
+                            self.job.runtime.progress and self.ranks.is_main, self.job.runtime.progress_interval_s)
+        try:
+            while todo:
+                if any(claims.claimable(unit.unit_id) for unit in todo):
+                    self.embed_claimed(source, todo, claims, sink, lambda: self._show(progress, coordinator))
+                else:  # every unit left is held by a live rank: look again (one may die)
+                    self._show(progress, coordinator)
+                    time.sleep(self.job.runtime.poll_s)
+                committed = sink.committed()
+                todo = [unit for unit in todo if unit.unit_id not in committed]
+            self._show(progress, coordinator)
+        finally:
+            progress.close()
+
+    def embed_claimed(self, source: Source, todo: list[WorkUnit], claims: Claims, sink: RunSink, shown) -> None:
+        """One pass of the workers over the units left: the chain from claimed units to committed shards."""
+        runtime, parts = self.job.runtime, self.parts
+        stream = PreparedStream(source, todo, parts.family, self.job, claims, self.layout)
+        prepared = prepared_units(stream, runtime.num_workers, runtime.prefetch)  # workers fork before the writer
+        writer = SinkWriter(sink, runtime.writer_queue)
+        batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
+        try:
+            for item in rows(encoded(batches(prepared, batcher), parts.stage), parts.assembler):
+                if not isinstance(item, list):
+                    writer.submit(item)  # a unit opens or closes
+                    continue
+                for row in item:
+                    writer.submit(row)
+                self.tally.count(item)
+                shown()
+            writer.close()
+        finally:
+            writer.close()
+            sink.abandon_open_units()
+            if parts.stage.jpegs is not None:
+                parts.stage.jpegs.close()  # its safe path's child; started again on the next use
+
+    def find_duplicates(self, plan: Plan, claims: Claims) -> None:
+        """Ranks claim the hash partitions of the ids one at a time and list the later occurrences of each id."""
+        locations = {item.name: item.location for item in plan.inputs}
+        manifests = None
+        while missing := [b for b in range(plan.dedup_buckets) if not self.layout.bucket_result(b).exists()]:
+            claim = next((c for bucket in missing if (c := claims.try_claim(f"dedup-{bucket:05d}"))), None)
+            if claim is None:  # the rest are held by live ranks: wait for them (or for their leases to expire)
+                time.sleep(self.job.runtime.poll_s)
+                continue
+            if manifests is None:  # in plan order: the first occurrence is the one kept
+                manifests = plan.manifests(self.layout)
+            bucket = int(claim.task.rsplit("-", 1)[1])
+            duplicates = find_duplicates(self.layout, manifests, bucket, locations)
+            if claims.holds(claim):
+                commit_bucket(self.layout, bucket, duplicates)
+
+    def _show(self, progress: Progress, coordinator: Coordinator) -> None:
+        """This rank's count for the others; on rank 0, progress over every rank's count."""
+        coordinator.report(self.tally.seen)
+        if self.ranks.is_main:
+            progress.show(coordinator.records_done())
+
+
+def rank_job(job: JobConfig, run_dir: Path) -> Job:
+    """This process's Job: its rank joined, `auto` resolved for its device, every part built."""
+    ranks, device = init_ranks(job.model.device)
+    try:
+        return Job(build(resolve_auto(job, device), RunLayout(run_dir), ranks, device))
+    except BaseException:
+        ranks.close()
+        raise
+
+
+def run_job(job: JobConfig, run_dir: Path) -> dict | None:
+    runner = rank_job(job, run_dir)
+    try:
+        return runner.run_all()
+    finally:
+        runner.ranks.close()
+
+
+def summarize(summary: dict) -> str:
+    layout = RunLayout(Path(summary["run_dir"]))
+    lines = [f"run directory: {summary['run_dir']}",
+             f"records in: {summary['records_in']}  written: {summary['written']}  "
+             f"quarantined: {summary['quarantined']}"]
+    for check, count in sorted(summary["by_check"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {check}: {count}")
+    lines.append(f"throughput: {summary['records_per_s']:.1f} records/s, {summary['tokens_per_s']:.0f} image tokens/s "
+                 f"over {summary['seconds']:.1f} s")
+    lines.append(f"data: {layout.folder(DATA)}  quarantine: {layout.folder(QUARANTINE)}")
+    for check, count in sorted(summary.get("fallbacks", {}).items()):
+        lines.append(f"  redone on the CPU path after {check}: {count}")
+    if not summary["complete"]:
+        lines.append("NOT COMPLETE: some units are not committed; rerun the same command to finish")
+    return "\n".join(lines)

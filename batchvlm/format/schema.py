@@ -1,0 +1,62 @@
+"""The Parquet contract: the row schemas of data and quarantine shards, the stored embedding dtypes, the extra
+embedding columns an encoder may fill, and the values of token_tags. Writers and readers both take them from here."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import torch
+
+TEXT, IMAGE, FRAME = 0, 1, 2
+"""token_tags values: text, an image-embedding position, a frame token around an image's span."""
+
+EXTRA_OUTPUTS = {
+    "tower_embeds": "the tower's features before the projector, grouped per LLM token (model.embedding=both)",
+    "pooled_embeds": "one pooled vector per image (SigLIP2's attention-pooling head)",
+    "deepstack_embeds": "Qwen3-VL deepstack features per LLM token, the layers concatenated along hidden",
+}
+"""Outputs an encoder may return beside `image_embeds`; each is stored in its own column."""
+
+EMBED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+_SIZE = pa.list_(pa.int32(), 2)
+
+DATA_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("row", pa.int64()),
+    ("text", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("image_spans", pa.list_(pa.struct([("start", pa.int32()), ("length", pa.int32())]))),
+    ("token_tags", pa.list_(pa.int8())),
+    ("grid_thw", pa.list_(pa.list_(pa.int32(), 3))),
+    ("original_size", pa.list_(_SIZE)),
+    ("resized_size", pa.list_(_SIZE)),
+    ("image_sha256", pa.list_(pa.string())),
+    ("image_num_tokens", pa.list_(pa.int32())),
+    ("num_image_tokens", pa.int32()),
+    ("image_embeds", pa.large_binary()),
+    # Null where the family has no such output (see EXTRA_OUTPUTS and Family.positions).
+    ("tower_embeds", pa.large_binary()),
+    ("pooled_embeds", pa.large_binary()),
+    ("deepstack_embeds", pa.large_binary()),
+    ("position_ids", pa.list_(pa.list_(pa.int32()), 3)),
+    ("rope_delta", pa.int32()),
+])
+
+QUARANTINE_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("row", pa.int64()),
+    ("unit", pa.string()),
+    ("stage", pa.string()),
+    ("check", pa.string()),
+    ("message", pa.string()),
+    ("expected", pa.string()),
+    ("observed", pa.string()),
+    ("exception_type", pa.string()),
+    ("image_index", pa.int32()),
+    ("image_bytes", pa.list_(pa.large_binary())),
+    ("image_paths", pa.list_(pa.string())),
+    ("text", pa.string()),
+    ("fingerprint", pa.string()),
+])

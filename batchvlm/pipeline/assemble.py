@@ -1,0 +1,73 @@
+"""Assemble: one output row per record, in the schema of the output contract (DESIGN.md)."""
+
+from __future__ import annotations
+
+import torch
+
+from batchvlm.checks import require
+from batchvlm.format.schema import EXTRA_OUTPUTS
+from batchvlm.records import EncodedRecord, QuarantinedRecord, SourceRecord
+
+
+def embed_bytes(embeds: list[torch.Tensor], dtype: torch.dtype, hidden_size: int) -> bytes:
+    """The tokens of all images in span order, as raw little-endian bytes of `dtype`."""
+    if not embeds:
+        return b""
+    joined = torch.cat(embeds).to(device="cpu", dtype=dtype).contiguous()
+    data = joined.view(torch.uint8).numpy().tobytes()
+    expected = joined.shape[0] * hidden_size * joined.element_size()
+    require(len(data) == expected, "assemble.embed_bytes", "embedding bytes do not match n_tokens x hidden x dtype",
+            expected=expected, observed=len(data))
+    return data
+
+
+def data_row(encoded: EncodedRecord, dtype: torch.dtype, hidden_sizes: dict[str, int]) -> dict:
+    record = encoded.prepared
+    layout = record.layout
+    require(len(layout.token_tags) == len(layout.input_ids), "assemble.token_tags",
+            "token_tags must cover the full sequence", expected=len(layout.input_ids),
+            observed=len(layout.token_tags))
+    plans = record.plans
+    return {
+        "id": record.source.id,
+        "source": record.source.source,
+        "row": record.source.row,
+        "text": record.source.text,
+        "input_ids": layout.input_ids,
+        "image_spans": [{"start": start, "length": length} for start, length in layout.image_spans],
+        "token_tags": layout.token_tags,
+        "grid_thw": [list(plan.grid_thw) for plan in plans],
+        "original_size": [list(plan.original) for plan in plans],
+        "resized_size": [list(plan.resized) for plan in plans],
+        "image_sha256": [image.sha256 for image in record.images],
+        "image_num_tokens": [plan.num_tokens for plan in plans],
+        "num_image_tokens": sum(plan.num_tokens for plan in plans),
+        "image_embeds": embed_bytes(encoded.image_embeds, dtype, hidden_sizes["image_embeds"]),
+        **{name: embed_bytes(encoded.extras[name], dtype, hidden_sizes[name]) if name in encoded.extras else None
+           for name in EXTRA_OUTPUTS},
+        "position_ids": layout.position_ids.tolist() if layout.position_ids is not None else None,
+        "rope_delta": layout.rope_delta,
+    }
+
+
+def quarantine_row(item: QuarantinedRecord, bytes_cap: int, fingerprint: str) -> dict:
+    source: SourceRecord = item.source
+    failure = item.failure
+    return {
+        "id": source.id,
+        "source": source.source,
+        "row": source.row,
+        "unit": source.unit_id,
+        "stage": failure.stage,
+        "check": failure.check,
+        "message": failure.message,
+        "expected": failure.expected,
+        "observed": failure.observed,
+        "exception_type": failure.exception_type,
+        "image_index": failure.image_index,
+        "image_bytes": [ref.data if ref.data is not None and len(ref.data) <= bytes_cap else None
+                        for ref in source.images],
+        "image_paths": [ref.path for ref in source.images],
+        "text": source.text,
+        "fingerprint": fingerprint,
+    }

@@ -1,0 +1,242 @@
+"""Safe decoding: bytes in, upright RGB or RGBA uint8 pixels out, or a decode.* failure.
+
+- Only allowlisted decoders ever run: the bytes are opened with `formats=decode.formats`; a file
+  that no allowed decoder takes is named by Pillow's magic-byte `accept` checks alone (no decoder
+  of a refused format is invoked, so EPS never reaches Ghostscript).
+- Limits come before pixels: the encoded size, then the header's width x height; Pillow's bomb
+  warning is an error.
+- The whole image loads inside the same guard as the open, so truncation surfaces here.
+- Animated files (GIF, APNG, WebP, MPO): the first frame only, always; later frames are never read.
+- With `decode.isolation=process` each image decodes in a forked child process with a time limit,
+  so a segfault or a hang in a C decoder costs that record (decode.crashed / decode.timeout).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import hashlib
+import io
+import os
+import signal
+import struct
+import warnings
+from multiprocessing.connection import Connection, Pipe
+from pathlib import Path
+
+import fsspec
+import numpy as np
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+
+from batchvlm.checks import CheckFailed, require
+from batchvlm.config import DecodeConfig
+from batchvlm.faults import fault
+from batchvlm.pipeline.jpeg import deferred
+from batchvlm.records import DecodedImage, EncodedJpeg, ImageRef
+
+# A truncated file must fail, never come back half black.
+ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+# What Pillow's own fuzzers accept as a clean failure, plus the few that malformed files raise in practice.
+DECODER_ERRORS = (SyntaxError, ValueError, NotImplementedError, OverflowError, MemoryError, IndexError, TypeError,
+                  KeyError, ZeroDivisionError, EOFError, AttributeError, RuntimeError, struct.error)
+
+
+def read_bytes(ref: ImageRef, image_index: int) -> bytes:
+    """The image's bytes: given, read from a local path, or through fsspec for a URL the dataset allows."""
+    if ref.data is not None:
+        return ref.data
+    remote = isinstance(ref.path, str) and "://" in ref.path
+    if remote and ref.storage_options is None:
+        raise CheckFailed("decode.missing_file", f"the image is given as a URL ({ref.path}); set "
+                          "dataset.fetch_urls=true to read it through fsspec", expected="image bytes or a path",
+                          observed="a URL", image_index=image_index)
+    try:
+        if remote:
+            with fsspec.open(ref.path, "rb", **ref.storage_options) as handle:
+                return handle.read()
+        return Path(ref.path).read_bytes()
+    except (OSError, TypeError, ValueError) as error:
+        raise CheckFailed("decode.missing_file", f"cannot read image file {ref.path}: {error}",
+                          expected="a readable file", observed=type(error).__name__, image_index=image_index)
+
+
+def sniff_format(data: bytes) -> str | None:
+    """The format Pillow's magic-byte checks name, without running any decoder."""
+    Image.init()
+    prefix = data[:16]
+    for name in Image.ID:
+        accept = Image.OPEN[name][1]
+        try:
+            if accept is not None and accept(prefix):
+                return name
+        except Exception:
+            continue
+    return None
+
+
+def decode_image(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> DecodedImage:
+    def fail(check: str, message: str, expected: object, observed: object) -> CheckFailed:
+        return CheckFailed(check, message, expected=expected, observed=observed, image_index=image_index)
+
+    if not data:
+        raise fail("decode.unreadable", "the image is empty (0 bytes)", "image bytes", "0 bytes")
+    if len(data) > cfg.max_bytes:
+        raise fail("decode.too_many_pixels", "encoded image is over decode.max_bytes",
+                   f"<= {cfg.max_bytes} bytes", f"{len(data)} bytes")
+    with warnings.catch_warnings():
+        # Pillow only warns between 1x and 2x its own bomb limit; here every such warning is an error.
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            image = _open_allowed(data, cfg, image_index)
+            image_format = image.format
+            width, height = image.size
+            require(width * height <= cfg.max_pixels, "decode.too_many_pixels",
+                    f"image is {width}x{height} = {width * height} pixels, over decode.max_pixels",
+                    expected=f"<= {cfg.max_pixels} pixels", observed=f"{width * height} pixels",
+                    image_index=image_index)
+            image.load()  # frame 0: the frame policy is "first frame only"
+            pixels = to_rgb_or_rgba(ImageOps.exif_transpose(image))
+        except CheckFailed:
+            raise
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+            raise fail("decode.too_many_pixels", str(error), "within Pillow's bomb limit", type(error).__name__)
+        except OSError as error:
+            truncated = "truncated" in str(error).lower() or "broken data stream" in str(error)
+            raise fail("decode.truncated" if truncated else "decode.failed", f"{type(error).__name__}: {error}",
+                       "a complete image", type(error).__name__)
+        except DECODER_ERRORS as error:
+            raise fail("decode.failed", f"{type(error).__name__}: {error}", "a decodable image", type(error).__name__)
+    return DecodedImage(pixels=pixels, format=image_format, sha256=hashlib.sha256(data).hexdigest())
+
+
+def decode_or_defer(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> DecodedImage | EncodedJpeg:
+    """The safe path; with decode.jpeg=device, a JPEG the batched decoder reads alike is only header-checked here
+    and left for the main process (jpeg.py)."""
+    if cfg.jpeg == "device" and (jpeg := deferred(data, cfg)) is not None:
+        return jpeg
+    return decode_image(data, cfg, image_index)
+
+
+def _open_allowed(data: bytes, cfg: DecodeConfig, image_index: int) -> Image.Image:
+    try:
+        return Image.open(io.BytesIO(data), formats=list(cfg.formats))
+    except UnidentifiedImageError:
+        sniffed = sniff_format(data)
+    if sniffed is None or sniffed in cfg.formats:
+        raise CheckFailed("decode.unreadable", "the bytes are not an image Pillow can identify",
+                          expected="an image", observed=f"{len(data)} bytes starting {data[:8]!r}",
+                          image_index=image_index)
+    raise CheckFailed("decode.format_not_allowed", f"{sniffed} images are not in decode.formats",
+                      expected=", ".join(cfg.formats), observed=sniffed, image_index=image_index)
+
+
+def to_rgb_or_rgba(image: Image.Image) -> np.ndarray:
+    """HWC uint8: RGBA where the image carries transparency, RGB otherwise. Deep images are scaled, not clipped."""
+    if image.mode.startswith("I") or image.mode == "F":
+        gray = _scale_to_uint8(np.asarray(image), image.mode)
+        return np.repeat(gray[..., None], 3, axis=2)
+    has_alpha = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info
+    converted = image.convert("RGBA" if has_alpha else "RGB")
+    return np.asarray(converted, dtype=np.uint8).copy()
+
+
+def _scale_to_uint8(values: np.ndarray, mode: str) -> np.ndarray:
+    """16-bit: /257 (65535 -> 255). 32-bit int that fits 0..255: as is. Other I / F: min-max to 0..255."""
+    values = values.astype(np.float64)
+    if mode.startswith("I;16"):
+        return (values / 257.0).round().clip(0, 255).astype(np.uint8)
+    low, high = float(values.min()), float(values.max())
+    if mode == "I" and low >= 0 and high <= 255:
+        return values.astype(np.uint8)
+    if mode == "F" and low >= 0 and high <= 1:
+        return (values * 255).round().astype(np.uint8)
+    return ((values - low) / ((high - low) or 1.0) * 255).round().clip(0, 255).astype(np.uint8)
+
+
+# -- isolation ---------------------------------------------------------------------------------
+def _serve(conn: Connection, cfg: DecodeConfig) -> None:
+    faulthandler.disable()  # a decoder crash is reported by the parent as decode.crashed, not dumped here
+    while True:
+        try:
+            data, image_index = conn.recv()
+        except EOFError:
+            return
+        digest = hashlib.sha256(data).hexdigest()
+        if (target := fault("decode.crash")) and digest.startswith(target):
+            os.abort()
+        if (target := fault("decode.hang")) and digest.startswith(target):
+            signal.pause()
+        try:
+            conn.send(("ok", decode_or_defer(data, cfg, image_index)))
+        except CheckFailed as failure:
+            conn.send(("failed", failure))
+
+
+class Decoder:
+    """Decodes images in a forked child process (restarted after a crash or a hang) or in-process.
+
+    `os.fork` rather than multiprocessing: DataLoader workers are daemonic, and daemonic
+    processes may not start multiprocessing children.
+    """
+
+    def __init__(self, cfg: DecodeConfig):
+        self.cfg = cfg
+        self.pid: int | None = None
+        self.conn: Connection | None = None
+
+    def __call__(self, ref: ImageRef, image_index: int) -> DecodedImage | EncodedJpeg:
+        data = read_bytes(ref, image_index)
+        if self.cfg.isolation == "none":
+            return decode_or_defer(data, self.cfg, image_index)
+        if self.pid is None:
+            self._start()
+        self.conn.send((data, image_index))
+        if not self.conn.poll(self.cfg.timeout_s):
+            self._stop()
+            raise CheckFailed("decode.timeout", f"decoding took longer than decode.timeout_s={self.cfg.timeout_s}",
+                              expected=f"<= {self.cfg.timeout_s} s", observed="killed after the limit",
+                              image_index=image_index)
+        try:
+            status, value = self.conn.recv()
+        except (EOFError, OSError):
+            code = self._stop()
+            raise CheckFailed("decode.crashed", f"the decoder process died ({_describe(code)})",
+                              expected="a clean exception or an image", observed=_describe(code),
+                              image_index=image_index) from None
+        if status == "failed":
+            raise value
+        return value
+
+    def _start(self) -> None:
+        parent, child = Pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: serve until the parent closes the pipe
+            parent.close()
+            try:
+                _serve(child, self.cfg)
+            finally:
+                os._exit(0)
+        child.close()
+        self.pid, self.conn = pid, parent
+
+    def _stop(self) -> int:
+        pid, self.pid = self.pid, None
+        self.conn.close()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return os.waitpid(pid, 0)[1]
+
+    def close(self) -> None:
+        if self.pid is not None:
+            self._stop()
+
+    def __getstate__(self):  # a copy sent to a DataLoader worker starts its own child
+        return {"cfg": self.cfg, "pid": None, "conn": None}
+
+
+def _describe(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit status {os.WEXITSTATUS(status)}" if os.WIFEXITED(status) else f"wait status {status}"

@@ -1,0 +1,304 @@
+"""Preprocessing: decoded images of many records -> one packed pixel tensor in the tower's layout.
+
+Backends (`preprocess.backend`): `triton` (kernels/pack_pixels.py: the whole batch in two launches),
+`torch` (kernels/reference.py in torch ops, on the job's device) and `reference` (the family's
+Hugging Face image processor, the oracle); `auto` is triton on CUDA, torch otherwise.
+
+Every image is checked against its plan whichever backend ran, and a deterministic sample of
+images is compared with the HF processor (parity). An image that fails is redone on the CPU path
+(`preprocess.fallback=cpu`) or its record quarantined (`quarantine`); `PreprocessGuard` notes either on the record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+from batchvlm.checks import CheckFailed, require
+from batchvlm.config import ConfigError
+from batchvlm.faults import fault
+from batchvlm.kernels.reference import composite, resize_image
+from batchvlm.devices import to_device
+from batchvlm.records import DecodedImage, ImagePlan, PixelBatch, PreparedRecord, PreprocessStats
+
+log = logging.getLogger("batchvlm")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """`auto`: the Triton kernels on CUDA, torch ops elsewhere (Triton runs on CPU only interpreted)."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(f"preprocess.backend=triton needs a CUDA device, and the job runs on {device} "
+                          "(model.device); use preprocess.backend=auto or torch, or TRITON_INTERPRET=1 to debug")
+    return backend
+
+
+def normalization(family, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (scale, bias) with x*scale + bias == (x/255 - mean)/std, computed in float64."""
+    mean = torch.tensor(family.image_mean, dtype=torch.float64)
+    std = torch.tensor(family.image_std, dtype=torch.float64)
+    return (1.0 / (255.0 * std)).float().to(device), (-mean / std).float().to(device)
+
+
+def backend_plan(image: DecodedImage, plan: ImagePlan, layout) -> ImagePlan:
+    """The plan a backend works to: the image's own, unless a test forces a wrong grid on the backend
+    (fault `preprocess.wrong_grid=<sha256 prefix>`: one merge window wider). The CPU fallback path
+    reads the plan itself, so it stays right."""
+    target = fault("preprocess.wrong_grid")
+    if target and image.sha256.startswith(target):
+        wider = plan.padded[1] + layout.patch_size * layout.merge_size
+        return dataclasses.replace(plan, padded=(plan.padded[0], wider))
+    return plan
+
+
+def _resized(image: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Tensor:
+    """reference.resize_image, but left in uint8 on the CPU, where torch runs PIL's own uint8 algorithm; elsewhere
+    its float passes, whose values are whole numbers (each pass rounds and clamps)."""
+    if image.device.type == "cpu":
+        return F.interpolate(image[None], size=size, mode=mode, align_corners=False, antialias=True)[0]
+    return resize_image(image, size, mode)
+
+
+def pixels_on(image: DecodedImage, device: torch.device) -> torch.Tensor:
+    """HWC uint8 on `device`: where the decoder left it (decode.jpeg=device), or copied there from the host."""
+    pixels = image.pixels if isinstance(image.pixels, torch.Tensor) else torch.from_numpy(image.pixels)
+    return to_device(pixels, device)
+
+
+def _images_and_plans(records: list[PreparedRecord]) -> tuple[list[DecodedImage], list[ImagePlan]]:
+    return ([image for record in records for image in record.images],
+            [plan for record in records for plan in record.plans])
+
+
+class TorchPreprocessor:
+    """The family's pixel contract in plain torch ops (kernels/reference.py), image by image.
+
+    The image stays uint8 through padding and is normalized where it has the fewest values: as rows, after a
+    uint8 patchify that moves a quarter of the bytes a float one would (Kimi, SigLIP2), or before patchify where
+    a row repeats the image over frames (Qwen). Every value before normalization is an integer in 0..255 (the
+    resize rounds and clamps, compositing floors), so the rows equal reference.normalized_image's patchified,
+    bit for bit.
+    """
+
+    def __init__(self, family, device: torch.device, background: str):
+        self.family = family
+        self.device = device
+        self.background = background
+        self.scale, self.bias = (t.view(3, 1, 1) for t in normalization(family, device))
+        self.row_scale, self.row_bias = (self._as_row(t) for t in (self.scale, self.bias))
+
+    def _as_row(self, per_channel: torch.Tensor) -> torch.Tensor:
+        """A (3, 1, 1) per-channel value laid out as one row of the family's layout (broadcasts over the rows)."""
+        window = self.family.layout.patch_size * self.family.layout.merge_size
+        return self.family.patchify(per_channel.expand(3, window, window))[:1]
+
+    def padded_uint8(self, pixels: torch.Tensor, plan: ImagePlan) -> torch.Tensor:
+        """HWC uint8 (RGB or RGBA) -> CHW uint8 at the padded size: resized, composited, padded with raw 0."""
+        image = pixels.permute(2, 0, 1)
+        # Kimi never scales up, so most images keep their size: a same-size resize is a whole filter pass for nothing.
+        if tuple(image.shape[1:]) != plan.resized:
+            image = _resized(image, plan.resized, self.family.resample)
+        image = composite(image, self.background)
+        if image.dtype == torch.uint8 and tuple(image.shape[1:]) == plan.padded:
+            return image  # nothing to pad (Qwen and SigLIP2 never pad)
+        # The canvas takes the image's memory layout (HWC as decoded, CHW once resized), so that filling it copies
+        # whole rows; patchify reads either through a CHW view.
+        channels_last = image.stride(0) == 1
+        canvas = torch.zeros((*plan.padded, 3) if channels_last else (3, *plan.padded), dtype=torch.uint8,
+                             device=pixels.device)
+        canvas = canvas.permute(2, 0, 1) if channels_last else canvas
+        canvas[:, :image.shape[1], :image.shape[2]] = image
+        return canvas
+
+    def normalized_rows(self, canvas: torch.Tensor) -> torch.Tensor:
+        """The padded uint8 image as normalized rows, normalized where it has the fewest values."""
+        if self.family.layout.temporal_patch_size > 1:
+            # A still image is repeated in every frame of a row: normalize it once, before it is repeated.
+            return self.family.patchify(canvas.float().mul_(self.scale).add_(self.bias))
+        return self.family.patchify(canvas).float().mul_(self.row_scale).add_(self.row_bias)
+
+    def image_rows(self, image: DecodedImage, plan: ImagePlan) -> tuple[torch.Tensor, tuple]:
+        canvas = self.padded_uint8(pixels_on(image, self.device), plan)
+        return self.normalized_rows(canvas), self.family.grid_of(canvas)
+
+    def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
+        rows, grids = [], []
+        for image, plan in zip(*_images_and_plans(records)):
+            image_rows, grid = self.image_rows(image, backend_plan(image, plan, self.family.layout))
+            rows.append(image_rows)
+            grids.append(grid)
+        return rows, grids
+
+
+class TritonPreprocessor:
+    """kernels/pack_pixels.py: every image of the batch staged once, preprocessed in two launches."""
+
+    def __init__(self, family, device: torch.device, background: str):
+        # Imported here, not at the top: Triton fixes compiled vs interpreted when a kernel is defined.
+        from batchvlm.kernels.pack_pixels import pack_images
+
+        self.pack_images = pack_images
+        self.family = family
+        self.device = device
+        self.background = background
+        self.scale, self.bias = normalization(family, device)
+
+    def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
+        images, plans = _images_and_plans(records)
+        plans = [backend_plan(image, plan, self.family.layout) for image, plan in zip(images, plans)]
+        packed, counts = self.pack_images([torch.as_tensor(image.pixels) for image in images],
+                                          [plan.resized for plan in plans], [plan.padded for plan in plans],
+                                          self.family.layout, self.family.resample, self.background, self.scale,
+                                          self.bias, self.device)
+        # The grid the kernel was told to write (`preprocess_batch` checks its rows: their count, and that every
+        # value was written, since the output starts as NaN).
+        grids = [self.family.grid_of(torch.empty((3, *plan.padded), device="meta")) for plan in plans]
+        return list(torch.split(packed, counts)), grids
+
+
+class ReferencePreprocessor:
+    """The family's Hugging Face image processor, image by image."""
+
+    def __init__(self, family, device: torch.device):
+        self.family = family
+        self.device = device
+
+    def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
+        rows, grids = [], []
+        for record in records:
+            for image in record.images:
+                pixel_values, grid = self.family.reference_preprocess([image.on_host()])
+                rows.append(pixel_values.to(self.device))
+                grids.append(tuple(int(v) for v in grid[0]))
+        return rows, grids
+
+
+def make_preprocessor(backend: str, family, device: torch.device, background: str):
+    """The backend's preprocessor; `backend` is already resolved (`resolve_backend`)."""
+    if backend == "reference":
+        return ReferencePreprocessor(family, device)
+    if backend == "triton":
+        return TritonPreprocessor(family, device, background)
+    return TorchPreprocessor(family, device, background)
+
+
+@dataclasses.dataclass
+class PreprocessGuard:
+    """Beyond the per-image checks: the sampled parity check against the HF processor, and what
+    happens to an image that fails a check (redone on the CPU path, or its record quarantined).
+
+    What it does to an image is written on its record (PreparedRecord.preprocess), by image index.
+    """
+
+    cpu: TorchPreprocessor | None = None
+    """The CPU path: the fallback (None: quarantine) and the parity oracle for RGBA images."""
+    fallback: bool = False
+    parity_sample_rate: float = 0.0
+    parity_max_levels: float = 3.0
+
+    @classmethod
+    def from_config(cls, config, family, background: str) -> "PreprocessGuard":
+        return cls(cpu=TorchPreprocessor(family, torch.device("cpu"), background), fallback=config.fallback == "cpu",
+                   parity_sample_rate=config.parity_sample_rate, parity_max_levels=config.parity_max_levels)
+
+    def sampled(self, image: DecodedImage) -> bool:
+        """Deterministic by content: a rerun samples the same images."""
+        return self.parity_sample_rate > 0 and int(image.sha256[:8], 16) < self.parity_sample_rate * 16 ** 8
+
+    def checked_rows(self, record: PreparedRecord, index: int, image: DecodedImage, plan: ImagePlan, grid: tuple,
+                     rows: torch.Tensor, all_finite: bool) -> torch.Tensor:
+        """The image's rows once they pass every check: the backend's, or the CPU path's instead."""
+        stats = record.preprocess
+        try:
+            _check_image(index, plan, grid, rows)
+            require(all_finite, "preprocess.feature_length", f"image {index}: pixel rows hold NaN or Inf (values "
+                    "the backend never wrote)", expected="every value written and finite", observed="non-finite",
+                    image_index=index)
+            if self.sampled(image):
+                stats.parity_checked.add(index)
+                self._check_parity(index, image, plan, rows, stats)
+            return rows
+        except CheckFailed as failure:
+            if not self.fallback:
+                failure.record = record
+                raise
+            log.warning("%s image %d: %s; redone on the CPU path", record.source.id, index, failure)
+            stats.fallbacks[index] = failure.check
+            cpu_rows, cpu_grid = self.cpu.image_rows(image, plan)
+            try:
+                _check_image(index, plan, cpu_grid, cpu_rows)
+            except CheckFailed as cpu_failure:
+                cpu_failure.record = record
+                raise
+            return cpu_rows.to(rows.device)
+
+    def _check_parity(self, index: int, image: DecodedImage, plan: ImagePlan, rows: torch.Tensor,
+                      stats: PreprocessStats) -> None:
+        """Within parity_max_levels uint8 levels of the HF processor; of the CPU path for RGBA images,
+        which the HF processors do not composite."""
+        if image.has_alpha:
+            oracle, _ = self.cpu.image_rows(image, plan)
+        else:
+            oracle, _ = self.cpu.family.reference_preprocess([image.on_host()])
+        levels = self._levels(rows.detach().float().cpu(), oracle.float(), plan)
+        if levels is None or levels > self.parity_max_levels:
+            stats.parity_failed.add(index)
+            observed = (f"shape {tuple(rows.shape)} vs {tuple(oracle.shape)}" if levels is None
+                        else f"{levels:.2f} levels")
+            raise CheckFailed("preprocess.parity", f"image {index}: the backend's pixels differ from the reference "
+                              f"processor's by {observed}", expected=f"<= {self.parity_max_levels} levels",
+                              observed=observed, image_index=index)
+
+    def _levels(self, ours: torch.Tensor, oracle: torch.Tensor, plan: ImagePlan) -> float | None:
+        """Largest difference in uint8 levels (one level is scale_c in normalized units, per channel)."""
+        if ours.shape != oracle.shape:
+            return None
+        channel = torch.arange(3, dtype=torch.float32).view(3, 1, 1).expand(3, *plan.padded)
+        scale = self.cpu.scale.view(3)[self.cpu.family.patchify(channel).long()]
+        return float(((ours - oracle).abs() / scale).max()) if ours.numel() else 0.0
+
+
+def merged_stats(parts: list[dict]) -> dict:
+    """`PreprocessStats.counts()` of records (or of units, as their manifests keep them) added up."""
+    fallbacks = sum((Counter(part.get("fallbacks", {})) for part in parts), Counter())
+    return {"fallbacks": dict(fallbacks),
+            "parity": {key: sum(part.get("parity", {}).get(key, 0) for part in parts)
+                       for key in ("checked_images", "failed_images")}}
+
+
+def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: PreprocessGuard | None = None) -> PixelBatch:
+    """Preprocess every image of the records and pack them, checking grids and row counts per image."""
+    guard = guard or PreprocessGuard()
+    rows, grids = preprocessor(records)
+    images, plans = _images_and_plans(records)
+    # Which image lost its grid cannot be told from a short list: the device stage bisects such a batch.
+    require(len(grids) == len(plans), "preprocess.grid_match", "the backend returned a grid count that differs "
+            "from the batch's image count", expected=len(plans), observed=len(grids))
+    require(len(rows) == len(plans), "preprocess.feature_length", "the backend returned pixels for a different "
+            "number of images than the batch has", expected=len(plans), observed=len(rows))
+    owners = [(record, index) for record in records for index in range(len(record.plans))]
+    finite = torch.stack([torch.isfinite(image_rows).all() for image_rows in rows]).tolist() if rows else []
+    rows = [guard.checked_rows(record, index, image, plan, grid, image_rows, all_finite)
+            for (record, index), image, plan, grid, image_rows, all_finite
+            in zip(owners, images, plans, grids, rows, finite)]
+    pixel_values = torch.cat(rows)
+    grid_thw = torch.tensor([plan.grid_thw for plan in plans], dtype=torch.int64)
+    require(pixel_values.shape[0] == int(grid_thw.prod(-1).sum()), "preprocess.feature_length",
+            "packed pixel rows do not match the batch's grids",
+            expected=int(grid_thw.prod(-1).sum()), observed=pixel_values.shape[0])
+    return PixelBatch(pixel_values=pixel_values, grid_thw=grid_thw, records=records)
+
+
+def _check_image(index: int, plan: ImagePlan, grid: tuple, image_rows: torch.Tensor) -> None:
+    require(tuple(grid) == tuple(plan.grid_thw), "preprocess.grid_match",
+            f"image {index}: preprocessing produced grid {tuple(grid)}, the plan says {plan.grid_thw}",
+            expected=plan.grid_thw, observed=tuple(grid), image_index=index)
+    require(image_rows.shape[0] == plan.num_patches, "preprocess.feature_length",
+            f"image {index}: {image_rows.shape[0]} pixel rows for {plan.num_patches} planned patches",
+            expected=plan.num_patches, observed=image_rows.shape[0], image_index=index)

@@ -1,0 +1,77 @@
+"""The token side of a record: placeholder expansion, span detection and token tags.
+
+Family-independent: the family says what one image expands to; this module lays the record out
+and finds the spans again in the ids, so that a layout bug cannot hide behind its own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from batchvlm.checks import require
+from batchvlm.format.schema import TEXT
+from batchvlm.records import ImagePlan, TokenLayout
+
+
+def find_spans(input_ids: list[int], token_id: int) -> list[tuple[int, int]]:
+    """Maximal runs of `token_id` as (start, length), detected without wrap-around.
+
+    The mask is padded with False on both sides before differencing, so a sequence that starts and
+    ends with an image token (or is nothing but one) still gives the right runs.
+    """
+    mask = np.zeros(len(input_ids) + 2, dtype=np.int8)
+    mask[1:-1] = np.asarray(input_ids, dtype=np.int64) == token_id
+    edges = np.diff(mask)
+    starts = np.flatnonzero(edges == 1)
+    stops = np.flatnonzero(edges == -1)
+    return [(int(a), int(b - a)) for a, b in zip(starts, stops)]
+
+
+def place_images(text: str, placeholder: str, num_images: int, missing_policy: str) -> str:
+    """The text with exactly one placeholder per image, or a text.placeholder_count failure."""
+    found = text.count(placeholder)
+    if found == 0 and num_images and missing_policy == "prepend":
+        return placeholder * num_images + text
+    require(found == num_images, "text.placeholder_count",
+            f"Expected {num_images} image placeholder(s) {placeholder!r}, found {found}.",
+            expected=num_images, observed=found)
+    return text
+
+
+def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family) -> TokenLayout:
+    """Tokenize text pieces with the checkpoint's tokenizer and expand each placeholder via the family."""
+    pieces = text.split(placeholder)
+    input_ids: list[int] = []
+    tags: list[int] = []
+    for index, piece in enumerate(pieces):
+        ids = family.encode_text(piece)
+        input_ids += ids
+        tags += [TEXT] * len(ids)
+        if index < len(plans):
+            image_ids, image_tags = family.expand_image(plans[index])
+            input_ids += image_ids
+            tags += image_tags
+    spans = find_spans(input_ids, family.image_token_id)
+    require(len(spans) == len(plans), "text.image_span_count",
+            f"Expected one image span per image: {len(plans)} image(s), {len(spans)} span(s) of image tokens",
+            expected=len(plans), observed=len(spans))
+    for index, ((_, length), plan) in enumerate(zip(spans, plans)):
+        require(length == plan.num_tokens, "text.span_length",
+                f"span of image {index} has {length} tokens, its plan has {plan.num_tokens}",
+                expected=plan.num_tokens, observed=length, image_index=index)
+    return TokenLayout(input_ids=input_ids, image_spans=spans, token_tags=tags)
+
+
+def attach_positions(layout: TokenLayout, plans: list[ImagePlan], family) -> None:
+    """The family's position ids (M-RoPE), checked against the sequence they must cover."""
+    found = family.positions(layout, plans)
+    if found is None:
+        return
+    positions, delta = found
+    seq = len(layout.input_ids)
+    require(positions.shape == (3, seq), "text.position_ids", f"position ids of shape {positions.shape} for a "
+            f"sequence of {seq} tokens", expected=(3, seq), observed=positions.shape)
+    expected_delta = int(positions.max(initial=-1)) + 1 - seq  # an empty sequence has no positions: delta 0
+    require(delta == expected_delta, "text.position_ids", "rope delta must be max position + 1 - sequence length",
+            expected=expected_delta, observed=delta)
+    layout.position_ids, layout.rope_delta = positions, delta

@@ -1,0 +1,124 @@
+"""The run directory's layout: every path of a run, named here and nowhere else.
+
+    <run>/config.yaml              the config that started the run
+          fingerprint.json         what the run's outputs depend on; another one is refused
+          units.json               the plan: inputs, the parameters that cut them, the work units
+          lineage.json             a requeue run: where each record came from
+          data/<unit>.<claim>.parquet        embedding rows of a unit, as one claim wrote them
+          quarantine/<unit>.<claim>.parquet  quarantined records of that unit
+          ids/<unit>.<claim>.parquet         (id, row, kind) of every record of that unit, by hash bucket
+          manifest/<unit>.json     the unit's commit: counts, the files above, their sizes and sha256
+          dedup/<bucket>.json      a bucket of the duplicate pass committed; <bucket>.parquet its later occurrences
+          ranks/attempt.json       the current attempt; ranks/<attempt>/ its rank progress, and claims/ (the
+                                   claim and heartbeat files of rundir.claims)
+          report/index.html        the failure report's page
+          _SUCCESS                 written last, once every unit and bucket is committed: the run's totals
+
+Readers trust only what a manifest lists; a manifest names its files relative to the run (`data/<name>`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA, QUARANTINE, IDS = "data", "quarantine", "ids"
+"""The kinds of shard a unit writes, each in the folder of its name."""
+SHARD_KINDS = (DATA, QUARANTINE, IDS)
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    root: Path
+
+    # -- the run's own files ----------------------------------------------------------------------
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def fingerprint(self) -> Path:
+        return self.root / "fingerprint.json"
+
+    @property
+    def plan(self) -> Path:
+        return self.root / "units.json"
+
+    @property
+    def lineage(self) -> Path:
+        return self.root / "lineage.json"
+
+    @property
+    def success(self) -> Path:
+        return self.root / "_SUCCESS"
+
+    @property
+    def report_page(self) -> Path:
+        return self.root / "report" / "index.html"
+
+    # -- units: shards and manifests --------------------------------------------------------------
+    @property
+    def manifests(self) -> Path:
+        return self.root / "manifest"
+
+    def manifest(self, unit_id: str) -> Path:
+        return self.manifests / f"{unit_id}.json"
+
+    def unit_of(self, manifest: Path) -> str:
+        """The unit a manifest file commits."""
+        return manifest.stem
+
+    def folder(self, kind: str) -> Path:
+        return self.root / kind
+
+    def shard(self, kind: str, unit_id: str, token: str) -> Path:
+        """The file of one kind that one claim on a unit writes (a claim's token keeps two holders apart)."""
+        return self.folder(kind) / f"{unit_id}.{token}.parquet"
+
+    def unit_folders(self) -> list[Path]:
+        """The folders a unit's commit writes into."""
+        return [self.folder(kind) for kind in SHARD_KINDS] + [self.manifests]
+
+    def listed(self, name: str) -> Path:
+        """A file as a manifest names it."""
+        return self.root / name
+
+    def name_of(self, path: Path) -> str:
+        """How a manifest names a file of the run."""
+        return path.relative_to(self.root).as_posix()
+
+    # -- the duplicate pass -----------------------------------------------------------------------
+    @property
+    def dedup(self) -> Path:
+        return self.root / "dedup"
+
+    def bucket_result(self, bucket: int) -> Path:
+        return self.dedup / f"{bucket:05d}.json"
+
+    def bucket_duplicates(self, bucket: int) -> Path:
+        return self.dedup / f"{bucket:05d}.parquet"
+
+    def committed_buckets(self) -> list[Path]:
+        """The commits of the buckets done so far (a listing of the duplicate pass's folder)."""
+        return sorted(self.dedup.glob("*.json")) if self.dedup.is_dir() else []
+
+    # -- ranks of the current attempt -------------------------------------------------------------
+    @property
+    def ranks(self) -> Path:
+        return self.root / "ranks"
+
+    @property
+    def attempt_token(self) -> Path:
+        return self.ranks / "attempt.json"
+
+    def attempt(self, name: str) -> Path:
+        return self.ranks / name
+
+    def claims(self, attempt: str) -> Path:
+        return self.attempt(attempt) / "claims"
+
+    def rank_file(self, attempt: str, rank: int, kind: str) -> Path:
+        return self.attempt(attempt) / f"rank-{rank:05d}.{kind}.json"
+
+    def rank_files(self, attempt: str, kind: str) -> list[Path]:
+        return sorted(self.attempt(attempt).glob(f"rank-*.{kind}.json"))

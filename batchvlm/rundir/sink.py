@@ -1,0 +1,242 @@
+"""Sink: Parquet shards streamed to disk per work unit and committed atomically, ids files, manifests.
+
+Rows of an open unit go to temporary Parquet files a row group at a time (memory is a row group,
+not a unit), in the unit's input order (a short reorder buffer absorbs the batching). A unit commits
+once every record is a row or a quarantine row, if this rank still holds its claim: each file is
+fsynced and renamed to a name carrying the claim's token (two holders of one unit never write the
+same file), then the manifest is published exclusively and is the commit. A unit with no quarantined
+record writes no quarantine file. Readers and resume trust only what a manifest lists.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchvlm.faults import crash_point
+from batchvlm.format.schema import DATA_SCHEMA, QUARANTINE_SCHEMA
+from batchvlm.pipeline.preprocess import merged_stats
+from batchvlm.records import OutputRow, UnitEnd, UnitStart, WorkUnit
+from batchvlm.rundir.claims import Claim, Claims
+from batchvlm.rundir.dedup import write_ids
+from batchvlm.rundir.durable import json_text, publish, publish_exclusive, sha256_file, temporary_name
+from batchvlm.rundir.layout import DATA, IDS, QUARANTINE, RunLayout
+from batchvlm.rundir.manifest import Listing, Manifest, committed_units
+
+log = logging.getLogger("batchvlm")
+
+SCHEMAS = {DATA: DATA_SCHEMA, QUARANTINE: QUARANTINE_SCHEMA}
+ROW_GROUP_ROWS = 256
+ROW_GROUP_BYTES = 64 * 1024 * 1024
+
+
+class ShardWriter:
+    """One shard written to a temporary file a row group at a time; opened on its first row."""
+
+    def __init__(self, path: Path, schema: pa.Schema, metadata: dict, compression: str | None):
+        self.path, self.schema, self.metadata, self.compression = path, schema, metadata, compression
+        self.tmp = temporary_name(path)
+        self.writer: pq.ParquetWriter | None = None
+        self.buffer: list[dict] = []
+        self.buffered_bytes = 0
+        self.rows = 0
+
+    def append(self, row: dict) -> None:
+        self.buffer.append(row)
+        self.buffered_bytes += sum(len(v) for v in row.values() if isinstance(v, (bytes, str)))
+        self.rows += 1
+        if len(self.buffer) >= ROW_GROUP_ROWS or self.buffered_bytes >= ROW_GROUP_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.buffer:
+            return
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.tmp, self.schema.with_metadata(self.metadata),
+                                           compression=self.compression or "none")
+        self.writer.write_table(pa.Table.from_pylist(self.buffer, schema=self.writer.schema))
+        self.buffer, self.buffered_bytes = [], 0
+
+    def finish(self) -> None:
+        self._flush()
+        if self.writer is not None:
+            self.writer.close()
+
+    def discard(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+@dataclass
+class OpenUnit:
+    unit: WorkUnit
+    claim: Claim
+    shards: dict[str, ShardWriter]
+    pending: dict[int, OutputRow] = field(default_factory=dict)  # by seq, until the rows before it arrive
+    next_seq: int = 0
+    ids: list[tuple[str, int, str]] = field(default_factory=list)
+    checks: Counter = field(default_factory=Counter)
+    preprocess: list = field(default_factory=list)  # each record's PreprocessStats.counts()
+    expected: int | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.expected is not None and self.next_seq == self.expected and not self.pending
+
+
+class RunSink:
+    """Writes one rank's units into the run directory's unit folders and commits them under their claims."""
+
+    def __init__(self, layout: RunLayout, metadata: dict[str, str], compression: str, claims: Claims,
+                 dedup_buckets: int, rank: int = 0):
+        self.layout = layout
+        self.rank = rank
+        self.claims = claims
+        self.dedup_buckets = dedup_buckets
+        self.metadata = {k.encode(): v.encode() for k, v in metadata.items()}
+        self.compression = None if compression == "none" else compression
+        for folder in layout.unit_folders():
+            folder.mkdir(parents=True, exist_ok=True)
+        self.open: dict[str, OpenUnit] = {}
+        self.lost: list[str] = []  # units another rank committed or took over first
+
+    # -- state on disk --------------------------------------------------------------------------
+    def committed(self) -> set[str]:
+        return committed_units(self.layout)
+
+    # -- records --------------------------------------------------------------------------------
+    def start_unit(self, unit: WorkUnit, claim: Claim) -> None:
+        shards = {kind: ShardWriter(self.layout.shard(kind, unit.unit_id, claim.token), schema, self.metadata,
+                                    self.compression) for kind, schema in SCHEMAS.items()}
+        self.open[unit.unit_id] = OpenUnit(unit, claim, shards)
+
+    def take(self, item: UnitStart | OutputRow | UnitEnd) -> None:
+        """The next item of the job's stream: a unit opens, a record's row arrives, a unit's record count is known."""
+        if isinstance(item, UnitStart):
+            self.start_unit(item.unit, item.claim)
+        elif isinstance(item, UnitEnd):
+            self.end_unit(item.unit, item.num_records)
+        else:
+            self.add(item)
+
+    def add(self, row: OutputRow) -> None:
+        """A record's row, written once every row before it in the unit is."""
+        unit_id = row.source.unit_id
+        state = self.open[unit_id]
+        state.pending[row.source.seq] = row
+        while state.next_seq in state.pending:
+            row = state.pending.pop(state.next_seq)
+            state.shards[row.kind].append(row.values)
+            state.ids.append((row.values["id"], row.values["row"], row.kind))
+            if row.kind == QUARANTINE:
+                state.checks[row.values["check"]] += 1
+            state.preprocess.append(row.preprocess)
+            state.next_seq += 1
+        self._maybe_commit(unit_id)
+
+    def end_unit(self, unit: WorkUnit, num_records: int) -> None:
+        self.open[unit.unit_id].expected = num_records
+        self._maybe_commit(unit.unit_id)
+
+    def _maybe_commit(self, unit_id: str) -> None:
+        if self.open[unit_id].complete:
+            self.commit(self.open.pop(unit_id))
+
+    def commit(self, state: OpenUnit) -> Manifest | None:
+        """Publish the unit's files and its manifest; None where another holder won the unit."""
+        unit = state.unit
+        if not self.claims.holds(state.claim):
+            return self._give_up(state, "another rank took the unit over")
+        try:
+            files = self._publish_files(state)
+        except FileNotFoundError:  # a holder that outlived its lease: the run's end cleared its files
+            return self._give_up(state, "its files were removed after another rank committed the unit")
+        crash_point("commit.before_manifest")
+        manifest = Manifest(unit=unit.unit_id, source=unit.source, start=unit.start, stop=unit.stop,
+                            records_in=state.expected, written=state.shards[DATA].rows,
+                            quarantined=state.shards[QUARANTINE].rows, checks=dict(sorted(state.checks.items())),
+                            files=files, rank=self.rank, claim=state.claim.token, **merged_stats(state.preprocess))
+        path = self.layout.manifest(unit.unit_id)
+        tmp = temporary_name(path)
+        tmp.write_text(json_text(manifest.to_json()))
+        if not publish_exclusive(tmp, path):
+            for listing in files.values():
+                self.layout.listed(listing.path).unlink(missing_ok=True)
+            self.lost.append(unit.unit_id)
+            log.info("unit %s was committed by another rank first; this rank's copy is removed", unit.unit_id)
+            return None
+        return manifest
+
+    def _publish_files(self, state: OpenUnit) -> dict[str, Listing]:
+        """Shards with rows, then the ids file, each renamed to its final name; their manifest listings."""
+        files = {}
+        for kind, shard in state.shards.items():
+            shard.finish()
+            if shard.rows:
+                publish(shard.tmp, shard.path)
+                files[kind] = self._listing(shard.path, shard.rows)
+        ids_path = self.layout.shard(IDS, state.unit.unit_id, state.claim.token)
+        ids_tmp = temporary_name(ids_path)
+        buckets = write_ids(ids_tmp, state.ids, self.dedup_buckets)
+        publish(ids_tmp, ids_path)
+        files[IDS] = self._listing(ids_path, len(state.ids), buckets)
+        return files
+
+    def _give_up(self, state: OpenUnit, why: str) -> None:
+        for shard in state.shards.values():
+            shard.discard()
+        self.lost.append(state.unit.unit_id)
+        log.warning("unit %s not committed: %s", state.unit.unit_id, why)
+        return None
+
+    def _listing(self, path: Path, rows: int, buckets: dict[str, int] | None = None) -> Listing:
+        return Listing(self.layout.name_of(path), rows, path.stat().st_size, sha256_file(path), buckets)
+
+    def abandon_open_units(self) -> None:
+        """Units left open when the stream ended early (a job abort): their temporary files go."""
+        for state in self.open.values():
+            for shard in state.shards.values():
+                shard.discard()
+        self.open.clear()
+
+
+class SinkWriter:
+    """Runs the sink on a thread behind a bounded queue, so writing never stalls the device loop: `submit` hands it
+    the job's stream item by item (RunSink.take)."""
+
+    def __init__(self, sink: RunSink, maxsize: int):
+        self.sink = sink
+        self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="batchvlm-sink", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    self.sink.take(item)
+                except BaseException as error:  # surfaced to the main thread on the next submit/close
+                    self.error = error
+
+    def submit(self, item: UnitStart | OutputRow | UnitEnd) -> None:
+        self._raise_if_failed()
+        self.queue.put(item)
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the sink failed: {self.error}") from self.error

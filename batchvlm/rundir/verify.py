@@ -1,0 +1,109 @@
+"""Verify a run directory against its own manifests: the exactly-once contract, checked from disk.
+
+Every unit of the plan has a manifest; every file a manifest lists exists, has its sha256 and its row
+count, and opens as Parquet; a unit's ids file holds exactly the ids of its shards; counts add up; no
+file is left that no manifest lists; and, bucket by bucket (one bucket's ids in memory at a time), no
+id is in the run twice but the later occurrences that the duplicate pass listed, which must be exactly
+those. The run's totals, once written, equal the manifests'. Each problem names the unit (or file) it is about.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from batchvlm.rundir.dedup import bucket_results, duplicate_rows, find_duplicates
+from batchvlm.rundir.durable import TMP_MARK, sha256_file
+from batchvlm.rundir.layout import DATA, IDS, QUARANTINE, SHARD_KINDS, RunLayout
+from batchvlm.rundir.manifest import Manifest, ManifestError, RunTotals, orphans, unit_manifest
+from batchvlm.rundir.workunits import read_plan
+
+
+def verify_run(run_dir: Path) -> list[str]:
+    layout = RunLayout(run_dir)
+    if not layout.plan.exists():
+        return [f"{run_dir}: no {layout.name_of(layout.plan)}; not a batchvlm run directory, or it never started"]
+    plan = read_plan(layout)
+    problems: list[str] = []
+    manifests, good = [], []
+    for unit in plan.units:
+        try:
+            manifest = unit_manifest(layout, unit.unit_id)
+        except ManifestError as error:
+            problems.append(f"unit {unit.unit_id}: {error}")
+            continue
+        if manifest is None:
+            problems.append(f"unit {unit.unit_id}: not committed (no manifest)")
+            continue
+        manifests.append(manifest)
+        unit_problems = _verify_unit(layout, unit, manifest)
+        problems += unit_problems
+        if not unit_problems:
+            good.append(manifest)
+    left = sorted(set(orphans(layout, manifests)) | set(layout.root.rglob(f"*{TMP_MARK}*")))
+    problems += [f"{layout.name_of(path)}: " + ("temporary file left behind" if TMP_MARK in path.name else
+                                                "no manifest lists it") for path in left]
+    if layout.success.exists() and not problems:
+        problems += _verify_duplicates(layout, plan, good)
+        summary = json.loads(layout.success.read_text())
+        totals = RunTotals.of(manifests, bucket_results(layout, plan.dedup_buckets))
+        for key in ("records_in", "written", "quarantined"):
+            if summary.get(key) != getattr(totals, key):
+                problems.append(f"{layout.name_of(layout.success)}: {key}={summary.get(key)} but the manifests add "
+                                f"up to {getattr(totals, key)}")
+    return problems
+
+
+def _verify_unit(layout: RunLayout, unit, manifest: Manifest) -> list[str]:
+    problems, name = [], unit.unit_id
+    if unit.num_rows is not None and manifest.records_in != unit.num_rows:
+        problems.append(f"unit {name}: {manifest.records_in} records in, the unit has {unit.num_rows} rows")
+    if manifest.records_in != manifest.written + manifest.quarantined:
+        problems.append(f"unit {name}: records_in != written + quarantined")
+    ids: dict[str, Counter] = {}
+    for kind in SHARD_KINDS:
+        rows = manifest.rows_of(kind)
+        entry = manifest.shard(kind)
+        if entry is None:
+            if rows:
+                problems.append(f"unit {name}: {rows} {kind} rows but no {kind} file")
+            continue
+        path = layout.listed(entry.path)
+        if not path.exists():
+            problems.append(f"unit {name}: {entry.path} is missing")
+            continue
+        if sha256_file(path) != entry.sha256:
+            problems.append(f"unit {name}: {entry.path} does not match its sha256 in the manifest")
+            continue
+        try:
+            table = pq.read_table(path, columns=["id"])
+        except Exception as error:
+            problems.append(f"unit {name}: {entry.path} does not open as Parquet ({error})")
+            continue
+        if table.num_rows != entry.rows or table.num_rows != rows:
+            problems.append(f"unit {name}: {entry.path} has {table.num_rows} rows, the manifest says {entry.rows}")
+        ids[kind] = Counter(table.column("id").to_pylist())
+    if not problems and ids.get(IDS, Counter()) != ids.get(DATA, Counter()) + ids.get(QUARANTINE, Counter()):
+        problems.append(f"unit {name}: its ids file does not hold the ids of its shards")
+    return problems
+
+
+def _verify_duplicates(layout: RunLayout, plan, manifests: list[Manifest]) -> list[str]:
+    """Bucket by bucket: the later occurrences found again must be exactly those the run listed.
+    `manifests` are in plan order, as `verify_run` reads them."""
+    locations = {item.name: item.location for item in plan.inputs}
+    results = bucket_results(layout, plan.dedup_buckets)
+    problems = [f"{layout.name_of(layout.bucket_result(bucket))}: the duplicate pass did not commit this bucket"
+                for bucket, result in enumerate(results) if result is None]
+    listed = Counter((d["id"], d["unit"], d["row"]) for d in duplicate_rows(layout))
+    found = Counter()
+    for bucket in range(plan.dedup_buckets):
+        found.update((d["id"], d["unit"], d["row"]) for d in find_duplicates(layout, manifests, bucket, locations))
+    if found != listed:
+        missing, extra = found - listed, listed - found
+        problems.append(f"ids in the run twice but not listed as duplicates: {sorted(missing)[:5]}" if missing else
+                        f"listed as duplicates but not repeated: {sorted(extra)[:5]}")
+    return problems

@@ -1,0 +1,224 @@
+"""Reading the output back: a shard row -> tensors, without copying the embedding bytes."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from batchvlm.format.schema import EMBED_DTYPES
+from batchvlm.rundir.dedup import excluded_rows
+from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.manifest import listed_shards
+from batchvlm.format.schema import EXTRA_OUTPUTS
+from batchvlm.format.hf_features import SIZE_KEY
+
+
+@dataclass
+class RecordTensors:
+    id: str
+    input_ids: torch.Tensor  # [seq] int64
+    image_embeds: torch.Tensor  # [n_tokens, hidden], the stored dtype
+    grid_thw: torch.Tensor  # [n_images, 3] int64
+    image_spans: torch.Tensor  # [n_images, 2] int64: (start, length)
+    token_tags: torch.Tensor  # [seq] int8
+    extras: dict[str, torch.Tensor]  # tower_embeds / deepstack_embeds [n_tokens, h], pooled_embeds [n_images, h]
+    position_ids: torch.Tensor | None  # [3, seq] int64 M-RoPE positions (Qwen), else None
+    rope_delta: int | None
+
+    def image_token_positions(self) -> torch.Tensor:
+        """Sequence positions of the image tokens, in the order of the rows of image_embeds."""
+        spans = self.image_spans.numpy(force=True)
+        return torch.from_numpy(span_positions(spans[:, 0], spans[:, 1]))
+
+
+def span_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """start, start+1, ..., start+length-1 for every span, in span order, in one pass over all spans."""
+    before = np.cumsum(lengths) - lengths  # the output index each span begins at
+    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts - before, lengths)
+
+
+def embedding_layout(schema: pa.Schema) -> tuple[torch.dtype, int]:
+    meta = schema.metadata or {}
+    return EMBED_DTYPES[meta[b"batchvlm.embed_dtype"].decode()], int(meta[b"batchvlm.hidden_size"])
+
+
+def _hidden_size(schema: pa.Schema, name: str) -> int | None:
+    value = (schema.metadata or {}).get(f"{SIZE_KEY}{name}".encode())
+    return int(value) if value is not None else None
+
+
+# Embeddings cross numpy as their bits (numpy has no bfloat16): they are only sliced and concatenated there.
+_BITS = {2: np.int16, 4: np.int32}
+_BITS_TORCH = {2: torch.int16, 4: torch.int32}
+
+
+def _as_bits(values: torch.Tensor) -> np.ndarray:
+    return values.view(_BITS_TORCH[values.element_size()]).numpy(force=True)
+
+
+def tensor_of(values: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A numpy array as a tensor sharing its memory (read-only Arrow memory too), its bits viewed as `dtype`."""
+    with warnings.catch_warnings():
+        # Arrow buffers are read-only; tensors that view them rather than copy them are the point.
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.from_numpy(values)
+    return tensor.view(dtype) if dtype is not None else tensor
+
+
+@dataclass
+class RecordArrays:
+    """One record as numpy views on its shard's columns: what packing reads. A numpy slice costs a fraction of a
+    tensor view's dispatch, and a loader takes thousands of records a second."""
+    id: str
+    input_ids: np.ndarray  # [seq], as stored (int32)
+    token_tags: np.ndarray  # [seq] int8
+    image_spans: np.ndarray  # [n_images, 2]: (start, length)
+    grid_thw: np.ndarray  # [n_images, 3]
+    position_ids: np.ndarray | None  # [3, seq], or None
+    embeds: dict[str, np.ndarray]  # image_embeds and the extras present: [rows, hidden], their bits (_BITS)
+    embed_dtype: torch.dtype
+    rope_delta: int | None
+
+    def tensors(self) -> RecordTensors:
+        embeds = {name: tensor_of(rows, self.embed_dtype) for name, rows in self.embeds.items()}
+        return RecordTensors(
+            id=self.id, input_ids=torch.from_numpy(self.input_ids.astype(np.int64)),
+            image_embeds=embeds.pop("image_embeds"),
+            grid_thw=torch.from_numpy(self.grid_thw.astype(np.int64)),
+            image_spans=torch.from_numpy(self.image_spans.astype(np.int64)),
+            token_tags=torch.from_numpy(self.token_tags.copy()), extras=embeds,
+            position_ids=torch.from_numpy(self.position_ids.astype(np.int64)) if self.position_ids is not None else None,
+            rope_delta=self.rope_delta)
+
+
+def record_arrays(record: RecordTensors) -> RecordArrays:
+    """A record read as tensors (read_run, `datasets` rows) in the form packing reads."""
+    embeds = {"image_embeds": record.image_embeds, **record.extras}
+    return RecordArrays(
+        id=record.id, input_ids=record.input_ids.numpy(force=True), token_tags=record.token_tags.numpy(force=True),
+        image_spans=record.image_spans.numpy(force=True), grid_thw=record.grid_thw.numpy(force=True),
+        position_ids=record.position_ids.numpy(force=True) if record.position_ids is not None else None,
+        embeds={name: _as_bits(rows) for name, rows in embeds.items()}, embed_dtype=record.image_embeds.dtype,
+        rope_delta=record.rope_delta)
+
+
+def _one_array(column: pa.ChunkedArray) -> pa.Array:
+    """The column as one array: its only chunk as it is, or its chunks (one per row group read) combined."""
+    return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+
+
+def _flat_values(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """A (nested) list column as its values, flat, and each row's bounds in them ([rows + 1]): the row bounds
+    followed down the offsets of every level. A struct's fields become the columns of an [n, fields] array."""
+    array = _one_array(column)
+    bounds = np.arange(len(array) + 1)
+    while True:
+        if pa.types.is_fixed_size_list(array.type):
+            bounds = (bounds + array.offset) * array.type.list_size
+        elif pa.types.is_list(array.type):
+            bounds = array.offsets.to_numpy()[bounds]
+        else:
+            break
+        array = array.values  # the whole child, whatever slice of it this array covers: hence the bounds
+    fields = [f.to_numpy(zero_copy_only=False)[bounds[0]:bounds[-1]]
+              for f in (array.flatten() if pa.types.is_struct(array.type) else [array])]
+    return (np.stack(fields, axis=-1) if len(fields) > 1 else fields[0]), bounds - bounds[0]
+
+
+def _flat_embeddings(column: pa.ChunkedArray, element_size: int, hidden: int) -> tuple[np.ndarray, np.ndarray]:
+    """A large_binary embedding column as one [rows, hidden] view of its bits on the Arrow data buffer (no copy),
+    and each record's bounds in its rows. A null record has none."""
+    array = _one_array(column)
+    _, offsets, data = array.buffers()
+    bytes_at = np.frombuffer(offsets, dtype=np.int64)[array.offset:array.offset + len(array) + 1]
+    bits = _BITS[element_size]
+    rows = (np.frombuffer(data, dtype=bits, count=int(bytes_at[-1] - bytes_at[0]) // element_size,
+                          offset=int(bytes_at[0])) if data is not None else np.zeros(0, bits)).reshape(-1, hidden)
+    return rows, (bytes_at - bytes_at[0]) // (element_size * hidden)
+
+
+class ShardColumns:
+    """A data shard's columns converted once, flat, with each record's bounds in them; a record is then a
+    handful of slices of them. Embeddings stay views on the Arrow buffers."""
+
+    def __init__(self, table: pa.Table):
+        self.embed_dtype, hidden = embedding_layout(table.schema)
+        element_size = self.embed_dtype.itemsize
+        column = table.column
+        self.ids = column("id").to_pylist()
+        self.input_ids, self.tokens = _flat_values(column("input_ids"))
+        self.token_tags, _ = _flat_values(column("token_tags"))
+        self.image_spans, self.images = _flat_values(column("image_spans"))
+        self.grid_thw, grid_bounds = _flat_values(column("grid_thw"))
+        self.grid_thw, self.grids = self.grid_thw.reshape(-1, 3), grid_bounds // 3
+        self.positions = _flat_values(column("position_ids")) if "position_ids" in table.column_names else None
+        self.has_positions = column("position_ids").is_valid().to_pylist() if self.positions is not None else None
+        self.rope = column("rope_delta").to_pylist() if "rope_delta" in table.column_names else [None] * len(self.ids)
+        self.embeds = {"image_embeds": (*_flat_embeddings(column("image_embeds"), element_size, hidden), None)}
+        for name in EXTRA_OUTPUTS:
+            if name in table.column_names and (size := _hidden_size(table.schema, name)) is not None:
+                self.embeds[name] = (*_flat_embeddings(column(name), element_size, size),
+                                     column(name).is_valid().to_pylist())
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def record(self, i: int) -> RecordArrays:
+        tokens, images, grids = slice(*self.tokens[i:i + 2]), slice(*self.images[i:i + 2]), slice(*self.grids[i:i + 2])
+        positions = None
+        if self.positions is not None and self.has_positions[i]:
+            values, bounds = self.positions
+            positions = values[bounds[i]:bounds[i + 1]].reshape(3, -1)
+        return RecordArrays(
+            id=self.ids[i], input_ids=self.input_ids[tokens], token_tags=self.token_tags[tokens],
+            image_spans=self.image_spans[images], grid_thw=self.grid_thw[grids], position_ids=positions,
+            embeds={name: rows[bounds[i]:bounds[i + 1]] for name, (rows, bounds, valid) in self.embeds.items()
+                    if valid is None or valid[i]},
+            embed_dtype=self.embed_dtype, rope_delta=self.rope[i])
+
+
+TENSOR_COLUMNS = ("id", "input_ids", "image_embeds", "grid_thw", "image_spans", "token_tags", "position_ids",
+                  "rope_delta", *EXTRA_OUTPUTS)
+"""The columns ShardColumns reads; a reader that only wants tensors need not read the others."""
+
+
+def table_tensors(table: pa.Table) -> list[RecordTensors]:
+    """Every row of a data shard as tensors, each column converted once; embeddings are views on the Arrow buffers."""
+    columns = ShardColumns(table)
+    return [columns.record(i).tensors() for i in range(len(columns))]
+
+
+def read_tensor_columns(path: str | Path) -> pa.Table:
+    """The columns ShardColumns reads, of one shard. (`pq.read_table` would first discover a dataset at the path.)"""
+    file = pq.ParquetFile(path)
+    present = set(file.schema_arrow.names)
+    return file.read(columns=[name for name in TENSOR_COLUMNS if name in present])
+
+
+def tensors_of(table: pa.Table, index: int) -> RecordTensors:
+    """Row `index` of a data shard as tensors; image_embeds is a view on the Arrow buffer."""
+    return table_tensors(table.slice(index, 1))[0]
+
+
+def read_shard(path: str | Path, skip_rows: set[int] = frozenset()) -> Iterator[RecordTensors]:
+    """A shard's rows as tensors, a row group at a time; `skip_rows` are input rows to leave out."""
+    file = pq.ParquetFile(path)
+    for group in range(file.num_row_groups):
+        table = file.read_row_group(group)
+        rows = table.column("row").to_pylist()
+        yield from (record for row, record in zip(rows, table_tensors(table)) if row not in skip_rows)
+
+
+def read_run(run_dir: str | Path) -> Iterator[RecordTensors]:
+    """Every committed record, leaving out the later occurrences of an id that the duplicate pass listed."""
+    layout = RunLayout(Path(run_dir))
+    excluded = excluded_rows(layout)
+    for unit, shard in listed_shards(layout):
+        yield from read_shard(shard, excluded.get(unit, frozenset()))

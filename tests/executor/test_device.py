@@ -1,0 +1,211 @@
+"""The device stage: failures pinned on the record that caused them, batch k+1 staged while batch k encodes, and on
+the demo, overlap and the batched JPEG decode change nothing that is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from batchvlm.checks import CheckFailed
+from batchvlm.config import ChecksConfig, DecodeConfig, JobConfig, OutputConfig, PreprocessConfig, RuntimeConfig
+from batchvlm.executor import device as stage
+from batchvlm.executor.device import Device
+from batchvlm.executor.job import rank_job
+from batchvlm.executor.overlap import Streams
+from batchvlm.pipeline.jpeg import JpegBatchDecoder
+from batchvlm.records import EncodedRecord, ImagePlan, PixelBatch, PreparedRecord, SourceRecord
+from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
+
+
+def record(record_id: str, *patches: int) -> PreparedRecord:
+    """A record with one image of `n` patches per argument (a 1 x n grid)."""
+    plans = [ImagePlan((n, 1), (n, 1), (n, 1), (1, n, 1), n) for n in patches]
+    source = SourceRecord(id=record_id, unit_id="u", source="s.parquet", row=0, text="", images=[])
+    return PreparedRecord(source=source, images=[], plans=plans, layout=None)
+
+
+def ids(records) -> list[str]:
+    return [r.source.id if isinstance(r, PreparedRecord) else r.prepared.source.id for r in records]
+
+
+# -- Device.encode ----------------------------------------------------------------------------
+class Tower:
+    """Encodes a batch unless it holds a record of `raises`; counts the batches it was given."""
+
+    def __init__(self, raises: dict[str, Exception]):
+        self.raises, self.batches = raises, []
+
+    def __call__(self, records: list[PreparedRecord]) -> list[EncodedRecord]:
+        self.batches.append(ids(records))
+        for r in records:
+            if r.source.id in self.raises:
+                raise self.raises[r.source.id]
+        return [EncodedRecord(r, []) for r in records]
+
+
+def packed(records, preprocessor, guard) -> PixelBatch:
+    """Preprocessing that passes the records through, unless one of them is in `preprocessor` (raised there)."""
+    for r in records:
+        if preprocessor and r.source.id in preprocessor:
+            raise preprocessor[r.source.id]
+    return PixelBatch(pixel_values=torch.zeros(0), grid_thw=torch.zeros(0, 3), records=records)
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """A Device whose tower is a Tower, and whose preprocessing raises for the records of `pack_raises`;
+    with `overlap`, it stages batch k+1 while batch k encodes (the CPU's streams: none)."""
+    monkeypatch.setattr(stage, "preprocess_batch", packed)
+    monkeypatch.setattr(stage, "encode_batch", lambda tower, batch, out_dtype=None: tower(batch.records))
+    monkeypatch.setattr(stage, "start_batch", lambda tower, batch: tower(batch.records))
+    monkeypatch.setattr(stage, "finish_batch", lambda tower, batch, outputs, out_dtype=None: outputs)
+    return lambda raises, pack_raises=None, overlap=False: Device(
+        preprocessor=pack_raises, encoder=Tower(raises), streams=Streams(torch.device("cpu")) if overlap else None)
+
+
+def test_an_error_in_a_batch_is_bisected_to_its_record_and_the_rest_is_encoded_in_order(device):
+    on_device = device({"r5": RuntimeError("CUDA out of memory")})
+    batch = [record(f"r{i}", 4) for i in range(8)]
+    encoded, quarantined = on_device.encode(batch)
+    assert ids(encoded) == ["r0", "r1", "r2", "r3", "r4", "r6", "r7"]
+    assert [(q.source.id, q.failure.check, q.failure.message) for q in quarantined] == [
+        ("r5", "encode.failed", "RuntimeError: CUDA out of memory")]
+    assert len(on_device.encoder.batches) == 7  # 8, then 4 + 4, 2 + 2, 1 + 1: log2(n) rounds, not n
+
+
+def test_two_bad_records_of_one_batch_are_both_pinned(device):
+    on_device = device({"r0": ValueError("bad"), "r3": ValueError("worse")})
+    encoded, quarantined = on_device.encode([record(f"r{i}", 4) for i in range(4)])
+    assert ids(encoded) == ["r1", "r2"]
+    assert [q.source.id for q in quarantined] == ["r0", "r3"]
+
+
+def test_a_check_that_names_its_record_quarantines_it_without_bisecting(device):
+    batch = [record(f"r{i}", 4) for i in range(6)]
+    failure = CheckFailed("preprocess.grid_match", "grid differs", "(1, 4, 1)", "(1, 2, 2)", image_index=0)
+    failure.record = batch[2]
+    on_device = device({"r2": failure})
+    encoded, quarantined = on_device.encode(batch)
+    assert ids(encoded) == ["r0", "r1", "r3", "r4", "r5"]
+    assert [(q.source.id, q.failure.check) for q in quarantined] == [("r2", "preprocess.grid_match")]
+    assert on_device.encoder.batches == [ids(batch), ["r0", "r1", "r3", "r4", "r5"]]
+
+
+def test_a_check_without_its_record_is_bisected_and_keeps_its_name(device):
+    on_device = device({"r1": CheckFailed("encode.finite", "NaN in the embeddings", "finite", "nan")})
+    encoded, quarantined = on_device.encode([record(f"r{i}", 4) for i in range(3)])
+    assert ids(encoded) == ["r0", "r2"]
+    assert [(q.source.id, q.failure.check, q.failure.observed) for q in quarantined] == [("r1", "encode.finite", "nan")]
+
+
+def test_an_empty_batch_never_reaches_the_tower(device):
+    on_device = device({})
+    assert on_device.encode([]) == ([], [])
+    assert on_device.encoder.batches == []
+
+
+# -- Device.submit: batch k+1 staged while batch k encodes -------------------------------------
+def submit_all(on_device, batches) -> list[tuple[list[str], list[tuple[str, str]]]]:
+    """What the job does: each batch handed in, then the end of the stream; the results as they come back."""
+    results, pending = [], None
+    for batch in [*batches, []]:
+        encoded, quarantined, pending = on_device.submit(pending, batch)
+        results.append((ids(encoded), [(q.source.id, q.failure.check) for q in quarantined]))
+    assert pending is None
+    return results
+
+
+def test_with_overlap_each_batch_comes_back_one_batch_later_and_the_last_at_the_end(device):
+    batches = [[record("a", 4), record("b", 4)], [record("c", 4)], [record("d", 4)]]
+    results = submit_all(device({}, overlap=True), batches)
+    assert results == [([], []), (["a", "b"], []), (["c"], []), (["d"], [])]  # nothing lost at the end
+
+
+def test_without_overlap_each_batch_comes_back_at_once(device):
+    batches = [[record("a", 4), record("b", 4)], [record("c", 4)]]
+    assert submit_all(device({}), batches) == [(["a", "b"], []), (["c"], []), ([], [])]
+
+
+def test_failures_in_the_staged_batch_are_pinned_while_the_batch_before_it_encodes(device):
+    """Batch k+1 holds a record its preprocessing raises on and one the tower raises on, staged while batch k
+    (clean) is in flight: batch k comes back whole, and batch k+1's failures are pinned on their records."""
+    bad_pixels = CheckFailed("preprocess.grid_match", "grid differs", "(1, 4, 1)", "(1, 2, 2)", image_index=0)
+    batches = [[record(f"k{i}", 4) for i in range(4)], [record(f"n{i}", 4) for i in range(4)]]
+    bad_pixels.record = batches[1][1]
+    on_device = device({"n3": RuntimeError("CUDA out of memory")}, pack_raises={"n1": bad_pixels}, overlap=True)
+    results = submit_all(on_device, batches)
+    assert results == [([], []), (["k0", "k1", "k2", "k3"], []),
+                       (["n0", "n2"], [("n1", "preprocess.grid_match"), ("n3", "encode.failed")])]
+
+
+def test_overlap_on_and_off_give_the_same_records_in_the_same_order(device):
+    def batches():
+        return [[record(f"b{b}r{r}", 4) for r in range(3)] for b in range(4)]
+
+    raises = {"b1r2": ValueError("bad"), "b3r0": RuntimeError("CUDA out of memory")}
+    pack_raises = {"b2r1": RuntimeError("a backend crash")}
+    flat = lambda results: [item for result in results for part in result for item in part]  # noqa: E731
+    with_overlap = flat(submit_all(device(raises, pack_raises, overlap=True), batches()))
+    without = flat(submit_all(device(raises, pack_raises), batches()))
+    assert with_overlap == without
+    assert ("b1r2", "encode.failed") in with_overlap and ("b2r1", "encode.failed") in with_overlap
+
+
+# -- the job on the demo: overlap and batched JPEG decode change nothing that is written ----------------
+def run_demo(root: Path, name: str, overlap: bool, jpeg: str = "safe") -> Path:
+    """The demo in many small batches (a small token budget), its workers inline."""
+    job = JobConfig(run_name=name, output=OutputConfig(root=str(root)), checks=ChecksConfig(max_quarantine_fraction=1),
+                    preprocess=PreprocessConfig(token_budget=256), decode=DecodeConfig(jpeg=jpeg),
+                    runtime=RuntimeConfig(num_workers=0, progress=False, overlap=overlap))
+    rank_job(job, root / name).run_all()
+    return root / name
+
+
+def shards(run_dir: Path, kind: str) -> list[dict]:
+    """The rows in shard order, without the fingerprint (the config differs, by design)."""
+    return [{key: value for key, value in row.items() if key != "fingerprint"}
+            for path in sorted(RunLayout(run_dir).folder(kind).glob("*.parquet"))
+            for row in pq.read_table(path).to_pylist()]
+
+
+def comparable(rows: list[dict], exact: bool) -> list[dict]:
+    return rows if exact else [{key: value for key, value in row.items() if key != "image_embeds"} for row in rows]
+
+
+@pytest.fixture(scope="module")
+def batch_by_batch(tmp_path_factory) -> Path:
+    return run_demo(tmp_path_factory.mktemp("off"), "off", overlap=False)
+
+
+@pytest.mark.slow  # a demo job each, against a module-wide one
+@pytest.mark.parametrize("jpeg", ["safe", "device"])
+def test_the_demo_with_overlap_commits_the_same_shards_as_batch_by_batch(tmp_path, batch_by_batch, jpeg, monkeypatch):
+    batched = []  # the JPEGs that the batched decoder took
+    decode = JpegBatchDecoder._batched
+    monkeypatch.setattr(JpegBatchDecoder, "_batched", lambda self, jpegs: batched.extend(jpegs) or decode(self, jpegs))
+    run_dir = run_demo(tmp_path, "on", overlap=True, jpeg=jpeg)
+    # the demo's JPEGs but the truncated one and the one whose text fails in the worker
+    assert len(batched) == (14 if jpeg == "device" else 0)
+    # nvJPEG's pixels are not libjpeg-turbo's: on CUDA the embeddings of device-decoded JPEGs may differ (the e2e
+    # bench prints by how much); everything else must not.
+    exact = jpeg == "safe" or not torch.cuda.is_available()
+    for kind in (DATA, QUARANTINE):
+        assert comparable(shards(run_dir, kind), exact) == comparable(shards(batch_by_batch, kind), exact), kind
+    assert len(shards(run_dir, DATA)) > 10
+    assert {row["check"] for row in shards(run_dir, QUARANTINE)} >= {"decode.truncated", "decode.unreadable"}
+
+
+@pytest.mark.slow  # a demo job, against the module-wide one
+def test_when_every_batched_jpeg_decode_raises_the_safe_path_commits_the_same_shards(tmp_path, batch_by_batch,
+                                                                                   monkeypatch):
+    """Each JPEG of a failed batched call is decoded on the safe path, in the main process's own isolated child."""
+    def failing(*args, **kwargs):
+        raise RuntimeError("nvjpeg: bitstream error")
+
+    monkeypatch.setattr("torchvision.io.decode_jpeg", failing)
+    run_dir = run_demo(tmp_path, "failing", overlap=True, jpeg="device")
+    for kind in (DATA, QUARANTINE):
+        assert shards(run_dir, kind) == shards(batch_by_batch, kind), kind

@@ -1,0 +1,82 @@
+"""Many processes, exactly once: accelerate launch, kills at every stage, resume, verify."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from batchvlm.demo import demo_rows
+from batchvlm.rundir.verify import verify_run
+from conftest import REPO, run_embed
+
+INPUT_IDS = sorted(row["id"] for row in demo_rows())
+
+# accelerate launch, kills and restarts of the job
+pytestmark = pytest.mark.slow
+
+
+def rows_of(run_dir, kind="data") -> dict[str, dict]:
+    return {row["id"]: row for path in sorted((run_dir / kind).glob("*.parquet"))
+            for row in pq.read_table(path).to_pylist()}
+
+
+def all_ids(run_dir) -> list[str]:
+    return sorted(list(rows_of(run_dir, "data")) + list(rows_of(run_dir, "quarantine")))
+
+
+def assert_exactly_once(run_dir, clean_rows):
+    assert verify_run(run_dir) == []
+    ids = [r["id"] for kind in ("data", "quarantine") for p in (run_dir / kind).glob("*.parquet")
+           for r in pq.read_table(p, columns=["id"]).to_pylist()]
+    assert sorted(ids) == INPUT_IDS  # every id once, none twice
+    assert not [p for p in run_dir.rglob("*") if ".tmp-" in p.name]
+    assert rows_of(run_dir) == clean_rows  # embeddings identical to an uninterrupted single-process run
+    assert (run_dir / "_SUCCESS").exists()
+
+
+@pytest.fixture(scope="module")
+def clean_rows(demo_run):
+    return rows_of(demo_run)
+
+
+def test_two_processes_under_accelerate_split_the_work_and_match_one_process(tmp_path, clean_rows):
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(REPO / "jobs" / "embed.py"), f"output.root={tmp_path}", "run_name=two", "model.device=cpu",
+               "dataset.unit_records=3", "runtime.num_workers=1"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run_dir = tmp_path / "two"
+    ranks = {json.loads(p.read_text())["rank"] for p in (run_dir / "manifest").glob("*.json")}
+    assert ranks == {0, 1}  # both ranks committed units
+    assert (run_dir / "embed.rank0.log").exists() and (run_dir / "embed.rank1.log").exists()
+    assert result.stdout.count("records in: 21") == 1  # one summary for the whole job, from rank 0
+    assert_exactly_once(run_dir, clean_rows)
+
+
+KILLS = ["crash.decode=4", "crash.encode=2", "crash.commit.before_rename=3", "crash.commit.before_manifest=2",
+         "crash.finish.before_success=1"]
+
+
+def test_killed_at_every_stage_and_restarted_the_run_is_exactly_once(tmp_path, monkeypatch, clean_rows):
+    for fault in KILLS:  # each restart resumes the run the previous kill left
+        monkeypatch.setenv("BATCHVLM_FAULTS", fault)
+        result = run_embed(f"output.root={tmp_path}", "run_name=killed", "dataset.unit_records=3",
+                           "runtime.num_workers=1")
+        assert result.returncode != 0, f"{fault} did not fire"
+        assert not (tmp_path / "killed" / "_SUCCESS").exists()
+    monkeypatch.delenv("BATCHVLM_FAULTS")
+    result = run_embed(f"output.root={tmp_path}", "run_name=killed", "dataset.unit_records=3", "runtime.num_workers=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_exactly_once(tmp_path / "killed", clean_rows)
+
+
+def test_a_run_directory_with_another_fingerprint_is_refused(demo_run):
+    result = run_embed(f"output.root={demo_run.parent}", f"run_name={demo_run.name}", "output.embed_dtype=float32")
+    assert result.returncode == 2
+    assert "another fingerprint" in result.stderr and "embed_dtype: 'bfloat16' -> 'float32'" in result.stderr
+    assert "run_name=" in result.stderr  # says how to start a new run

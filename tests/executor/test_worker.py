@@ -1,0 +1,59 @@
+"""The worker side: a unit's rows checked as read, decoded, planned and laid out, between the unit's markers; units
+already committed are never claimed."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
+
+from batchvlm.config import DatasetConfig, DecodeConfig, JobConfig
+from batchvlm.executor.worker import PreparedStream, checked_id
+from batchvlm.records import PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd, UnitStart, WorkUnit
+from batchvlm.rundir.claims import Claims
+from batchvlm.rundir.layout import RunLayout
+from batchvlm.sources import make_source
+
+UNIT = WorkUnit("input-00000000-00000004", "input", 0, 4)
+
+
+def source_record(record_id: str | None, row: int = 0) -> SourceRecord:
+    return SourceRecord(record_id, UNIT.unit_id, UNIT.source, row, "", [])
+
+
+def test_a_row_without_an_id_or_seen_earlier_in_its_unit_is_quarantined_with_its_place():
+    seen = set()
+    assert checked_id(source_record("a"), UNIT, seen) is None
+    again = checked_id(source_record("a", 2), UNIT, seen)
+    missing = checked_id(source_record(None, 3), UNIT, seen)
+    assert (again.failure.check, again.failure.stage) == ("source.duplicate_id", "source")
+    assert missing.failure.check == "source.missing_id" and missing.source.id == "input#3"
+
+
+def png() -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((40, 50, 3), 120, np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_a_worker_claims_each_unit_not_yet_committed_and_prepares_its_records(tmp_path, kimi_family):
+    pq.write_table(pa.table({"id": ["a", "b", "c", "d"], "images": [[png()], [png()], [b"not an image"], []],
+                             "text": ["<image> one", "<image> two", "<image> three", "no image"]}),
+                   tmp_path / "in.parquet", row_group_size=2)
+    job = JobConfig(dataset=DatasetConfig(kind="parquet", path=str(tmp_path / "in.parquet"), unit_records=2),
+                    decode=DecodeConfig(isolation="none"))
+    source = make_source(job.dataset)
+    units = source.plan()
+    layout = RunLayout(tmp_path / "run")
+    layout.manifests.mkdir(parents=True)
+    layout.manifest(units[0].unit_id).write_text("{}")  # committed already
+    stream = PreparedStream(source, units, kimi_family, job, Claims(tmp_path / "claims", "rank00000-a", 60), layout)
+    items = list(stream)
+    assert isinstance(items[0], UnitStart) and items[0].unit == units[1] and isinstance(items[-1], UnitEnd)
+    bad, text_only = items[1:3]
+    assert isinstance(bad, QuarantinedRecord) and bad.failure.check == "decode.unreadable"
+    assert isinstance(text_only, PreparedRecord) and text_only.plans == [] and text_only.source.id == "d"
+    assert items[-1].num_records == 2

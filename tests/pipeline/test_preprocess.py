@@ -1,0 +1,142 @@
+"""Preprocessing on its own: the torch backend's fast path (uint8 until the rows, normalized where the values are
+fewest) against the pixel contract written out step by step in float (kernels/reference.py, the Triton kernels'
+oracle); the guard's sampled parity check, which catches pixels that drift while every shape stays right, and its
+CPU fallback, noted on the record; the backend chosen for the device."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from skimage import data
+
+from batchvlm.bench.tasks import image_mix
+from batchvlm.checks import CheckFailed
+from batchvlm.config import ConfigError, PreprocessConfig
+from batchvlm.kernels.reference import normalized_image
+from batchvlm.pipeline.preprocess import (PreprocessGuard, TorchPreprocessor, merged_stats, preprocess_batch,
+                                          resolve_backend)
+from batchvlm.records import DecodedImage, PreparedRecord, SourceRecord, TokenLayout
+
+
+@pytest.mark.parametrize("background", ["black", "chessboard"])
+def test_torch_rows_equal_the_float_reference_bit_for_bit(family, background):
+    """Every family, on kept sizes, down- and upscales, padding, a thin strip and column, and RGBA."""
+    preprocessor = TorchPreprocessor(family, torch.device("cpu"), background)
+    mix = image_mix()
+    coffee = dict(mix)["coffee"]
+    height, width = family.plan(*coffee.shape[:2]).resized
+    resized_or_not = set()
+    for name, pixels in mix + [("coffee_at_its_planned_size", coffee[:height, :width].copy())]:
+        image = DecodedImage(pixels, "PNG", "")
+        plan = family.plan(image.height, image.width)
+        resized_or_not.add(plan.resized == (image.height, image.width))
+        rows, grid = preprocessor.image_rows(image, plan)
+        expected = family.patchify(normalized_image(torch.from_numpy(pixels), plan.resized, plan.padded,
+                                                    family.resample, background, preprocessor.scale,
+                                                    preprocessor.bias))
+        assert grid == (1, plan.padded[0] / family.layout.patch_size, plan.padded[1] / family.layout.patch_size)
+        assert rows.dtype == torch.float32 and torch.equal(rows, expected), name
+    assert resized_or_not == {True, False}, "the mix must hold kept and resized images"
+
+
+# -- parity -----------------------------------------------------------------------------------
+def first_image_of(records: list[PreparedRecord], record_id: str) -> int:
+    """The batch-wide index of a record's first image."""
+    return [image for r in records for image in [r.source.id] * len(r.images)].index(record_id)
+
+
+class BrightenOne:
+    """A backend whose pixels for one record are 5 levels too bright: shapes right, values wrong."""
+
+    def __init__(self, inner, record_id):
+        self.inner, self.record_id = inner, record_id
+
+    def __call__(self, records):
+        rows, grids = self.inner(records)
+        index = first_image_of(records, self.record_id)
+        rows[index] = rows[index] + 5 * float(self.inner.scale.flatten()[0])
+        return rows, grids
+
+
+def photo_records(family) -> list[PreparedRecord]:
+    crops = {"cat": data.chelsea()[100:160, 150:250], "cup": data.coffee()[50:120, 200:260],
+             "rocket": data.rocket()[150:190, 100:300]}
+    records = []
+    for record_id, pixels in crops.items():
+        image = DecodedImage(np.ascontiguousarray(pixels), "PNG", hashlib.sha256(pixels.tobytes()).hexdigest())
+        source = SourceRecord(id=record_id, unit_id="u", source="s", row=0, text="", images=[])
+        records.append(PreparedRecord(source, [image], [family.plan(image.height, image.width)],
+                                      TokenLayout([], [], [])))
+    return records
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+def test_parity_catches_drifting_pixels_and_falls_back_or_quarantines(kimi_family, fallback):
+    records = photo_records(kimi_family)
+    backend = TorchPreprocessor(kimi_family, torch.device("cpu"), "black")
+    guard = PreprocessGuard(cpu=TorchPreprocessor(kimi_family, torch.device("cpu"), "black"), fallback=fallback,
+                            parity_sample_rate=1.0)
+    if not fallback:
+        with pytest.raises(CheckFailed) as caught:
+            preprocess_batch(records, BrightenOne(backend, "cup"), guard)
+        assert caught.value.check == "preprocess.parity" and caught.value.record is records[1]
+        return
+    packed = preprocess_batch(records, BrightenOne(backend, "cup"), guard)
+    assert torch.equal(packed.pixel_values, preprocess_batch(records, backend).pixel_values)
+    events = merged_stats([record.preprocess.counts() for record in records])
+    assert events == {"fallbacks": {"preprocess.parity": 1}, "parity": {"checked_images": 3, "failed_images": 1}}
+
+
+class LeaveOneValueUnwritten:
+    """A backend that misses one value of one record's rows (the Triton output starts as NaN)."""
+
+    def __init__(self, inner, record_id):
+        self.inner, self.record_id = inner, record_id
+
+    def __call__(self, records):
+        rows, grids = self.inner(records)
+        index = first_image_of(records, self.record_id)
+        rows[index] = rows[index].clone()
+        rows[index].view(-1)[7] = float("nan")
+        return rows, grids
+
+
+def test_unwritten_values_are_caught_and_redone_on_the_cpu_path(kimi_family):
+    records = photo_records(kimi_family)
+    backend = TorchPreprocessor(kimi_family, torch.device("cpu"), "black")
+    guard = PreprocessGuard(cpu=TorchPreprocessor(kimi_family, torch.device("cpu"), "black"), fallback=True)
+    packed = preprocess_batch(records, LeaveOneValueUnwritten(backend, "rocket"), guard)
+    assert torch.equal(packed.pixel_values, preprocess_batch(records, backend).pixel_values)
+    assert records[2].preprocess.counts()["fallbacks"] == {"preprocess.feature_length": 1}
+
+
+def test_parity_sampling_is_deterministic_by_content():
+    guard = PreprocessGuard(parity_sample_rate=0.25)
+    digests = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(400)]
+    picks = [guard.sampled(DecodedImage(np.zeros((1, 1, 3), np.uint8), "PNG", d)) for d in digests]
+    assert picks == [guard.sampled(DecodedImage(np.zeros((1, 1, 3), np.uint8), "PNG", d)) for d in digests]
+    assert 60 < sum(picks) < 140
+
+
+def test_auto_is_triton_on_cuda_and_torch_elsewhere():
+    assert resolve_backend("auto", torch.device("cuda", 0)) == "triton"
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend("reference", torch.device("cuda", 0)) == "reference"
+
+
+def test_triton_without_a_gpu_is_refused_naming_the_key(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match=r"preprocess\.backend=triton needs a CUDA device"):
+        resolve_backend("triton", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("values,key", [({"backend": "cuda"}, "preprocess.backend"),
+                                        ({"fallback": "drop"}, "preprocess.fallback"),
+                                        ({"parity_sample_rate": 1.5}, "preprocess.parity_sample_rate"),
+                                        ({"parity_max_levels": 0}, "preprocess.parity_max_levels")])
+def test_bad_preprocess_values_fail_naming_the_key(values, key):
+    with pytest.raises(ConfigError, match=key):
+        PreprocessConfig(**values)

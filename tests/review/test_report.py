@@ -1,0 +1,203 @@
+"""The failure report: terminal summary and page agree with the quarantine shards, the page works in a
+real browser, and it stays capped and complete on 100k quarantined rows."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from batchvlm.format.schema import QUARANTINE_SCHEMA
+from batchvlm.review.report import build_report, summary_text
+from batchvlm.review.html import render
+from batchvlm.rundir.manifest import Listing, Manifest
+from conftest import REPO, quarantine_rows
+
+ARTIFACTS = REPO / "tests" / "artifacts"
+CARD = re.compile(r'<article class="card" data-check="([^"]+)".*?<h3 class="id">([^<]+)</h3>', re.DOTALL)
+
+
+def run_report(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "jobs" / "report.py"), f"run_dir={run_dir}", *overrides],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def summary_section(summary: str, title: str) -> dict[str, int]:
+    """`title:` followed by `  <count>  <key>` lines, as the terminal summary prints them."""
+    lines = summary.splitlines()
+    counts = {}
+    for line in lines[lines.index(f"{title}:") + 1:]:
+        if not line.startswith("  "):
+            break
+        count, key = line.split(None, 1)
+        counts[key] = int(count)
+    return counts
+
+
+@pytest.fixture(scope="module")
+def demo_report(demo_run, tmp_path_factory) -> tuple[Path, str]:
+    """jobs/report.py on a copy of the demo run (the shared demo run stays as the job left it)."""
+    run_dir = tmp_path_factory.mktemp("report") / "demo"
+    shutil.copytree(demo_run, run_dir)
+    result = run_report(run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir, result.stdout
+
+
+# -- the demo run ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_page_of_the_demo_run_has_a_card_for_every_quarantined_id_with_its_check(demo_report):
+    run_dir, _ = demo_report
+    page = (run_dir / "report" / "index.html").read_text()
+    cards = {record_id: check for check, record_id in CARD.findall(page)}
+    assert cards == {row["id"]: row["check"] for row in quarantine_rows(run_dir)}
+    assert len(cards) == 3
+
+
+@pytest.mark.slow
+def test_terminal_summary_counts_equal_the_quarantine_shards(demo_report):
+    run_dir, summary = demo_report
+    rows = quarantine_rows(run_dir)
+    success = json.loads((run_dir / "_SUCCESS").read_text())
+    assert (f"records in: {success['records_in']}  written: {success['written']}  quarantined: {len(rows)}  "
+            "fallbacks: 0") in summary
+    assert summary_section(summary, "by check") == Counter(row["check"] for row in rows)
+    assert summary_section(summary, "by stage") == Counter(row["stage"] for row in rows)
+    assert summary_section(summary, "by source file") == Counter(row["source"] for row in rows)
+    assert sum(summary_section(summary, "most frequent messages").values()) == len(rows)
+
+
+@pytest.mark.slow
+def test_report_describes_the_written_data_from_the_data_shards(demo_report):
+    run_dir, summary = demo_report
+    table = pq.read_table(run_dir / "data", columns=["input_ids", "image_num_tokens"])
+    lengths = [len(ids) for ids in table.column("input_ids").to_pylist()]
+    tokens = [n for per_image in table.column("image_num_tokens").to_pylist() for n in per_image]
+    line = {key.strip(): value for key, value in
+            (row.split("p50", 1) for row in summary.split("written data", 1)[1].splitlines()[1:4])}
+    assert line["sequence length (tokens)"].endswith(f"max {max(lengths):,}  ({len(lengths)} records)")
+    assert line["tokens per image"].endswith(f"max {max(tokens):,}  ({len(tokens)} images)")
+    page = (run_dir / "report" / "index.html").read_text()
+    assert page.count('<figure class="hist">') == 3
+
+
+@pytest.mark.slow
+def test_page_is_self_contained(demo_report):
+    page = (demo_report[0] / "report" / "index.html").read_text()
+    assert "default-src 'none'" in page  # the browser itself refuses any network load
+    assert not re.search(r'(src|href)="(?!data:)', page)
+    assert "<mark>&lt;image&gt;</mark> and <mark>&lt;image&gt;</mark>" in page  # placeholders highlighted
+
+
+@pytest.mark.slow
+def test_report_of_a_folder_that_is_no_run_fails_with_exit_2(tmp_path):
+    result = run_report(tmp_path / "nowhere")
+    assert result.returncode == 2
+    assert "not a batchvlm run directory" in result.stderr
+
+
+def _chromium_page(playwright):
+    """A page in Debian's chromium; missing, the test fails (CI installs it) rather than skip unseen."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.fail("Debian's chromium is not installed: run `apt-get install -y chromium` (.ci/run does it)")
+    browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+    return browser, browser.new_page(viewport={"width": 1280, "height": 900})
+
+
+@pytest.mark.slow
+def test_page_in_headless_chromium_shows_thumbnails_and_filters_by_check(demo_report):
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("playwright is missing: pip install -e '.[dev]'")
+    run_dir, _ = demo_report
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser, page = _chromium_page(playwright)
+        errors = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto((run_dir / "report" / "index.html").as_uri())
+        cards = page.locator("article.card")
+        assert cards.count() == 3 and all(cards.nth(i).is_visible() for i in range(3))
+        thumbnail = page.locator("article.card img.thumbnail")
+        assert thumbnail.count() == 1  # the only demo failure whose image decodes safely
+        assert thumbnail.evaluate("img => img.complete && img.naturalWidth > 0")
+        assert page.locator("article.card .placeholder").count() == 2  # truncated, not an image
+        assert "grid_thw 1x" in page.locator("article.card figcaption").nth(2).inner_text()
+        page.screenshot(path=str(ARTIFACTS / "report-demo.png"), full_page=True)
+
+        page.select_option("#filter-check", "decode.truncated")
+        visible = [cards.nth(i).locator("h3.id").inner_text() for i in range(3) if cards.nth(i).is_visible()]
+        assert visible == ["bad_truncated_jpeg"]
+        assert page.locator("#shown").inner_text() == "1 of 3 cards shown"
+        page.screenshot(path=str(ARTIFACTS / "report-demo-filtered.png"), full_page=True)
+
+        page.select_option("#filter-check", "")
+        page.fill("#search", "web page")
+        visible = [cards.nth(i).locator("h3.id").inner_text() for i in range(3) if cards.nth(i).is_visible()]
+        assert visible == ["bad_not_an_image"]
+        browser.close()
+    assert errors == []
+
+
+# -- size --------------------------------------------------------------------------------------
+def _tiny_png() -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((8, 8, 3), 200, np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _synthetic_run(run_dir: Path, shards: int, rows_per_shard: int, checks: list[str]) -> None:
+    """A run directory with only quarantine shards and their manifests, rows in QUARANTINE_SCHEMA."""
+    for name in ("data", "quarantine", "manifest"):
+        (run_dir / name).mkdir(parents=True)
+    png = _tiny_png()
+    for shard in range(shards):
+        unit = f"synthetic-{shard:04d}"
+        rows = range(shard * rows_per_shard, (shard + 1) * rows_per_shard)
+        table = pa.Table.from_pydict({
+            "id": [f"r{i}" for i in rows], "source": [f"/data/part-{shard % 3}.parquet"] * rows_per_shard,
+            "row": list(rows), "unit": [unit] * rows_per_shard,
+            "check": [checks[i % len(checks)] for i in rows], "stage": [checks[i % len(checks)].split(".")[0] for i in rows],
+            "message": [f"failure kind {i % 7}" for i in rows], "expected": ["1"] * rows_per_shard,
+            "observed": ["2"] * rows_per_shard, "exception_type": ["CheckFailed"] * rows_per_shard,
+            "image_index": [0] * rows_per_shard, "image_bytes": [[png]] * rows_per_shard,
+            "image_paths": [[None]] * rows_per_shard, "text": [f"<image> caption {i}" for i in rows],
+            "fingerprint": ["f"] * rows_per_shard}, schema=QUARANTINE_SCHEMA)
+        pq.write_table(table, run_dir / "quarantine" / f"{unit}.parquet")
+        listing = Listing(f"quarantine/{unit}.parquet", rows_per_shard, 0, "")
+        manifest = Manifest(unit, "input", rows.start, rows.stop, rows_per_shard, 0, rows_per_shard, {},
+                            {"quarantine": listing}, rank=0, claim="a0")
+        (run_dir / "manifest" / f"{unit}.json").write_text(json.dumps(manifest.to_json()))
+    (run_dir / "_SUCCESS").write_text(json.dumps({"fallbacks": {"preprocess.grid_match": 7}}))
+
+
+def test_report_of_100k_quarantined_rows_caps_cards_per_check_and_counts_every_row(tmp_path):
+    checks = ["decode.truncated", "decode.unreadable", "text.placeholder_count", "encode.finite", "decode.timeout"]
+    _synthetic_run(tmp_path / "big", shards=10, rows_per_shard=10_000, checks=checks)
+    started = time.perf_counter()
+    report = build_report(tmp_path / "big", max_cards_per_check=20)
+    page = render(report)
+    seconds = time.perf_counter() - started
+    print(f"report of 100k quarantined rows: {seconds:.2f} s, page {len(page) / 1e6:.2f} MB")
+    assert report.quarantined == 100_000 and report.fallbacks == {"preprocess.grid_match": 7}
+    assert report.by_check == {check: 20_000 for check in checks}
+    assert {check: len(cards) for check, cards in report.cards.items()} == {check: 20 for check in checks}
+    assert page.count('<article class="card"') == 100
+    assert page.count("19,980 more records quarantined under") == len(checks)
+    thumbnails = [t for cards in report.cards.values() for card in cards for t in card.thumbnails]
+    assert sum(t.data_uri is not None for t in thumbnails) == 80  # the decode.timeout images are never decoded
+    assert "fallbacks: 7\n" in summary_text(report) and "7  fell back on preprocess.grid_match" in summary_text(report)

@@ -1,0 +1,70 @@
+"""verify: the exactly-once contract checked from disk, each problem named by its unit or file."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+from test_dedup import _write
+
+from batchvlm.rundir.verify import verify_run
+
+# runs of the job
+pytestmark = pytest.mark.slow
+
+
+def verify(run_dir) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "jobs" / "verify.py"), f"run_dir={run_dir}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_verify_passes_a_good_run_and_names_the_unit_of_a_truncated_shard(demo_run, tmp_path):
+    assert verify(demo_run).returncode == 0
+    copy = tmp_path / "copy"
+    shutil.copytree(demo_run, copy)
+    shard = sorted((copy / "data").glob("*.parquet"))[1]
+    shard.write_bytes(shard.read_bytes()[:-1])
+    result = verify(copy)
+    assert result.returncode == 1 and f"unit {shard.name.split('.')[0]}:" in result.stdout  # <unit>.<claim>.parquet
+
+
+def test_verify_names_the_unit_whose_manifest_checksum_disagrees(demo_run, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(demo_run, copy)
+    manifest_file = next(m for m in sorted((copy / "manifest").glob("*.json"))
+                         if "quarantine" in json.loads(m.read_text())["files"])
+    manifest = json.loads(manifest_file.read_text())
+    manifest["files"]["quarantine"]["sha256"] = "0" * 64
+    manifest_file.write_text(json.dumps(manifest))
+    result = verify(copy)
+    assert result.returncode == 1 and f"unit {manifest_file.stem}: quarantine/" in result.stdout
+
+
+def test_verify_names_the_unit_of_a_manifest_that_is_not_one_and_goes_on(demo_run, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(demo_run, copy)
+    manifest_file = sorted((copy / "manifest").glob("*.json"))[0]
+    manifest_file.write_text("{}")
+    result = verify(copy)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"FAIL unit {manifest_file.stem}: " in result.stdout and "not a batchvlm manifest" in result.stdout
+
+
+def test_verify_catches_a_duplicate_that_the_run_did_not_list(tmp_path):
+    _write(tmp_path)
+    result = subprocess.run([sys.executable, str(REPO / "jobs" / "embed.py"), f"output.root={tmp_path}",
+                             "run_name=dups", "dataset=parquet", f"dataset.path={tmp_path}/*.parquet",
+                             "runtime.num_workers=0"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "dups"
+    assert verify_run(run_dir) == []
+    for listing in (run_dir / "dedup").glob("*.parquet"):
+        listing.unlink()
+    for result_file in (run_dir / "dedup").glob("*.json"):
+        result_file.write_text(json.dumps({**json.loads(result_file.read_text()), "file": None}))
+    problems = verify_run(run_dir)
+    assert any("not listed as duplicates" in problem for problem in problems), problems

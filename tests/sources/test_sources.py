@@ -1,0 +1,76 @@
+"""What every source shares: columns named in the config, the rows a job reads through them, images given as URLs."""
+
+from __future__ import annotations
+
+import io
+
+import datasets
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+from skimage import data
+
+from batchvlm.config import ConfigError, DatasetConfig
+from batchvlm.pipeline.decode import read_bytes
+from batchvlm.sources import make_source
+from conftest import run_embed
+
+
+def jpeg(pixels) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG")
+    return buffer.getvalue()
+
+
+PHOTOS = {"cat": data.chelsea(), "cup": data.coffee()[:200, :300], "coins": data.coins()}
+FEATURES = datasets.Features({"key": datasets.Value("string"), "pics": datasets.List(datasets.Image()),
+                              "caption": datasets.Value("string")})
+
+
+def _table(keys):
+    return {"key": keys, "pics": [[{"bytes": jpeg(PHOTOS[k]), "path": None}] for k in keys],
+            "caption": [f"<image> a photo of {k}" for k in keys]}
+
+
+def _columns(**extra) -> dict:
+    return dict(id_column="key", images_column="pics", text_column="caption", **extra)
+
+
+def test_a_missing_column_is_a_config_error_naming_the_key(tmp_path):
+    datasets.Dataset.from_dict(_table(["cat"]), features=FEATURES).save_to_disk(tmp_path / "ds")
+    with pytest.raises(ConfigError, match="dataset.images_column='images'"):
+        make_source(DatasetConfig(kind="disk", path=str(tmp_path / "ds"), id_column="key",
+                                  text_column="caption")).plan()
+
+
+@pytest.mark.slow
+def test_embed_job_reads_a_parquet_glob_with_overridden_columns(tmp_path):
+    for index, keys in enumerate([["cat", "cup"], ["coins"]]):
+        datasets.Dataset.from_dict(_table(keys), features=FEATURES).to_parquet(str(tmp_path / f"part-{index}.parquet"))
+    result = run_embed("dataset=parquet", f"dataset.path={tmp_path}/*.parquet", "dataset.id_column=key",
+                       "dataset.images_column=pics", "dataset.text_column=caption", f"output.root={tmp_path}/out",
+                       "runtime.num_workers=0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "out" / "parquet-kimi_k25_tiny"  # deterministic name from the chosen groups
+    ids = sorted(r["id"] for p in (run / "data").glob("*.parquet") for r in pq.read_table(p).to_pylist())
+    assert ids == ["cat", "coins", "cup"]
+
+
+# -- streaming sources, footer-only planning, WebDataset and s3 -------------------------------------
+
+
+def test_an_image_given_as_a_url_is_refused_by_name_unless_fetching_is_allowed(tmp_path):
+    from batchvlm.checks import CheckFailed
+    from batchvlm.sources import image_ref
+
+    photo = tmp_path / "cat.jpg"
+    photo.write_bytes(jpeg(PHOTOS["cat"]))
+    url = photo.as_uri()  # file:///...: fsspec reads it like any remote URL, with no network
+    refused = image_ref(url, str(tmp_path), DatasetConfig(kind="parquet", path="x"))
+    with pytest.raises(CheckFailed, match="given as a URL .*dataset.fetch_urls=true") as caught:
+        read_bytes(refused, 0)
+    assert caught.value.check == "decode.missing_file"
+    allowed = image_ref(url, str(tmp_path), DatasetConfig(kind="parquet", path="x", fetch_urls=True))
+    assert read_bytes(allowed, 0) == photo.read_bytes()
+    relative = image_ref("cat.jpg", str(tmp_path), DatasetConfig(kind="parquet", path="x"))
+    assert relative.path == str(photo)  # resolved against the input's folder, not mangled

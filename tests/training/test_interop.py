@@ -1,0 +1,140 @@
+"""Interop: the run as a `datasets` dataset whose rows become the reader's tensors, and the inputs that transformers
+and vLLM take."""
+
+from __future__ import annotations
+
+import shutil
+
+import datasets
+import pyarrow.parquet as pq
+import pytest
+from conftest import committed_shards
+import torch
+from transformers import Qwen2VLForConditionalGeneration
+
+from batchvlm.config import ModelConfig
+from batchvlm.families import load_family
+from batchvlm.training.reader import read_run
+from batchvlm.training import (DatasetRows, load_run_dataset, mm_token_type_ids, vllm_qwen2_vl_image_input)
+
+
+@pytest.mark.slow
+def test_mm_token_type_ids_are_what_transformers_computes_the_stored_positions_from(records):
+    family = load_family(ModelConfig(family="qwen2_vl"))
+    model = Qwen2VLForConditionalGeneration.from_pretrained(family.checkpoint)
+    for record in [r for r in records if len(r.grid_thw)][:4]:
+        positions, _ = model.model.get_rope_index(record.input_ids[None], mm_token_type_ids(record.token_tags)[None],
+                                                  image_grid_thw=record.grid_thw)
+        assert torch.equal(positions[:, 0], record.position_ids), record.id
+
+
+def assert_same_record(ours, record) -> None:
+    """Every tensor equal, the embeddings bit for bit (a NaN or a -0.0 must survive too)."""
+    assert ours.id == record.id and ours.rope_delta == record.rope_delta and ours.extras.keys() == record.extras.keys()
+    for name in ("input_ids", "grid_thw", "image_spans", "token_tags"):
+        assert torch.equal(getattr(ours, name), getattr(record, name)), (record.id, name)
+    assert (ours.position_ids is None) == (record.position_ids is None), record.id
+    assert ours.position_ids is None or torch.equal(ours.position_ids, record.position_ids), record.id
+    embeddings = {"image_embeds": (ours.image_embeds, record.image_embeds),
+                  **{name: (ours.extras[name], record.extras[name]) for name in record.extras}}
+    for name, (got, stored) in embeddings.items():
+        assert got.dtype == stored.dtype and got.shape == stored.shape, (record.id, name)
+        assert torch.equal(got.view(torch.uint8), stored.view(torch.uint8)), (record.id, name)
+
+
+def assert_rows_are_the_runs_records(dataset, records) -> None:
+    rows = DatasetRows.from_dataset(dataset)
+    read = [rows.tensors(row) for row in dataset]
+    assert len(read) == len(records)
+    for ours, record in zip(read, records):
+        assert_same_record(ours, record)
+
+
+def without_datasets_key(metadata: dict[bytes, bytes]) -> dict[bytes, bytes]:
+    return {key: value for key, value in metadata.items() if key != b"huggingface"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["qwen_run", "siglip_run"])
+def test_rows_of_load_dataset_become_the_readers_tensors_bit_for_bit_from_the_datasets_features(run, request,
+                                                                                              tmp_path):
+    run_dir = request.getfixturevalue(run)
+    records = list(read_run(run_dir))
+    assert any(record.extras for record in records) == (run == "siglip_run")
+    dataset = load_run_dataset(run_dir, cache_dir=str(tmp_path / "cache"))
+    assert_rows_are_the_runs_records(dataset, records)
+    assert_rows_are_the_runs_records(load_run_dataset(run_dir, streaming=True), records)
+
+
+@pytest.mark.slow
+def test_rows_become_tensors_after_map_select_and_save_to_disk_with_the_run_and_the_cache_gone(qwen_run, records,
+                                                                                                tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(qwen_run, run_dir)
+    order = list(reversed(range(len(records))))
+    dataset = load_run_dataset(run_dir, cache_dir=str(tmp_path / "cache"))
+    dataset = dataset.map(lambda row: {"num_tokens": len(row["input_ids"])}).select(order)
+    dataset.save_to_disk(str(tmp_path / "saved"))
+    shutil.rmtree(run_dir)
+    shutil.rmtree(tmp_path / "cache")
+    assert_rows_are_the_runs_records(datasets.load_from_disk(str(tmp_path / "saved")), [records[i] for i in order])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run,kind,embedding_columns", [("qwen_run", "data", ["image_embeds"]),
+                                                        ("siglip_run", "data", ["image_embeds", "pooled_embeds"]),
+                                                        ("qwen_run", "quarantine", [])])
+def test_shards_type_no_column_for_datasets_other_than_it_would_infer_and_tag_the_embedding_columns(
+        run, kind, embedding_columns, request):
+    schema = pq.read_schema(committed_shards(request.getfixturevalue(run), kind)[0])
+    meta = schema.metadata
+    inferred = datasets.Features.from_arrow_schema(schema.with_metadata(without_datasets_key(meta)))
+    features = datasets.Features.from_arrow_schema(schema)
+    assert features.arrow_schema == inferred.arrow_schema
+    dtype = meta[b"batchvlm.embed_dtype"].decode()
+    hidden = {name: int(meta[f"batchvlm.hidden_size.{name}".encode()]) for name in embedding_columns}
+    tagged = {name: datasets.Value("large_binary", id=f"batchvlm:embed:{dtype}:{hidden[name]}") for name in hidden}
+    assert features == datasets.Features({**inferred, **tagged})
+
+
+@pytest.mark.slow
+def test_a_dataset_whose_features_lost_an_embedding_layout_is_refused_naming_the_column(siglip_run, tmp_path):
+    legacy = tmp_path / "legacy.parquet"  # a shard as written before the huggingface key
+    table = pq.read_table(committed_shards(siglip_run)[0])
+    pq.write_table(table.replace_schema_metadata(without_datasets_key(table.schema.metadata)), legacy)
+    old = datasets.load_dataset("parquet", data_files=[str(legacy)], split="train", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="column 'image_embeds'.*no batchvlm dtype or hidden size"):
+        DatasetRows.from_dataset(old)
+    cast = load_run_dataset(siglip_run, cache_dir=str(tmp_path / "cache")).cast_column(
+        "pooled_embeds", datasets.Value("large_binary"))
+    rows = DatasetRows.from_dataset(cast)
+    with pytest.raises(ValueError, match="column 'pooled_embeds'"):
+        rows.tensors(next(row for row in cast if row["pooled_embeds"] is not None))
+
+
+@pytest.mark.slow
+def test_a_run_written_before_the_datasets_key_loads_with_its_layouts_from_batchvlms_keys(siglip_run, tmp_path):
+    legacy = tmp_path / "legacy-run"
+    shutil.copytree(siglip_run, legacy)
+    for shard in committed_shards(legacy):
+        table = pq.read_table(shard)
+        pq.write_table(table.replace_schema_metadata(without_datasets_key(table.schema.metadata)), shard)
+    dataset = load_run_dataset(legacy, cache_dir=str(tmp_path / "cache"))
+    rows = DatasetRows.from_dataset(dataset)
+    expected = {record.id: record for record in read_run(siglip_run)}
+    for row in dataset:
+        record, read = rows.tensors(row), expected[row["id"]]
+        assert torch.equal(record.image_embeds, read.image_embeds)
+        assert record.extras.keys() == read.extras.keys()
+        assert all(torch.equal(record.extras[k], v) for k, v in read.extras.items())
+
+
+@pytest.mark.slow
+def test_vllm_input_has_the_embedding_rows_vllm_splits_by_grid(records):
+    record = next(r for r in records if r.id == "space_trio")
+    inputs = vllm_qwen2_vl_image_input(record)
+    assert set(inputs) == {"image_embeds", "image_grid_thw"}
+    assert inputs["image_grid_thw"].shape == (3, 3)
+    assert inputs["image_embeds"].shape == (int((inputs["image_grid_thw"].prod(-1) // 4).sum()), 64)
+    with pytest.raises(ValueError, match="merge_size"):
+        vllm_qwen2_vl_image_input(record, merge_size=1)

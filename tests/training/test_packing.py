@@ -1,0 +1,60 @@
+"""Packing: records of a run into one checked training sequence, positions restarted and labels masked per record."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from batchvlm.format.schema import IMAGE
+from batchvlm.training import (IGNORE_INDEX, PackingError, first_fit_decreasing, pack)
+from batchvlm.training.packing import check_packed
+
+
+def test_first_fit_decreasing_puts_the_longest_first_into_the_first_bin_with_room():
+    assert first_fit_decreasing([5, 7, 3, 2, 4], capacity=10) == [[1, 2], [0, 4], [3]]
+
+
+@pytest.mark.slow
+def test_a_packed_batch_covers_its_length_with_restarted_positions_and_masked_labels(records):
+    chosen = [r for r in records if r.id in ("astronaut", "text_only", "cat_and_coffee")]
+    batch = pack(chosen, max_tokens=2048)
+    lengths = [len(r.input_ids) for r in chosen]
+    assert batch.cu_seqlens.tolist() == [0, lengths[0], lengths[0] + lengths[1], sum(lengths)]
+    assert batch.position_ids.shape == (4, 1, sum(lengths)) and batch.max_seqlen == max(lengths)
+    for index, (record, start) in enumerate(zip(chosen, batch.cu_seqlens.tolist())):
+        segment = slice(start, start + len(record.input_ids))
+        assert batch.position_ids[0, 0, segment].tolist() == list(range(len(record.input_ids)))
+        assert torch.equal(batch.position_ids[1:, 0, segment], record.position_ids)
+        assert (batch.document_ids[0, segment] == index).all()
+        labels = batch.labels[0, segment]
+        assert labels[0] == IGNORE_INDEX
+        assert torch.equal(labels[1:] == IGNORE_INDEX, record.token_tags[1:] == IMAGE)
+    assert torch.equal(batch.input_ids[0, batch.image_positions], torch.cat([
+        r.input_ids[r.image_token_positions()] for r in chosen]))
+    assert torch.equal(batch.image_embeds, torch.cat([r.image_embeds for r in chosen]))
+
+
+@pytest.mark.slow
+def test_a_packed_batch_moves_every_tensor_to_the_device(records):
+    batch = pack(records[:3], max_tokens=2048).to("meta")
+    tensors = [v for v in vars(batch).values() if isinstance(v, torch.Tensor)] + list(batch.extras.values())
+    assert len(tensors) >= 9 and all(t.device.type == "meta" for t in tensors)
+
+
+@pytest.mark.slow
+def test_a_batch_that_does_not_add_up_is_refused(records):
+    batch = pack(records[:3], max_tokens=2048)
+    unrestarted = batch.position_ids.clone()
+    unrestarted[0, 0] = torch.arange(batch.num_tokens)
+    with pytest.raises(PackingError, match="restart"):
+        check_packed(replace(batch, position_ids=unrestarted), 2048)
+    with pytest.raises(PackingError, match="token_tags must cover"):
+        check_packed(replace(batch, token_tags=batch.token_tags[:, 1:]), 2048)
+    with pytest.raises(PackingError, match="cu_seqlens"):
+        check_packed(replace(batch, cu_seqlens=batch.cu_seqlens[:-1]), 2048)
+    with pytest.raises(PackingError, match="image_embeds rows"):
+        check_packed(replace(batch, image_embeds=batch.image_embeds[1:]), 2048)
+    with pytest.raises(PackingError, match="max_tokens"):
+        pack(records[:3], max_tokens=batch.num_tokens - 1)

@@ -1,0 +1,79 @@
+"""The reader turns rows back into tensors: bf16 bit for bit, no copy, spans aligned with embeddings, only from
+the shards a manifest lists."""
+
+from __future__ import annotations
+
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import committed_shards
+import torch
+
+from batchvlm.format.schema import DATA_SCHEMA
+from batchvlm.pipeline.assemble import embed_bytes
+from batchvlm.training.reader import read_run, read_shard, table_tensors, tensors_of
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"),
+                                        (torch.float32, "float32")])
+def test_reader_round_trips_embeddings_bit_for_bit(tmp_path, dtype, name):
+    generator = torch.Generator().manual_seed(0)
+    embeds = [torch.randn(5, 24, generator=generator).to(dtype), torch.randn(3, 24, generator=generator).to(dtype)]
+    embeds[0][0, 0] = -0.0
+    row = {"id": "r", "source": "s", "row": 0, "text": "t", "input_ids": list(range(10)),
+           "image_spans": [{"start": 1, "length": 5}, {"start": 7, "length": 3}], "token_tags": [0] * 10,
+           "grid_thw": [[1, 2, 10], [1, 2, 6]], "original_size": [[1, 1], [1, 1]], "resized_size": [[1, 1], [1, 1]],
+           "image_sha256": ["a", "b"], "image_num_tokens": [5, 3], "num_image_tokens": 8,
+           "image_embeds": embed_bytes(embeds, dtype, 24)}
+    table = pa.Table.from_pylist([row], schema=DATA_SCHEMA).replace_schema_metadata(
+        {b"batchvlm.embed_dtype": name.encode(), b"batchvlm.hidden_size": b"24"})
+    pq.write_table(table, tmp_path / "shard.parquet")
+    (record,) = read_shard(tmp_path / "shard.parquet")
+    stored = torch.cat(embeds)
+    assert record.image_embeds.dtype == dtype and record.image_embeds.shape == (8, 24)
+    assert torch.equal(record.image_embeds.view(torch.uint8), stored.view(torch.uint8))
+    assert record.image_token_positions().tolist() == [1, 2, 3, 4, 5, 7, 8, 9]
+
+
+@pytest.mark.slow
+def test_reader_views_the_arrow_buffer_without_copying(demo_run):
+    path = sorted((demo_run / "data").glob("*.parquet"))[0]
+    table = pq.read_table(path)
+    record = tensors_of(table, 0)
+    data = table.column("image_embeds").chunks[0].buffers()[2]
+    assert data.address <= record.image_embeds.data_ptr() < data.address + data.size
+
+
+@pytest.mark.slow
+def test_demo_rows_read_back_with_consistent_spans_grids_and_embeddings(demo_run):
+    records = list(read_run(demo_run))
+    assert len(records) == 18
+    for record in records:
+        tokens = int((record.grid_thw[:, 1] * record.grid_thw[:, 2] // 4).sum()) if len(record.grid_thw) else 0
+        assert record.image_embeds.shape[0] == tokens == int(record.image_spans[:, 1].sum() if tokens else 0)
+        assert len(record.token_tags) == len(record.input_ids)
+        assert torch.isfinite(record.image_embeds.float()).all()
+        positions = record.image_token_positions()
+        assert (record.token_tags[positions] == 1).all() and int((record.token_tags == 1).sum()) == tokens
+
+
+@pytest.mark.slow
+def test_a_shard_converted_whole_gives_the_rows_read_one_by_one(qwen_run):
+    table = pq.read_table(committed_shards(qwen_run)[0])
+    for index, whole in enumerate(table_tensors(table)):
+        alone = tensors_of(table, index)
+        assert whole.id == alone.id and whole.rope_delta == alone.rope_delta
+        for name in ("input_ids", "image_embeds", "grid_thw", "image_spans", "token_tags", "position_ids"):
+            assert torch.equal(getattr(whole, name), getattr(alone, name)), name
+        assert whole.position_ids.shape == (3, len(whole.input_ids)) and whole.image_spans.shape[1] == 2
+
+
+@pytest.mark.slow
+def test_a_table_in_several_chunks_gives_the_tensors_of_each_chunk(qwen_run):
+    table = pq.read_table(committed_shards(qwen_run)[0])
+    halves = table_tensors(pa.concat_tables([table, table.slice(1)]))
+    for whole, alone in zip(halves, table_tensors(table) + table_tensors(table.slice(1)), strict=True):
+        assert whole.id == alone.id
+        for name in ("input_ids", "image_embeds", "image_spans", "token_tags", "position_ids"):
+            assert torch.equal(getattr(whole, name), getattr(alone, name)), name
