@@ -15,7 +15,10 @@ class InputFile:
 
     name: str  # stable, human-readable, unique within the run
     location: str  # what a user would open: a path or URL
-    size: int | None = None  # bytes, where a listing tells it (a changed size refuses the old plan)
+    size: int | None = None  # bytes, where a listing tells it
+    identity: dict = field(default_factory=dict, hash=False)
+    """What tells this input from another of the same name: modification time, ETag or version where the file system
+    keeps one; a `datasets` dataset's fingerprint and rows. A resume over an input whose identity changed is refused."""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from batchvlm.config import ConfigError, ModelConfig, one_of, positive
+from batchvlm.config import TINY, ConfigError, ModelConfig, one_of, positive
 from batchvlm.demo import build_once, demo_rows, home, photographs
 from batchvlm.families import load_family
 from batchvlm.pipeline.preprocess import TorchPreprocessor, TritonPreprocessor
@@ -188,9 +188,10 @@ def repeated_demo_run(config: BenchConfig) -> Path:
     data = build_once(home() / f"bench-loader-x{config.copies}", lambda folder: _write_repeated_demo(config.copies,
                                                                                                        folder))
     root = Path("outputs")
-    name = f"bench-loader-{Path(config.model.path).name if config.model.path else config.model.family}-x{config.copies}"
+    checkpoint = config.model.family if config.model.path == TINY else Path(config.model.path).name
+    name = f"bench-loader-{checkpoint}-x{config.copies}"
     if not RunLayout(root / name).success.exists():
-        model = [f"model.family={config.model.family}"] + ([f"model.path={config.model.path}"] if config.model.path else [])
+        model = [f"model.family={config.model.family}", f"model.path={config.model.path}"]
         result = subprocess.run([sys.executable, "-m", "batchvlm.jobs.embed", "dataset=parquet", f"dataset.path={data}/*.parquet",
                                  f"output.root={root}", f"run_name={name}", "runtime.progress=false", *model],
                                 capture_output=True, text=True)

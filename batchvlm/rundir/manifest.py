@@ -134,14 +134,6 @@ def orphans(layout: RunLayout, manifests: Iterable[Manifest]) -> list[Path]:
     return found
 
 
-def remove_orphans(layout: RunLayout) -> list[Path]:
-    """The orphans go: no reader trusts them, and their units are redone (or were committed by another holder)."""
-    found = orphans(layout, all_manifests(layout))
-    for path in found:
-        path.unlink(missing_ok=True)
-    return found
-
-
 @dataclass(frozen=True)
 class RunTotals:
     """The counts of a run from its manifests and its committed duplicate buckets: records_in == written +

@@ -82,7 +82,23 @@ def list_files(pattern: str, suffixes: tuple[str, ...], storage_options: dict) -
         raise ConfigError(f"dataset.path={pattern!r} matches no {' or '.join(suffixes)} file")
     locations = {path: (path if _is_local(fs) else fs.unstrip_protocol(path)) for path in found}
     common = posixpath.commonpath([posixpath.dirname(path) for path in found])
-    return [InputFile(stable_name(path, common), locations[path], found[path].get("size")) for path in sorted(found)]
+    return [InputFile(stable_name(path, common), locations[path], found[path].get("size"), file_identity(found[path]))
+            for path in sorted(found)]
+
+
+IDENTITY_KEYS = {"mtime": ("mtime", "LastModified", "last_modified", "updated"), "etag": ("ETag", "etag", "md5Hash"),
+                 "version": ("VersionId", "version_id", "generation")}
+"""Where fsspec's file systems report when a file changed and which version it is (local, s3, gcs, ...)."""
+
+
+def file_identity(info: dict) -> dict:
+    """The fields of a listing that change when a file is replaced, even by one of the same size."""
+    found = {}
+    for ours, theirs in IDENTITY_KEYS.items():
+        value = next((info[key] for key in theirs if info.get(key) is not None), None)
+        if value is not None:
+            found[ours] = str(value)
+    return found
 
 
 def glob_pattern(path: str) -> bool:

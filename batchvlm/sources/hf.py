@@ -40,7 +40,19 @@ class HFSource(Source):
         if self.cfg.kind != "hub" and not os.path.exists(self.cfg.path):
             raise ConfigError(f"dataset.path={self.cfg.path!r} does not exist")
         return [InputFile(stable_name(os.path.abspath(self.cfg.path) if self.cfg.kind != "hub" else self.cfg.path, ""),
-                          self.cfg.path)]
+                          self.cfg.path, identity=self._identity())]
+
+    def _identity(self) -> dict:
+        """The dataset's own fingerprint and rows (a streamed one: its shards, and its files where they are local),
+        so that a dataset appended to or rebuilt is not taken for the one a run was planned from."""
+        if not self.streaming:
+            return {"fingerprint": self.dataset._fingerprint, "rows": len(self.dataset)}
+        identity = {"shards": self.dataset.num_shards}
+        if os.path.isdir(self.cfg.path):
+            files = [os.path.join(folder, name) for folder, _, names in os.walk(self.cfg.path) for name in names]
+            identity.update(files=len(files), bytes=sum(os.path.getsize(f) for f in files),
+                            mtime=str(max((os.path.getmtime(f) for f in files), default=0)))
+        return identity
 
     @cached_property
     def dataset(self):
