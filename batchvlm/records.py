@@ -45,6 +45,8 @@ class ImageRef:
     data: bytes | None = None
     path: str | None = None
     storage_options: dict | None = None  # fsspec options for a URL path (the dataset's own)
+    root: str | None = None  # the folder a path must lie under (decode.path_outside_root); None for a fetched URL
+    size: int | None = None  # the bytes the source declares, where it knows them before reading (a tar member)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from batchvlm.executor.progress import Progress
 from batchvlm.executor.rows import Assembler, rows
 from batchvlm.executor.tally import JobAborted, Tally
 from batchvlm.executor.worker import PreparedStream, prepared_units
-from batchvlm.families import Family, load_family
+from batchvlm.families import Family, load_family, resolve_checkpoint
 from batchvlm.format.schema import EMBED_DTYPES
 from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.jpeg import JpegBatchDecoder, resolve_jpeg_decode
@@ -96,7 +96,7 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
     requeue = requeue_source(job, layout.root) if job.requeue_from else None
     draft = None
     if ranks.is_main:
-        source = requeue or make_source(job.dataset)
+        source = requeue or make_source(job.dataset, max_bytes=job.decode.max_bytes)
         plan, new = make_plan(layout, source, job)
         draft = Draft(plan, source, new)
     encoder = family.load_encoder(device, EMBED_DTYPES[job.model.dtype])
@@ -183,7 +183,8 @@ class Job:
                 write_lineage(self.layout, requeue)
         coordinator = Coordinator(self.layout, self.ranks)  # a collective: the plan exists after it
         plan = read_plan(self.layout)
-        source = draft.source if self.ranks.is_main else requeue or make_source(self.job.dataset, plan.inputs)
+        source = draft.source if self.ranks.is_main else requeue or make_source(self.job.dataset, plan.inputs,
+                                                                                   self.job.decode.max_bytes)
         return plan, source, coordinator
 
     def embed(self, plan: Plan, source: Source, claims: Claims, sink: RunSink, coordinator: Coordinator) -> None:
@@ -260,6 +261,9 @@ def rank_job(job: JobConfig, run_dir: Path) -> Job:
     try:
         if ranks.is_main:
             check_ours(layout)
+            # a tiny checkpoint is built by rank 0 alone: transformers writes a model's weights on rank 0 only
+            resolve_checkpoint(job.model)
+        ranks.barrier()
         return Job(build(resolve_auto(job, device), layout, ranks, device))
     except BaseException:
         ranks.close()

@@ -13,7 +13,7 @@ import datasets
 
 from batchvlm.config import ConfigError
 from batchvlm.records import InputFile, SourceRecord, WorkUnit
-from batchvlm.sources import Source, cut_units, record_from_row, stable_name
+from batchvlm.sources import Source, check_column_types, cut_units, record_from_row, stable_name
 
 datasets.disable_progress_bars()  # the job's own progress covers the reading
 
@@ -76,6 +76,8 @@ class HFSource(Source):
         for key, column in required.items():
             if column not in columns:
                 raise ConfigError(f"{key}={column!r} is not a column of {self.cfg.path} (columns: {', '.join(columns)})")
+        if dataset.features is not None:
+            check_column_types(dataset.features.arrow_schema, self.cfg, self.cfg.path)
 
     @property
     def streaming(self) -> bool:
