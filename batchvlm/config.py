@@ -192,9 +192,13 @@ class OutputConfig:
     compression: str = "zstd"
     quarantine_bytes_cap: int = 4 * 1024 * 1024
     """Original image bytes kept in a quarantine row up to this size; larger ones keep only their path."""
+    shard_bytes: int = 1024 * 1024 * 1024
+    """Row groups per data or quarantine file at most, in bytes: a unit writes as many files as its rows need, all
+    listed in its manifest (a row group larger than this alone gets a file of its own)."""
 
     def __post_init__(self) -> None:
         one_of("output.embed_dtype", self.embed_dtype, ("bfloat16", "float16", "float32"))
+        positive("output.shard_bytes", self.shard_bytes)
         one_of("output.compression", self.compression, ("zstd", "snappy", "none"))
         if self.quarantine_bytes_cap < 0:
             raise ConfigError("output.quarantine_bytes_cap must be >= 0")
@@ -234,6 +238,9 @@ class RuntimeConfig:
     side stream, so copies and preprocessing overlap the tower; on the CPU the same order, without streams."""
     dedup_buckets: int | None = None
     """Hash partitions of the ids for the duplicate pass at the end (null: one per 2M planned records)."""
+    block_units: int = 8
+    """Work units a rank claims at once (a block, of consecutive units of the claim order), at most: fewer where the
+    plan would give a rank of the launch that plans it under 8 blocks. Recorded in the plan."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
@@ -245,6 +252,7 @@ class RuntimeConfig:
         positive("runtime.poll_s", self.poll_s)
         if self.dedup_buckets is not None:
             positive("runtime.dedup_buckets", self.dedup_buckets)
+        positive("runtime.block_units", self.block_units)
 
 
 @dataclass

@@ -13,10 +13,10 @@ from batchvlm.rundir.manifest import (Listing, Manifest, ManifestError, RunTotal
 
 
 def manifest(unit: str, written: int, quarantined: int, checks: dict | None = None) -> Manifest:
-    files = {DATA: Listing(f"data/{unit}.a0.parquet", written, 10, "d"),
-             IDS: Listing(f"ids/{unit}.a0.parquet", written + quarantined, 10, "i", buckets={"0": 0})}
+    files = {DATA: [Listing(f"data/{unit}.a0.parquet", written, 10, "d")],
+             IDS: [Listing(f"ids/{unit}.a0.parquet", written + quarantined, 10, "i", buckets={"0": 0})]}
     if quarantined:
-        files[QUARANTINE] = Listing(f"quarantine/{unit}.a0.parquet", quarantined, 10, "q")
+        files[QUARANTINE] = [Listing(f"quarantine/{unit}.a0.parquet", quarantined, 10, "q")]
     return Manifest(unit, "input", 0, written + quarantined, written + quarantined, written, quarantined,
                     checks or {}, files, rank=0, claim="a0")
 
@@ -24,7 +24,7 @@ def manifest(unit: str, written: int, quarantined: int, checks: dict | None = No
 def commit(layout: RunLayout, committed: Manifest) -> None:
     for folder in layout.unit_folders():
         folder.mkdir(parents=True, exist_ok=True)
-    for listing in committed.files.values():
+    for listing in committed.listings():
         layout.listed(listing.path).write_bytes(b"parquet")
     layout.manifest(committed.unit).write_text(json.dumps(committed.to_json()))
 

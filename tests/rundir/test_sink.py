@@ -55,7 +55,7 @@ def test_rows_arriving_out_of_order_are_written_in_unit_order(tmp_path):
     sink.start_unit(UNIT, claims.try_claim(UNIT.unit_id))
     fill(sink, UNIT, [2, 0, 3, 1], quarantined={3})
     manifest = manifest_of(sink, UNIT)
-    assert pq.read_table(tmp_path / manifest["files"]["data"]["path"], columns=["row"]).column("row").to_pylist() \
+    assert pq.read_table(tmp_path / manifest["files"]["data"][0]["path"], columns=["row"]).column("row").to_pylist() \
         == [0, 1, 2]
     assert (manifest["written"], manifest["quarantined"], manifest["checks"]) == (3, 1, {"decode.unreadable": 1})
 
@@ -80,7 +80,7 @@ def test_a_large_unit_reaches_disk_a_row_group_at_a_time(tmp_path):
         sink.add(row_of(unit, row, "data", data_row(row)))
     sink.end_unit(unit, 1000)
     manifest = manifest_of(sink, unit)
-    assert pq.ParquetFile(tmp_path / manifest["files"]["data"]["path"]).num_row_groups == -(-1000 // ROW_GROUP_ROWS)
+    assert pq.ParquetFile(tmp_path / manifest["files"]["data"][0]["path"]).num_row_groups == -(-1000 // ROW_GROUP_ROWS)
 
 
 def test_a_holder_whose_unit_was_taken_over_does_not_commit_it(tmp_path):
@@ -96,7 +96,7 @@ def test_a_holder_whose_unit_was_taken_over_does_not_commit_it(tmp_path):
     manifest = manifest_of(second, UNIT)
     assert manifest["claim"] == taken.token
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*/*.parquet"))
-    assert files == sorted(entry["path"] for entry in manifest["files"].values())  # nothing of the loser is left
+    assert files == sorted(entry["path"] for entries in manifest["files"].values() for entry in entries)  # nothing of the loser is left
 
 
 def test_of_two_commits_of_one_unit_only_the_first_lands(tmp_path):
@@ -109,4 +109,4 @@ def test_of_two_commits_of_one_unit_only_the_first_lands(tmp_path):
     manifest = manifest_of(first, UNIT)
     assert second.lost == [UNIT.unit_id] and manifest["written"] == 4
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*/*.parquet"))
-    assert files == sorted(entry["path"] for entry in manifest["files"].values())
+    assert files == sorted(entry["path"] for entries in manifest["files"].values() for entry in entries)
