@@ -193,8 +193,9 @@ class OutputConfig:
     quarantine_bytes_cap: int = 4 * 1024 * 1024
     """Original image bytes kept in a quarantine row up to this size; larger ones keep only their path."""
     shard_bytes: int = 1024 * 1024 * 1024
-    """Row groups per data or quarantine file at most, in bytes: a unit writes as many files as its rows need, all
-    listed in its manifest (a row group larger than this alone gets a file of its own)."""
+    """Bytes of a data or quarantine file at most: a unit writes as many files as its rows need, all listed in its
+    manifest, each a few row groups (of a quarter of this, 64 MB at most). A single record larger than that gets a
+    file of its own; the estimate is the rows' Arrow size, which compressed Parquet does not exceed but for its footer."""
 
     def __post_init__(self) -> None:
         one_of("output.embed_dtype", self.embed_dtype, ("bfloat16", "float16", "float32"))

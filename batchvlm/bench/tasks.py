@@ -8,6 +8,8 @@ Triton kernels (where CUDA is), the torch ops and the family's HF processor (wit
 it takes one), each fed the same host uint8 images and timed until its output is on the device.
 Throughput is counted in images and in input uint8 bytes per second.
 
+task=claims: bench/claims.py (metadata operations of claiming, waiting and the duplicate pass as the ranks grow).
+
 task=loader: one epoch of the training loader (read, pack, check) against a bare pyarrow scan of the
 same committed shards (every column read, the tokens counted), in tokens per second, and the
 packing efficiency of the epoch's plan. The shards are those of `run_dir`, or of a run of the demo
@@ -27,7 +29,7 @@ import pyarrow.parquet as pq
 import torch
 
 from batchvlm.bench import EMBED_JOB
-from batchvlm.config import TINY, ConfigError, ModelConfig, one_of, positive
+from batchvlm.config import TINY, ConfigError, ModelConfig, RuntimeConfig, one_of, positive
 from batchvlm.demo import build_once, demo_rows, home, photographs
 from batchvlm.families import load_family
 from batchvlm.pipeline.preprocess import TorchPreprocessor, TritonPreprocessor
@@ -62,16 +64,24 @@ class BenchConfig:
     max_tokens: int = 4096
     """task=loader: tokens per packed sequence."""
     workers: int = 0
-    """task=loader: DataLoader workers of the loader (0: in this process, like the scan)."""
+    """task=loader: DataLoader workers of the loader (0: in this process, like the scan); task=claims: DataLoader
+    workers of each simulated rank (each walked the claims before issue 23)."""
     records: int = 16
     """task=e2e: records (one 512x384 JPEG each) run through the job and through each stage."""
     tower: str = "base"
     """task=e2e: base (a ViT-B-sized MoonViT, built once) | tiny (the demo tower)."""
+    ranks: int = 1000
+    """task=claims: the most simulated ranks; the bench runs 8, 64 and this many (those up to it)."""
+    units: int = 100_000
+    """task=claims: work units of the simulated run (of one record each)."""
+    block_units: int = RuntimeConfig.block_units
+    """task=claims: runtime.block_units of the simulated runs."""
 
     def __post_init__(self) -> None:
-        one_of("task", self.task, ("preprocess", "scale", "loader", "e2e"))
+        one_of("task", self.task, ("preprocess", "scale", "loader", "e2e", "claims"))
         one_of("tower", self.tower, ("base", "tiny"))
-        for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens", "records"):
+        for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens", "records",
+                    "ranks", "units", "block_units"):
             positive(key, getattr(self, key))
         if self.workers < 0:
             raise ConfigError(f"workers={self.workers} must be >= 0")

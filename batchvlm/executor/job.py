@@ -200,6 +200,8 @@ class Job:
         shown = lambda: self._show(progress, coordinator)  # noqa: E731
         phase = units_phase(self.layout, plan, claims, coordinator.attempt, self.ranks.is_main, self._backoff())
         blocks = {block.task: block for block in plan.blocks()}
+        log.info("rank %d/%d: %d work units in the run, in %d blocks of up to %d", self.ranks.rank, self.ranks.world,
+                 len(plan.units), len(blocks), plan.block_units)
         try:
             phase.work_through(lambda claimed: self.embed_claimed(
                 source, claimed_units(self.layout, blocks, claimed), sink, shown), lambda seconds: (
@@ -213,8 +215,7 @@ class Job:
         if not self.ranks.is_main:
             return None
         committed = committed_units(self.layout)
-        log.info("%d work units in the run, %d committed, in blocks of %d", len(plan.units), len(committed),
-                 plan.block_units)
+        log.info("%d work units committed before this launch", len(committed))
         return sum(unit.num_rows or 0 for unit in plan.units if unit.unit_id not in committed) or None
 
     def _backoff(self) -> Backoff:

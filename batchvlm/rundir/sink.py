@@ -50,7 +50,7 @@ class ShardWriter:
                  shard_bytes: int):
         self.path_of, self.schema, self.metadata, self.compression = path_of, schema, metadata, compression
         self.shard_bytes = shard_bytes
-        self.group_bytes = min(ROW_GROUP_BYTES, shard_bytes)
+        self.group_bytes = min(ROW_GROUP_BYTES, shard_bytes // 4)  # a few row groups a file
         self.parts: list[ShardPart] = []
         self.writer: pq.ParquetWriter | None = None
         self.file: pa.NativeFile | None = None

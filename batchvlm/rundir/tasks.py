@@ -233,6 +233,13 @@ def buckets_phase(layout: RunLayout, buckets: int, claims: Claims, attempt: str,
     return Phase(DEDUP, tasks, claims, layout, attempt, scan, backoff)
 
 
+def claimed_so_far(layout: RunLayout, phase: str = UNITS) -> int:
+    """How many tasks of a phase's list (blocks of units, or buckets) were claimed, as its frontier's hint says, in
+    one read: for a status report. A hint, not a count: one short after a crash between a claim and its hint, and 0
+    once a complete run's claims are removed (read_board tells a launch's tail, its `done` the end)."""
+    return Hint(layout.frontier(phase), "status").read()
+
+
 def claimed_units(layout: RunLayout, blocks: dict[str, Block], claimed: Iterable[Claim]) -> Iterator[
         tuple[WorkUnit, Claim]]:
     """The units of each block as it is claimed (the next block is claimed only once this one's units are handed

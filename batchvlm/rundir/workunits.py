@@ -96,7 +96,9 @@ def _buckets(units: list[WorkUnit], configured: int | None) -> int:
     return max(1, math.ceil(records / IDS_PER_BUCKET))
 
 
-def _block_units(units: list[WorkUnit], configured: int, world: int) -> int:
+def block_units_for(units: list[WorkUnit], configured: int, world: int) -> int:
+    """Units per block: `configured` (runtime.block_units), fewer where `world` ranks would get under
+    BLOCKS_PER_RANK blocks each."""
     return max(1, min(configured, len(units) // (BLOCKS_PER_RANK * world)))
 
 
@@ -113,7 +115,7 @@ def make_plan(layout: RunLayout, source: Plannable, job: JobConfig, world: int =
     if not units:
         raise ConfigError(f"dataset.path={job.dataset.path!r}: the inputs hold no rows")
     return Plan(inputs, settings, units, _buckets(units, job.runtime.dedup_buckets),
-                _block_units(units, job.runtime.block_units, world)), True
+                block_units_for(units, job.runtime.block_units, world)), True
 
 
 def write_plan(layout: RunLayout, plan: Plan) -> None:
