@@ -8,7 +8,9 @@ take only the time of their file operations. The leases stay the job's (file mod
 system); a rank's heartbeat beats every quarter lease of virtual time, as its thread would.
 
 Every call the code makes on the run directory through Python (os, pathlib, open) is counted, and every file pyarrow
-opens as one open (`MetadataOps`): stat, open, link, unlink, rename, utime, mkdir, and the entries of every listing.
+opens by its path as a stat and an open, as strace shows pyarrow doing (`MetadataOps`): stat, open, link, unlink,
+rename, utime, mkdir, and the entries of every listing (a stat of an open file, fstat, needs no lookup of a name and
+is not counted).
 Each is put down to what the rank was doing: claiming (the frontier, the check that a unit is not committed, the
 heartbeat), fencing (a holder's check before a commit), committing (the unit's own files and manifest), the tail
 (waiting on the board; rank 0's scan, with its gathering of the ids files) or the duplicate pass. The peak rate is
@@ -61,6 +63,8 @@ BASELINE_PROBES = 500_000
 """The baseline runs on fewer units (64 at least) where its walks would pass more units than this: every worker of
 every rank walks every unit, so its cost per unit is the same on fewer units, and its time grows as ranks x workers x
 units."""
+THREAD_STACK = 1 << 20
+"""Bytes of stack a simulated rank's thread reserves (thousands of them; the default is 8 MB)."""
 PHASES = ("claim", "fence", "wait", "scan", "dedup", "commit")
 SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") else None
 """Where the simulated runs go unless $BATCHVLM_BENCH_DIR says: the counts do not depend on the file system, and on a
@@ -85,10 +89,11 @@ class MetadataOps:
                                   (builtins, "open", "open"), (io, "open", "open"), (os, "link", "link"),
                                   (os, "unlink", "unlink"), (os, "remove", "unlink"), (os, "rename", "rename"),
                                   (os, "replace", "rename"), (os, "utime", "utime"), (os, "mkdir", "mkdir"),
-                                  (os, "rmdir", "rmdir"), (pa, "OSFile", "open"), (pq, "ParquetFile", "open"),
-                                  (pq, "read_table", "open")]:
-            self._wrap(owner, name, kind)
-        self._wrap(pq, "write_table", "open", path_at=1)
+                                  (os, "rmdir", "rmdir"), (pa, "OSFile", "open")]:
+            self._wrap(owner, name, (kind,))
+        for name in ("ParquetFile", "ParquetWriter", "read_table"):  # pyarrow stats a path, then opens it
+            self._wrap(pq, name, ("stat", "open"))
+        self._wrap(pq, "write_table", ("stat", "open"), path_at=1)
         self._wrap_listing(os, "listdir", "listdir")
         self._wrap_listing(os, "scandir", "scandir")
         return self
@@ -126,11 +131,11 @@ class MetadataOps:
         if phase == "wait" and self.clock is not None:
             self.wait_times += [self.clock.now] * n
 
-    def _wrap(self, owner, name: str, kind: str, path_at: int = 0) -> None:
+    def _wrap(self, owner, name: str, kinds: tuple[str, ...], path_at: int = 0) -> None:
         original = getattr(owner, name)
 
         def counted(*args, **kwargs):
-            if len(args) > path_at:
+            for kind in kinds if len(args) > path_at else ():
                 self._record(kind, args[path_at])
             return original(*args, **kwargs)
 
@@ -185,10 +190,14 @@ class VirtualClock:
 
     def run(self, starts: Iterable[tuple[float, Callable[[], None]]]) -> None:
         """Each target in a thread of its own from its start time; returns once all have ended."""
-        threads = [self.spawn(start, target) for start, target in starts]
-        self._hand_over()
-        for thread in threads:
-            thread.join()
+        stack = threading.stack_size(THREAD_STACK)
+        try:
+            threads = [self.spawn(start, target) for start, target in starts]
+            self._hand_over()
+            for thread in threads:
+                thread.join()
+        finally:
+            threading.stack_size(stack)
         if self.errors:
             raise self.errors[0]
 
