@@ -195,7 +195,8 @@ class OutputConfig:
     shard_bytes: int = 1024 * 1024 * 1024
     """Bytes of a data or quarantine file at most: a unit writes as many files as its rows need, all listed in its
     manifest, each a few row groups (of a quarter of this, 64 MB at most). A single record larger than that gets a
-    file of its own; the estimate is the rows' Arrow size, which compressed Parquet does not exceed but for its footer."""
+    file of its own; the estimate is the rows' Arrow size, which compressed Parquet does not exceed but for its
+    footer."""
 
     def __post_init__(self) -> None:
         one_of("output.embed_dtype", self.embed_dtype, ("bfloat16", "float16", "float32"))

@@ -1,4 +1,5 @@
-"""`python jobs/bench.py task=preprocess|scale|loader|e2e|claims`: measurements side by side in one run (batchvlm/bench/):
+"""`python jobs/bench.py task=preprocess|scale|loader|e2e|claims`: measurements side by side in one run
+(batchvlm/bench/):
 triton vs torch vs the family's HF processor; start-up and memory as the dataset grows; the training loader vs a
 bare pyarrow scan of the same shards, and packing efficiency; the metadata operations of claiming per unit as the
 ranks grow."""
@@ -14,7 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from batchvlm.bench.tasks import BenchConfig, bench_loader, bench_preprocess, format_loader, format_preprocess
-from batchvlm.bench.claims import bench_claims, format_claims
+from batchvlm.bench.metadata import bench_claims, format_claims
 from batchvlm.bench.e2e import bench_e2e, format_e2e
 from batchvlm.bench.scale import bench_scale, format_scale
 from batchvlm.config import ConfigError

@@ -8,7 +8,7 @@ Triton kernels (where CUDA is), the torch ops and the family's HF processor (wit
 it takes one), each fed the same host uint8 images and timed until its output is on the device.
 Throughput is counted in images and in input uint8 bytes per second.
 
-task=claims: bench/claims.py (metadata operations of claiming, waiting and the duplicate pass as the ranks grow).
+task=claims: bench/metadata.py (metadata operations of claiming, waiting and the duplicate pass as the ranks grow).
 
 task=loader: one epoch of the training loader (read, pack, check) against a bare pyarrow scan of the
 same committed shards (every column read, the tokens counted), in tokens per second, and the

@@ -3,7 +3,7 @@
     build:     the device, the family and its tower, the run directory, the device stage       (build)
     plan:      rank 0 plans the units from the inputs' metadata; every rank reads the plan     (Job.plan)
     embed:     until every unit is committed, by any rank:                                     (Job.embed)
-                 claims thread: claim a block of units at the frontier (rundir.tasks)          (executor.worker)
+                 claims thread: claim a block of units at the frontier (rundir.frontier)          (executor.worker)
                  workers:       a claimed unit -> source -> decode -> plan -> layout           (executor.worker)
                  main process:  token-budget batches -> device -> rows                         (batching, device, rows)
                  writer thread: sink (atomic per-unit commit)                                  (rundir.sink)
@@ -45,7 +45,7 @@ from batchvlm.rundir.cleanup import remove_stale, uncommit_broken
 from batchvlm.rundir.manifest import committed_units
 from batchvlm.rundir.run import RunDir, check_ours
 from batchvlm.rundir.sink import RunSink, SinkWriter
-from batchvlm.rundir.tasks import Backoff, buckets_phase, claimed_units, units_phase
+from batchvlm.rundir.frontier import Backoff, buckets_phase, claimed_units, units_phase
 from batchvlm.rundir.workunits import Plan, make_plan, read_plan, write_plan
 from batchvlm.sources import Source, make_source
 from batchvlm.sources.requeue import RequeueSource, requeue_source, write_lineage

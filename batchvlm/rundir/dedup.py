@@ -4,7 +4,7 @@ Each unit commits, beside its shards, an ids file: (id, row, kind) of every reco
 hash partition (bucket) of the id, one row group per bucket, the bucket -> row group map in the
 manifest. As the tail sees each unit committed, it gathers that map (`IdsGather`), and once every
 unit is, writes them all, in plan order, to one index (`dedup/index.parquet`): no rank reads the
-manifests for the duplicate pass. Ranks then claim buckets (rundir.tasks); a bucket reads its row
+manifests for the duplicate pass. Ranks then claim buckets (rundir.frontier); a bucket reads its row
 group of every ids file that has one, in plan order, and lists every occurrence of an id after its
 first (plan order of the units, then row): `dedup/<bucket>.parquet`, with `dedup/<bucket>.json` as
 the bucket's commit. Memory is one bucket's ids; the ids are read once in all.
@@ -74,7 +74,7 @@ class UnitIds:
 
 
 class IdsGather:
-    """The tail's record of committed units (rundir.tasks): each unit's manifest read once, when it is first seen
+    """The tail's record of committed units (rundir.frontier): each unit's manifest read once, when it is first seen
     committed, and its ids file kept for the index."""
 
     def __init__(self, layout: RunLayout, unit_ids: list[str]):

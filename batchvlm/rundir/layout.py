@@ -5,15 +5,16 @@
           fingerprint.json         what the run's outputs depend on; another one is refused
           units.json               the plan: inputs, the parameters that cut them, the work units
           lineage.json             a requeue run: where each record came from
-          data/<unit>.<claim>.parquet        embedding rows of a unit, as one claim wrote them (<unit>.<claim>-<n>.parquet
-                                             its n-th further file, where the rows outgrow output.shard_bytes)
+          data/<unit>.<claim>.parquet        embedding rows of a unit, as one claim wrote them
+                                             (<unit>.<claim>-<n>.parquet its n-th further file, where the rows
+                                             outgrow output.shard_bytes)
           quarantine/<unit>.<claim>.parquet  quarantined records of that unit (and its further files, the same way)
           ids/<unit>.<claim>.parquet         (id, row, kind) of every record of that unit, by hash bucket
           manifest/<unit>.json     the unit's commit: counts, the files above, their sizes and sha256
           dedup/index.parquet      every committed unit's ids file and its buckets, gathered once for the duplicate pass
           dedup/<bucket>.json      a bucket of the duplicate pass committed; <bucket>.parquet its later occurrences
           ranks/claims/            the claims of every attempt on blocks of units and buckets, their holders'
-                                   heartbeats (rundir.claims), and each list's frontier hint (rundir.tasks);
+                                   heartbeats (rundir.claims), and each list's frontier hint (rundir.frontier);
                                    ranks/<attempt>/ one launch's rank progress and its tail boards
           report/index.html        the failure report's page
           _SUCCESS                 written last, once every unit and bucket is committed: the run's totals
@@ -163,7 +164,7 @@ class RunLayout:
         return self.attempt(attempt) / f"{phase}.board.json"
 
     def freed(self, attempt: str, phase: str) -> Path:
-        """The hint of how far the tasks on a launch's board have been handed out (rundir.tasks)."""
+        """The hint of how far the tasks on a launch's board have been handed out (rundir.frontier)."""
         return self.attempt(attempt) / f"{phase}.freed"
 
     def frontier(self, name: str) -> Path:

@@ -4,7 +4,7 @@ The plan holds the inputs (name, location, size, identity), every setting that d
 what they mean, the units and the number of hash partitions of the duplicate pass. A restart lists the inputs
 again (O(files)) and refuses a plan whose inputs or settings changed, naming the difference; it never reads a
 footer or an image twice.
-Ranks claim units dynamically, a block of consecutive units of the claim order at a time (rundir.tasks), the largest
+Ranks claim units dynamically, a block of consecutive units of the claim order at a time (rundir.frontier), the largest
 first, so the run ends on small units.
 """
 

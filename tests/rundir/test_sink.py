@@ -99,7 +99,8 @@ def test_a_holder_whose_unit_was_taken_over_does_not_commit_it(tmp_path):
     manifest = manifest_of(second, UNIT)
     assert manifest["claim"] == taken.token
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*/*.parquet"))
-    assert files == sorted(entry["path"] for entries in manifest["files"].values() for entry in entries)  # nothing of the loser is left
+    # nothing of the loser is left
+    assert files == sorted(entry["path"] for entries in manifest["files"].values() for entry in entries)
 
 
 def test_of_two_commits_of_one_unit_only_the_first_lands(tmp_path):

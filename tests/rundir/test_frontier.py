@@ -18,7 +18,7 @@ from batchvlm.rundir.durable import durable_write_json
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.rundir.manifest import RunTotals, all_manifests, listed_shards
 from batchvlm.rundir.sink import RunSink
-from batchvlm.rundir.tasks import (Backoff, Board, Frontier, Hint, buckets_phase, claimed_so_far, claimed_units,
+from batchvlm.rundir.frontier import (Backoff, Board, Frontier, Hint, buckets_phase, claimed_so_far, claimed_units,
                                    units_phase, write_board)
 from batchvlm.rundir.verify import verify_run
 from batchvlm.rundir.workunits import Plan, write_plan
@@ -116,11 +116,11 @@ HOLD_A_BLOCK = """
 import sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
-from test_tasks import META, QUICK, commit_unit
+from test_frontier import META, QUICK, commit_unit
 from batchvlm.rundir.claims import Claims, Heartbeat
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.sink import RunSink
-from batchvlm.rundir.tasks import units_phase
+from batchvlm.rundir.frontier import units_phase
 from batchvlm.rundir.workunits import read_plan
 
 layout = RunLayout(Path(sys.argv[1]))
@@ -162,7 +162,7 @@ def test_a_rank_killed_while_holding_a_block_loses_only_its_uncommitted_units_to
 
 
 def test_an_idle_rank_reads_one_small_file_a_look_and_backs_off_until_the_board_says_done(tmp_path):
-    from batchvlm.bench.claims import MetadataOps
+    from batchvlm.bench.metadata import MetadataOps
 
     layout, plan = planned_run(tmp_path, units=64, block_units=2)
     layout.attempt("a").mkdir(parents=True)
@@ -230,3 +230,11 @@ def test_a_unit_committed_before_its_block_was_claimed_again_is_not_handed_out(t
     commit_unit(sink, block.units[1], claim)
     handed = [unit.unit_id for unit, _ in claimed_units(layout, {block.task: block}, [claim])]
     assert handed == [block.units[0].unit_id, *(unit.unit_id for unit in block.units[2:])]
+
+
+def test_the_tails_wait_doubles_from_poll_s_to_eight_times_it_and_never_past_a_quarter_lease():
+    defaults, short_lease = Backoff.of_tail(2, 120), Backoff.of_tail(0.2, 2)
+    assert [defaults.next() for _ in range(5)] == [2, 4, 8, 16, 16]
+    assert [short_lease.next() for _ in range(3)] == [0.2, 0.4, 0.5]
+    defaults.reset()
+    assert defaults.next() == 2

@@ -197,7 +197,8 @@ class Phase:
     def freed(self, board: Board) -> Frontier:
         return Frontier(board.free, self.freed_hint, self.claims.try_claim, version=board.version)
 
-    def work_through(self, work: Callable[[Iterator[Claim]], None], sleep: Callable[[float], None] = time.sleep) -> None:
+    def work_through(self, work: Callable[[Iterator[Claim]], None],
+                     sleep: Callable[[float], None] = time.sleep) -> None:
         """Passes of `work` over what this rank claims (each pass ends when there is nothing more to claim for now),
         waiting on the board between them."""
         work(iter(self.fresh))

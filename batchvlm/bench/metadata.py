@@ -1,7 +1,7 @@
 """task=claims: the file system metadata operations of claiming, waiting and the duplicate pass, per committed unit,
 as the ranks grow.
 
-Simulated ranks run the job's own code for claims, commits, the tail and the duplicate pass (rundir.tasks,
+Simulated ranks run the job's own code for claims, commits, the tail and the duplicate pass (rundir.frontier,
 rundir.sink, rundir.dedup) against a local folder, with no embedding work: a unit's work is a sleep on a virtual
 clock (`VirtualClock`, on which the ranks run as threads one at a time), so a thousand ranks over a simulated hour
 take only the time of their file operations. The leases stay the job's (file modification times set by the file
@@ -50,7 +50,7 @@ from batchvlm.rundir.dedup import BucketPass, UnitIds, bucket_task, commit_bucke
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.rundir.manifest import committed_units
 from batchvlm.rundir.sink import RunSink
-from batchvlm.rundir.tasks import Backoff, buckets_phase, claimed_units, units_phase
+from batchvlm.rundir.frontier import Backoff, buckets_phase, claimed_units, units_phase
 from batchvlm.rundir.workunits import Plan, block_units_for, write_plan
 
 UNIT_S = 33.0
@@ -303,7 +303,7 @@ def planned(folder: Path, units: int, world: int, block_units: int | None) -> tu
 
 
 def simulate_after(layout: RunLayout, plan: Plan, ranks: int, clock: VirtualClock, ops: MetadataOps) -> None:
-    """The job's ranks with rundir.tasks: blocks claimed at the frontier, the tail waiting on the board."""
+    """The job's ranks with rundir.frontier: blocks claimed at the frontier, the tail waiting on the board."""
     blocks = {block.task: block for block in plan.blocks()}
     layout.attempt("bench").mkdir(parents=True)
 
