@@ -51,6 +51,11 @@ def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family) ->
             image_ids, image_tags = family.expand_image(plans[index])
             input_ids += image_ids
             tags += image_tags
+    return TokenLayout(input_ids=input_ids, image_spans=checked_spans(input_ids, plans, family), token_tags=tags)
+
+
+def checked_spans(input_ids: list[int], plans: list[ImagePlan], family) -> list[tuple[int, int]]:
+    """The image spans found again in the ids, one per image, each as long as its plan says."""
     spans = find_spans(input_ids, family.image_token_id)
     require(len(spans) == len(plans), "text.image_span_count",
             f"Expected one image span per image: {len(plans)} image(s), {len(spans)} span(s) of image tokens",
@@ -59,7 +64,7 @@ def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family) ->
         require(length == plan.num_tokens, "text.span_length",
                 f"span of image {index} has {length} tokens, its plan has {plan.num_tokens}",
                 expected=plan.num_tokens, observed=length, image_index=index)
-    return TokenLayout(input_ids=input_ids, image_spans=spans, token_tags=tags)
+    return spans
 
 
 def attach_positions(layout: TokenLayout, plans: list[ImagePlan], family) -> None:

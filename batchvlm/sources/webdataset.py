@@ -59,7 +59,9 @@ class WebDatasetSource(Source):
         meta = json.loads(sample["json"]) if "json" in sample else {}
         row = {**meta, **{part: value for part, value in sample.items() if part != "json"}}
         parts = self.cfg.images_column.split(";")
-        row[self.cfg.images_column] = next((sample[part] for part in parts if part in sample), None)
+        # An image part of the sample, else the .json's field of that name (paths, as LLaVA records give them)
+        row[self.cfg.images_column] = next((sample[part] for part in parts if part in sample),
+                                           meta.get(self.cfg.images_column))
         text = sample.get(self.cfg.text_column, meta.get(self.cfg.text_column))
         row[self.cfg.text_column] = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
         return row
