@@ -31,6 +31,7 @@ from batchvlm.executor.tally import JobAborted, Tally
 from batchvlm.executor.worker import PreparedStream, prepared_units
 from batchvlm.families import Family, load_family
 from batchvlm.format.schema import EMBED_DTYPES
+from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.jpeg import JpegBatchDecoder, resolve_jpeg_decode
 from batchvlm.pipeline.preprocess import PreprocessGuard, make_preprocessor, resolve_backend
@@ -71,11 +72,13 @@ class Parts:
     stage: Device
     assembler: Assembler
     requeue: RequeueSource | None
+    chat: ChatRenderer | None  # a conversation format's chat template renderer
 
 
 def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device) -> Parts:
     """The family and its tower, the run directory (its fingerprint checked), and the device stage."""
     family = load_family(job.model)
+    chat = ChatRenderer.of(family, job.text, job.dataset.format)
     requeue = requeue_source(job, layout.root) if job.requeue_from else None
     encoder = family.load_encoder(device, EMBED_DTYPES[job.model.dtype])
     run = RunDir(layout, job, family, encoder, ranks)
@@ -83,8 +86,9 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
     stage = Device(make_preprocessor(job.preprocess.backend, family, device, job.preprocess.background), encoder,
                    PreprocessGuard.from_config(job.preprocess, family, job.preprocess.background), embed_dtype,
                    Streams(device) if job.runtime.overlap else None, _jpeg_decoder(job, device))
-    assembler = Assembler(embed_dtype, encoder.hidden_sizes, job.output.quarantine_bytes_cap, run.fingerprint_digest)
-    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue)
+    assembler = Assembler(embed_dtype, encoder.hidden_sizes, job.output.quarantine_bytes_cap, run.fingerprint_digest,
+                          job.text.trained(job.dataset.format), job.dataset.placeholder)
+    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue, chat)
 
 
 def _jpeg_decoder(job: JobConfig, device: torch.device) -> JpegBatchDecoder | None:
@@ -171,7 +175,7 @@ class Job:
     def embed_claimed(self, source: Source, todo: list[WorkUnit], claims: Claims, sink: RunSink, shown) -> None:
         """One pass of the workers over the units left: the chain from claimed units to committed shards."""
         runtime, parts = self.job.runtime, self.parts
-        stream = PreparedStream(source, todo, parts.family, self.job, claims, self.layout)
+        stream = PreparedStream(source, todo, parts.family, self.job, claims, self.layout, parts.chat)
         prepared = prepared_units(stream, runtime.num_workers, runtime.prefetch)  # workers fork before the writer
         writer = SinkWriter(sink, runtime.writer_queue)
         batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)

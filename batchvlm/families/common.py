@@ -94,12 +94,15 @@ def processor_params(cls, values: dict, overrides: dict, family: str):
 
 
 def checkpoint_and_tokenizer(model: ModelConfig):
-    """The local checkpoint folder (the tiny demo one when model.path is null) and its tokenizer."""
+    """The local checkpoint folder (the tiny demo one when model.path is null) and its tokenizer, with the chat template
+    of model.chat_template where it is given."""
     from transformers import AutoTokenizer
 
     checkpoint = resolve_checkpoint(model)
     tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_path or checkpoint,
                                               trust_remote_code=model.trust_remote_code)
+    if model.chat_template is not None:
+        tokenizer.chat_template = Path(model.chat_template).read_text()
     return checkpoint, tokenizer
 
 

@@ -16,13 +16,13 @@ turns, image tokens, the assistant header and whatever the template puts before 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
+import hashlib
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from batchvlm.checks import CheckFailed, require
-from batchvlm.config import ConfigError, TextConfig
+from batchvlm.config import ConfigError, JobConfig, TextConfig
 from batchvlm.format.schema import FRAME, IMAGE, TEXT
 from batchvlm.pipeline.tokens import checked_spans
 from batchvlm.records import ROLES, ChatLayout, ImagePlan, TokenLayout, Turn, TurnSpan
@@ -78,23 +78,17 @@ class ChatRenderer:
         self.bos = tokenizer.bos_token
 
     @classmethod
-    def of(cls, family, template_file: str | None, text: TextConfig, format: str) -> ChatRenderer | None:
+    def of(cls, family, text: TextConfig, format: str) -> ChatRenderer | None:
         """The renderer of a conversation format (None for dataset.format=text); ConfigError before any work where
-        there is no template."""
+        the tokenizer has no chat template (model.chat_template gives one)."""
         if format == "text":
             return None
-        template = Path(template_file).read_text() if template_file else family.tokenizer.chat_template
+        template = family.tokenizer.chat_template
         if not isinstance(template, str) or not template:
             raise ConfigError(f"dataset.format={format} renders conversations with the checkpoint's chat template, and "
                               f"{family.checkpoint} has none (or several by name): give one with "
                               "model.chat_template=<file.jinja>")
         return cls(family, template, text, format)
-
-    def fingerprint(self) -> dict:
-        import hashlib
-
-        return {"chat_template_sha256": hashlib.sha256(self.template.encode()).hexdigest(), "train_on": self.train_on,
-                "max_tokens": self.text.max_tokens, "overflow": self.text.overflow}
 
     # -- render and tokenize ------------------------------------------------------------------------
     def render(self, turns: list[Turn]) -> str:
@@ -217,11 +211,12 @@ class ChatRenderer:
         return mask
 
 
-def turns_in_spans(layout: TokenLayout) -> bool:
-    """assemble.loss_mask's rule for assistant-only training: every trained token lies in an assistant turn."""
-    mask = np.asarray(layout.chat.loss_mask, dtype=bool)
-    allowed = np.zeros(len(mask), dtype=bool)
-    for span in layout.chat.turns:
-        if span.role == "assistant":
-            allowed[span.start:span.end] = True
-    return not (mask & ~allowed).any()
+def text_fingerprint(job: JobConfig, family) -> dict:
+    """What the text side adds to a run's fingerprint: the format, the text settings and the chat template, where they
+    change the rows (nothing for plain text without a length limit)."""
+    if job.dataset.format == "text" and job.text.max_tokens is None:
+        return {}
+    template = family.tokenizer.chat_template if job.dataset.format != "text" else None
+    return {"text": {"format": job.dataset.format, **asdict(job.text), "chat_template_sha256":
+                     hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None}}
+

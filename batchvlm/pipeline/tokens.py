@@ -67,6 +67,14 @@ def checked_spans(input_ids: list[int], plans: list[ImagePlan], family) -> list[
     return spans
 
 
+def require_fits(layout: TokenLayout, max_tokens: int | None) -> None:
+    """text.too_long for a plain text: it has no turns to drop."""
+    if max_tokens is not None:
+        require(len(layout.input_ids) <= max_tokens, "text.too_long", f"{len(layout.input_ids)} tokens, more than "
+                f"text.max_tokens={max_tokens}", expected=f"<= {max_tokens} tokens",
+                observed=f"{len(layout.input_ids)} tokens")
+
+
 def attach_positions(layout: TokenLayout, plans: list[ImagePlan], family) -> None:
     """The family's position ids (M-RoPE), checked against the sequence they must cover."""
     found = family.positions(layout, plans)
