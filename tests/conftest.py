@@ -151,3 +151,25 @@ def siglip_run(tmp_path_factory) -> Path:
     result = run_embed(f"output.root={root}", "run_name=siglip", "model=siglip2_tiny", "dataset.limit=6")
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "siglip"
+
+
+# -- Qwen2-VL's real vocabulary (tests/qwen_vocab.py) ---------------------------------------------------------------
+@pytest.fixture(scope="session")
+def qwen_real_checkpoint(tmp_path_factory) -> Path:
+    """A Qwen2-VL checkpoint folder with the real tokenizer (built once per session: ~10 s) and an LLM over its
+    vocabulary; the tiny demo checkpoint's tower."""
+    import qwen_vocab
+    from batchvlm.families import tiny_checkpoint
+
+    folder = tmp_path_factory.mktemp("qwen2_vl_real_vocab")
+    qwen_vocab.write_checkpoint(folder, tiny_checkpoint("qwen2_vl"))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen_real(qwen_real_checkpoint):
+    """The qwen2_vl family over that checkpoint, as `model.path` loads it."""
+    from batchvlm.config import ModelConfig
+    from batchvlm.families import load_family
+
+    return load_family(ModelConfig(family="qwen2_vl", path=str(qwen_real_checkpoint)))

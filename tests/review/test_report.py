@@ -176,6 +176,7 @@ def _synthetic_run(run_dir: Path, shards: int, rows_per_shard: int, checks: list
             "observed": ["2"] * rows_per_shard, "exception_type": ["CheckFailed"] * rows_per_shard,
             "image_index": [0] * rows_per_shard, "image_bytes": [[png]] * rows_per_shard,
             "image_paths": [[None]] * rows_per_shard, "text": [f"<image> caption {i}" for i in rows],
+            "turns": [None] * rows_per_shard, "turn_index": [None] * rows_per_shard,
             "fingerprint": ["f"] * rows_per_shard}, schema=QUARANTINE_SCHEMA)
         pq.write_table(table, run_dir / "quarantine" / f"{unit}.parquet")
         listing = Listing(f"quarantine/{unit}.parquet", rows_per_shard, 0, "")
