@@ -202,3 +202,13 @@ def test_report_of_100k_quarantined_rows_caps_cards_per_check_and_counts_every_r
     thumbnails = [t for cards in report.cards.values() for card in cards for t in card.thumbnails]
     assert sum(t.data_uri is not None for t in thumbnails) == 80  # the decode.timeout images are never decoded
     assert "fallbacks: 7\n" in summary_text(report) and "7  fell back on preprocess.grid_match" in summary_text(report)
+
+
+@pytest.mark.slow
+def test_the_report_of_a_conversation_run_shows_roles_and_counts_the_cut_conversations(llava_run):
+    report = build_report(llava_run, thumbnails=False)
+    (card,) = report.cards["text.roles"]
+    assert [turn["role"] for turn in card.row["turns"]] == ["assistant", "user"] and card.row["turn_index"] == 0
+    assert report.cut_conversations[0] == 1 and report.cut_conversations[1] >= 2
+    assert "conversations cut to whole turns (text.overflow=drop_turns): 1 records" in summary_text(report)
+    assert 'data-role="assistant"' in render(report)
