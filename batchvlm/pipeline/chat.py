@@ -54,6 +54,17 @@ def messages_of(turns: list[Turn]) -> list[dict]:
             for turn in turns]
 
 
+def token_range(encoded, start: int, end: int, length: int) -> tuple[int, int]:
+    """The tokens [first, last) that overlap the characters [start, end) of a text of `length` characters: a token that
+    merges a header character with the content's first letter (BPE across the boundary) is the content's, and so is
+    one that runs past its end."""
+    first = encoded.char_to_token(start)
+    after = encoded.char_to_token(end) if end < length else None
+    if after is None:
+        return first, len(encoded.ids)
+    return first, after + int(encoded.token_to_chars(after)[0] < end)
+
+
 @dataclass
 class Rendered:
     """A conversation rendered and tokenized, before the images are expanded."""
@@ -73,8 +84,15 @@ class ChatRenderer:
         tokenizer = family.tokenizer
         self.tokenizer = tokenizer
         self.image_token = tokenizer.convert_ids_to_tokens(family.image_token_id)
-        self.special_ids = np.array(sorted(i for i, t in tokenizer.added_tokens_decoder.items() if t.special))
-        self.frame_ids = np.array(sorted(family.frame_token_ids), dtype=np.int64)
+        # Lookup tables over the vocabulary: which ids close a turn (special, but no image or frame token), which
+        # are frame tokens. A table costs a byte an id and answers a whole sequence in one gather.
+        size = max(len(tokenizer), max(tokenizer.added_tokens_decoder, default=0) + 1)
+        self.is_frame = np.zeros(size, dtype=bool)
+        self.is_frame[sorted(family.frame_token_ids)] = True
+        self.closes = np.zeros(size, dtype=bool)
+        self.closes[[i for i, token in tokenizer.added_tokens_decoder.items() if token.special]] = True
+        self.closes[self.is_frame] = False
+        self.closes[family.image_token_id] = False
         self.bos = tokenizer.bos_token
 
     @classmethod
@@ -101,14 +119,13 @@ class ChatRenderer:
 
     def tokenize(self, turns: list[Turn]) -> Rendered:
         text = self.render(turns)
-        # As transformers' processors do: a template that renders the BOS itself gets no second one.
-        encoded = self.tokenizer(text, add_special_tokens=not (self.bos and text.startswith(self.bos)),
-                                 return_offsets_mapping=True)
-        ids = np.asarray(encoded["input_ids"], dtype=np.int64)
-        offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        # As transformers' processors do: a template that renders the BOS itself gets no second one. (The fast
+        # tokenizer's own encoder: what its __call__ runs, without the Python around it.)
+        encoded = self.tokenizer.backend_tokenizer.encode(
+            text, add_special_tokens=not (self.bos and text.startswith(self.bos)))
+        ids = np.asarray(encoded.ids, dtype=np.int64)
         # The end of a turn is the first special token after its content that is no image or frame token.
-        closing = np.flatnonzero(np.isin(ids, self.special_ids) & ~np.isin(ids, self.frame_ids)
-                                 & (ids != self.family.image_token_id))
+        closing = np.flatnonzero(self.closes[ids])
         content, ends, cursor, token_cursor = [], [], 0, 0
         for index, turn in enumerate(turns):
             span, cursor = self._find_content(text, turn, cursor, index)
@@ -116,14 +133,12 @@ class ChatRenderer:
                 content.append(None)
                 ends.append(token_cursor)
                 continue
-            # Tokens overlapping the content: a token that merges a header character with the content's first
-            # letter (BPE across the boundary) is the content's.
-            first = int(np.searchsorted(offsets[:, 1], span[0], side="right"))
-            last = int(np.searchsorted(offsets[:, 0], span[1], side="left"))
+            first, last = token_range(encoded, *span, len(text))
             after = int(np.searchsorted(closing, last))
-            require(after < len(closing), "text.chat_template", f"turn {index} ({turn.role}) has no end-of-turn token "
-                    "after its content", expected="a special token closing the turn", observed="end of sequence",
-                    turn_index=index)
+            if after == len(closing):
+                raise CheckFailed("text.chat_template", f"turn {index} ({turn.role}) has no end-of-turn token after "
+                                  "its content", expected="a special token closing the turn",
+                                  observed="end of sequence", turn_index=index)
             content.append((first, last))
             token_cursor = int(closing[after]) + 1
             ends.append(token_cursor)
@@ -138,10 +153,13 @@ class ChatRenderer:
             if not piece:
                 continue
             found = text.find(piece, cursor)
-            require(found >= 0, "text.chat_template", f"the chat template does not render turn {index} ({turn.role}) "
-                    "verbatim: " + ("an image of it renders no image token" if part is None else
-                                    f"its text {piece[:80]!r} is not in the rendered conversation"),
-                    expected="every turn's text and images, in order", observed="missing", turn_index=index)
+            if found < 0:
+                raise CheckFailed("text.chat_template", f"the chat template does not render turn {index} "
+                                  f"({turn.role}) verbatim: " + ("an image of it renders no image token" if part is None
+                                                                 else f"its text {piece[:80]!r} is not in the rendered "
+                                                                 "conversation"),
+                                  expected="every turn's text and images, in order", observed="missing",
+                                  turn_index=index)
             start = found if start is None else start
             end = cursor = found + len(piece)
         return (None if start is None else (start, end)), cursor
@@ -187,7 +205,7 @@ class ChatRenderer:
         repeats[is_image] = [plan.num_tokens for plan in plans]
         moved = np.concatenate([[0], np.cumsum(repeats)])
         expanded = np.repeat(ids, repeats)
-        tags = np.where(np.isin(expanded, self.frame_ids), FRAME, TEXT).astype(np.int8)
+        tags = np.where(self.is_frame[expanded], FRAME, TEXT).astype(np.int8)
         tags[expanded == self.family.image_token_id] = IMAGE
         input_ids = expanded.tolist()
         spans = [TurnSpan(turn.role, int(moved[start]), int(moved[end]))
