@@ -94,6 +94,10 @@ class ChatRenderer:
         self.closes[self.is_frame] = False
         self.closes[family.image_token_id] = False
         self.bos = tokenizer.bos_token
+        # Whether the tokenizer adds special tokens at all (its post-processor costs as much as the encoding itself
+        # where it adds none).
+        backend = tokenizer.backend_tokenizer
+        self.adds_special = backend.encode("a").ids != backend.encode("a", add_special_tokens=False).ids
 
     @classmethod
     def of(cls, family, text: TextConfig, format: str) -> ChatRenderer | None:
@@ -122,7 +126,7 @@ class ChatRenderer:
         # As transformers' processors do: a template that renders the BOS itself gets no second one. (The fast
         # tokenizer's own encoder: what its __call__ runs, without the Python around it.)
         encoded = self.tokenizer.backend_tokenizer.encode(
-            text, add_special_tokens=not (self.bos and text.startswith(self.bos)))
+            text, add_special_tokens=self.adds_special and not (self.bos and text.startswith(self.bos)))
         ids = np.asarray(encoded.ids, dtype=np.int64)
         # The end of a turn is the first special token after its content that is no image or frame token.
         closing = np.flatnonzero(self.closes[ids])
