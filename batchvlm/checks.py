@@ -109,7 +109,8 @@ CATALOGUE: dict[str, Check] = {
               "tags that misalign every token after the gap", "a layout bug: report it"),
         Check("assemble.loss_mask", "the loss mask covers the sequence, lies on no image token, and (text.train_on "
               "assistant or last_assistant) only on the tokens of assistant turns",
-              "a trainer learning to predict the prompt, the system text or image placeholders", "a layout bug: report it"),
+              "a trainer learning to predict the prompt, the system text or image placeholders",
+              "a layout bug: report it"),
         Check("assemble.embed_bytes", "embedding bytes == n_tokens * hidden * sizeof(dtype)",
               "a row whose embeddings cannot be reshaped to [n_tokens, hidden]", "a sink bug: report it"),
     ]

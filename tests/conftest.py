@@ -175,7 +175,8 @@ def qwen_real(qwen_real_checkpoint):
     return load_family(ModelConfig(family="qwen2_vl", path=str(qwen_real_checkpoint)))
 
 
-LLAVA_ANSWER = "It is a photograph, and here is a long description of it: " + "the colours, the light, the shapes. " * 12
+LLAVA_ANSWER = ("It is a photograph, and here is a long description of it: "
+                + "the colours, the light, the shapes. " * 12)
 
 
 def llava_records() -> list[dict]:

@@ -21,7 +21,8 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_s
 """From id 151643 on, in this order (Qwen2-VL's tokenizer_config.json)."""
 PUBLISHED_IDS = {"<|im_start|>": 151644, "<|im_end|>": 151645, "<|vision_start|>": 151652, "<|vision_end|>": 151653,
                  "<|image_pad|>": 151655}
-PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+           r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 """Qwen2's pre-tokenizer split (one digit at a time, unlike cl100k's up to three)."""
 VOCAB_SIZE = 151936  # Qwen2-VL-2B's embedding rows
 

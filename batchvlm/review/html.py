@@ -47,7 +47,8 @@ pre{margin:0;white-space:pre-wrap;word-break:break-word;background:var(--bg);pad
 mark{background:#ffe08a;border-radius:2px}h4.plain{text-transform:none}.more{color:var(--mute);font-style:italic;margin:6px 0 14px}
 [hidden]{display:none!important}
 .turn{display:grid;grid-template-columns:90px 1fr;gap:8px;margin:4px 0}.badge.role{background:#e6eefb;color:#24508f}
-.turn[data-role=assistant] .badge.role{background:#e5f4ea;color:var(--ok)}.cut{color:var(--bad);font-weight:600;margin:6px 0}
+.turn[data-role=assistant] .badge.role{background:#e5f4ea;color:var(--ok)}
+.cut{color:var(--bad);font-weight:600;margin:6px 0}
 .hists{display:grid;grid-template-columns:repeat(auto-fit,minmax(340px,1fr));gap:16px}
 .hist{margin:0;background:#fff;border:1px solid var(--line);border-radius:8px;padding:10px 12px}
 .hist h3{margin:0;font-size:15px}.hist div{display:grid;grid-template-columns:130px 1fr 60px;gap:8px;align-items:center}

@@ -7,7 +7,6 @@ import shutil
 from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 
-import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
