@@ -38,11 +38,14 @@ def check_roles(turns: list[Turn]) -> None:
             "system prompt", expected="at least one user turn", observed=[turn.role for turn in turns])
     previous = None
     for index, turn in enumerate(turns):
-        require(turn.role in ROLES, "text.roles", f"turn {index} has the role {turn.role!r}",
-                expected=" | ".join(ROLES), observed=repr(turn.role), turn_index=index)
-        require(previous in FOLLOWS[turn.role], "text.roles", f"turn {index} ({turn.role}) cannot follow "
-                f"{previous or 'the start'}", expected=f"{turn.role} after {' or '.join(map(str, FOLLOWS[turn.role]))}",
-                observed=f"{turn.role} after {previous}", turn_index=index)
+        if turn.role not in ROLES:
+            raise CheckFailed("text.roles", f"turn {index} has the role {turn.role!r}", expected=" | ".join(ROLES),
+                              observed=repr(turn.role), turn_index=index)
+        if previous not in FOLLOWS[turn.role]:
+            allowed = " or ".join(map(str, FOLLOWS[turn.role]))
+            raise CheckFailed("text.roles", f"turn {index} ({turn.role}) cannot follow {previous or 'the start'}",
+                              expected=f"{turn.role} after {allowed}", observed=f"{turn.role} after {previous}",
+                              turn_index=index)
         previous = turn.role
 
 
@@ -200,9 +203,9 @@ class ChatRenderer:
         rendered = self.tokenize(turns)
         ids = rendered.ids
         is_image = ids == self.family.image_token_id
-        require(int(is_image.sum()) == len(plans), "text.chat_template", f"the chat template renders "
-                f"{int(is_image.sum())} image token(s) for {len(plans)} image(s)", expected=len(plans),
-                observed=int(is_image.sum()))
+        if (rendered_images := int(is_image.sum())) != len(plans):
+            raise CheckFailed("text.chat_template", f"the chat template renders {rendered_images} image token(s) for "
+                              f"{len(plans)} image(s)", expected=len(plans), observed=rendered_images)
         mask = self._mask(turns, rendered, is_image)
         # Each image token becomes its grid-sized span: every index after it moves by the span's length - 1.
         repeats = np.ones(len(ids), dtype=np.int64)
@@ -210,17 +213,18 @@ class ChatRenderer:
         moved = np.concatenate([[0], np.cumsum(repeats)])
         expanded = np.repeat(ids, repeats)
         tags = np.where(self.is_frame[expanded], FRAME, TEXT).astype(np.int8)
-        tags[expanded == self.family.image_token_id] = IMAGE
-        input_ids = expanded.tolist()
+        images = expanded == self.family.image_token_id
+        tags[images] = IMAGE
         spans = [TurnSpan(turn.role, int(moved[start]), int(moved[end]))
                  for turn, start, end in zip(turns, [0, *rendered.ends[:-1]], rendered.ends)]
         loss_mask = np.repeat(mask, repeats)
-        loss_mask[tags == IMAGE] = 0
-        require(loss_mask.any(), "text.no_trained_tokens", f"no token of the conversation is trained (text.train_on="
-                f"{self.train_on}; roles {[turn.role for turn in turns]})", expected="at least one trained token",
-                observed=0)
-        return TokenLayout(input_ids=input_ids, image_spans=checked_spans(input_ids, plans, self.family),
-                           token_tags=tags.tolist(), chat=ChatLayout(loss_mask.astype(np.int8).tolist(), spans))
+        loss_mask[images] = 0
+        if not loss_mask.any():
+            raise CheckFailed("text.no_trained_tokens", f"no token of the conversation is trained (text.train_on="
+                              f"{self.train_on}; roles {[turn.role for turn in turns]})",
+                              expected="at least one trained token", observed=0)
+        return TokenLayout(input_ids=expanded.tolist(), image_spans=checked_spans(expanded, plans, self.family),
+                           token_tags=tags.tolist(), chat=ChatLayout(loss_mask.tolist(), spans))
 
     def _mask(self, turns: list[Turn], rendered: Rendered, is_image: np.ndarray) -> np.ndarray:
         """Per rendered token, 1 where text.train_on trains it."""
