@@ -134,8 +134,10 @@ def _run_config(layout: RunLayout) -> dict:
 
 def _scan_shard(report: Report, shard: Path) -> None:
     """Count one shard batch by batch, and keep the rows that still fit under their check's card cap."""
-    offset = 0
-    for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=ROW_COLUMNS):
+    offset, file = 0, pq.ParquetFile(shard)
+    # A run written before a column was added (a conversation's turns) reports without it.
+    columns = [name for name in ROW_COLUMNS if name in file.schema_arrow.names]
+    for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=columns):
         report.quarantined += batch.num_rows
         for counter, column in ((report.by_check, "check"), (report.by_stage, "stage"), (report.by_source, "source")):
             counter.update(value_counts(batch.column(column)))
