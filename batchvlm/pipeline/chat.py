@@ -57,7 +57,7 @@ def messages_of(turns: list[Turn]) -> list[dict]:
             for turn in turns]
 
 
-def token_range(encoded, start: int, end: int, length: int) -> tuple[int, int]:
+def token_range(encoded, start: int, end: int, length: int) -> tuple[int | None, int]:
     """The tokens [first, last) that overlap the characters [start, end) of a text of `length` characters: a token that
     merges a header character with the content's first letter (BPE across the boundary) is the content's, and so is
     one that runs past its end."""
@@ -141,6 +141,9 @@ class ChatRenderer:
                 ends.append(token_cursor)
                 continue
             first, last = token_range(encoded, *span, len(text))
+            if first is None:  # a normalizer that dropped the content's first character
+                raise CheckFailed("text.chat_template", f"turn {index} ({turn.role}): its content maps to no token",
+                                  expected="the content's tokens", observed="none", turn_index=index)
             after = int(np.searchsorted(closing, last))
             if after == len(closing):
                 raise CheckFailed("text.chat_template", f"turn {index} ({turn.role}) has no end-of-turn token after "
