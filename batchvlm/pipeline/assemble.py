@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
 import numpy as np
+import torch
 
 from batchvlm.checks import require
 from batchvlm.format.schema import EXTRA_OUTPUTS, IMAGE
