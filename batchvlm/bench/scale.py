@@ -76,10 +76,13 @@ def plan_cost(path: Path, limit: int | None) -> dict:
 
 
 def _job(path: Path, out: Path, run_name: str, env: dict, *overrides: str) -> subprocess.Popen:
-    """The job in a session of its own, so that stopping it stops its DataLoader workers and decoder too."""
+    """The job in a session of its own, so that stopping it stops its DataLoader workers and decoder too; run from the
+    output folder, since `python -m` puts its working folder first on sys.path, and a source checkout's kernels/ there
+    would pass for the PyPI `kernels` that transformers imports."""
     return subprocess.Popen([*EMBED, "dataset=parquet", f"dataset.path={path}",
                              f"output.root={out}", f"run_name={run_name}", "runtime.progress=false", *overrides],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
+                            cwd=out)
 
 
 def first_commit_seconds(path: Path, out: Path, env: dict, unit_records: int) -> float:
