@@ -22,12 +22,13 @@ from collections.abc import Iterator
 import fsspec
 import pyarrow as pa
 
-from batchvlm.checks import failure
+from batchvlm.checks import CheckFailed, failure
 from batchvlm.config import ConfigError, DatasetConfig
 from batchvlm.records import Failure, ImageRef, InputFile, SourceRecord, WorkUnit
+from batchvlm.sources.conversations import read_turns, turns_text
 
-KINDS = {"demo": "parquet", "parquet": "parquet", "webdataset": "webdataset", "disk": "hf", "imagefolder": "hf",
-         "hub": "hf"}
+KINDS = {"demo": "parquet", "parquet": "parquet", "webdataset": "webdataset", "json": "jsonl", "disk": "hf",
+         "imagefolder": "hf", "hub": "hf"}
 """dataset.kind -> the module under batchvlm/sources/ that reads it."""
 
 
@@ -197,6 +198,13 @@ def record_from_row(cfg: DatasetConfig, row: dict, unit_id: str, source: str, in
                           unit_id=unit_id, source=source, row=index, text=row.get(cfg.text_column) or "",
                           images=[image_ref(image, base, cfg) for image in images], seq=seq)
     record.failure = source_failure(cfg, row, record)
+    if cfg.format != "text" and record.failure is None:
+        try:
+            record.turns = read_turns(cfg.format, row.get(cfg.text_column), cfg.placeholder, len(images),
+                                      cfg.image_first, cfg.text_column)
+            record.text = turns_text(record.turns, cfg.placeholder)
+        except CheckFailed as failed:
+            record.text, record.failure = str(row.get(cfg.text_column)), failed.to_failure()
     return record
 
 
