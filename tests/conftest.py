@@ -133,6 +133,22 @@ def committed_shards(run_dir, kind: str = "data") -> list[Path]:
     return [shard for _, shard in listed_shards(RunLayout(Path(run_dir)), kind)]
 
 
+def relist(run_dir, shard) -> None:
+    """The manifest listing a rewritten shard says the shard's new size and sha256 (as if the job wrote it so)."""
+    import dataclasses
+    import json
+
+    from batchvlm.rundir.durable import sha256_file
+    from batchvlm.rundir.layout import RunLayout
+    from batchvlm.rundir.manifest import all_manifests
+
+    layout = RunLayout(Path(run_dir))
+    for manifest in all_manifests(layout):
+        files = {kind: dataclasses.replace(listing, bytes=Path(shard).stat().st_size, sha256=sha256_file(shard))
+                 if layout.listed(listing.path) == Path(shard) else listing for kind, listing in manifest.files.items()}
+        layout.manifest(manifest.unit).write_text(json.dumps(dataclasses.replace(manifest, files=files).to_json()))
+
+
 @pytest.fixture(scope="session")
 def qwen_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("outputs")
