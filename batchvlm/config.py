@@ -37,14 +37,27 @@ def positive(key: str, value: int | float) -> None:
         raise ConfigError(f"{key}={value!r} must be > 0")
 
 
+FORMATS = ("text", "llava", "messages", "cauldron")
+"""dataset.format: what a record's text column holds."""
+
+
 @dataclass
 class DatasetConfig:
     kind: str = "demo"
-    """demo | parquet | webdataset (tar shards) | disk (save_to_disk) | imagefolder | hub (a `datasets` hub
-    dataset or local dataset folder, streamed)."""
+    """demo | parquet | webdataset (tar shards) | json (JSON arrays or JSON Lines files) | disk (save_to_disk) |
+    imagefolder | hub (a `datasets` hub dataset or local dataset folder, streamed)."""
     path: str | None = None
-    """parquet / webdataset: a file, folder or glob, local or an fsspec URL (s3://, gs://, hf://, file://);
+    """parquet / webdataset / json: a file, folder or glob, local or an fsspec URL (s3://, gs://, hf://, file://);
     disk: a `save_to_disk` folder; imagefolder: the data dir; hub: the dataset's name or folder."""
+    format: str = "text"
+    """What a record's text column holds: text (one string with a placeholder per image) | llava (LLaVA, ShareGPT4V,
+    OneVision, Cambrian: `conversations` of {from, value}, `<image>` placeholders) | messages (HF / TRL: `messages`
+    of {role, content}, content a string or {type: image} / {type: text, text} blocks) | cauldron (The Cauldron:
+    `texts` of {user, assistant}, the images before the first user turn). dataset.text_column names the column."""
+    image_first: bool = False
+    """llava: move a turn's lone placeholder to the front of its turn, followed by a newline, as LLaVA's own trainer
+    does (which changes the text the model sees); off, every image stays exactly where the text puts it (Qwen's
+    finetune scripts)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options of the input file system (e.g. {endpoint_url: ..., anon: true} for s3://)."""
     split: str = "train"
@@ -77,7 +90,10 @@ class DatasetConfig:
     """Read only the first N rows of each input file (for smoke runs)."""
 
     def __post_init__(self) -> None:
-        one_of("dataset.kind", self.kind, ("demo", "parquet", "webdataset", "disk", "imagefolder", "hub"))
+        one_of("dataset.kind", self.kind, ("demo", "parquet", "webdataset", "json", "disk", "imagefolder", "hub"))
+        one_of("dataset.format", self.format, FORMATS)
+        if self.image_first and self.format != "llava":
+            raise ConfigError(f"dataset.image_first=true applies to dataset.format=llava, not {self.format}")
         one_of("dataset.missing_placeholder", self.missing_placeholder, ("prepend", "quarantine"))
         positive("dataset.unit_records", self.unit_records)
         positive("dataset.unit_bytes", self.unit_bytes)
@@ -87,6 +103,33 @@ class DatasetConfig:
             raise ConfigError("dataset.placeholder must not be empty")
         if self.limit is not None:
             positive("dataset.limit", self.limit)
+
+
+@dataclass
+class TextConfig:
+    train_on: str = "auto"
+    """Which tokens a trainer learns to predict (the stored loss_mask): assistant (the content and end-of-turn token of
+    every assistant turn) | last_assistant (of the last one only) | all (every token but image tokens) | auto
+    (assistant for a conversation; all for dataset.format=text, which has no turns)."""
+    max_tokens: int | None = None
+    """Tokens per record at most (the trainer's context length); null: no limit. A longer record is quarantined under
+    text.too_long, or loses whole trailing turns (text.overflow)."""
+    overflow: str = "quarantine"
+    """A record over text.max_tokens: quarantine (text.too_long) | drop_turns (a conversation keeps its longest prefix
+    of whole turns that ends with an assistant turn and fits; never part of an image; the row records how many
+    turns it lost)."""
+
+    def __post_init__(self) -> None:
+        one_of("text.train_on", self.train_on, ("auto", "assistant", "last_assistant", "all"))
+        one_of("text.overflow", self.overflow, ("quarantine", "drop_turns"))
+        if self.max_tokens is not None:
+            positive("text.max_tokens", self.max_tokens)
+        if self.overflow == "drop_turns" and self.max_tokens is None:
+            raise ConfigError("text.overflow=drop_turns needs text.max_tokens")
+
+    def trained(self, format: str) -> str:
+        """text.train_on resolved for a dataset format: auto trains assistant turns, or everything in plain text."""
+        return ("all" if format == "text" else "assistant") if self.train_on == "auto" else self.train_on
 
 
 @dataclass
@@ -111,6 +154,9 @@ class ModelConfig:
     """kimi_k25 prompt contract: k3 (begin/content/end frame around each image's tokens) | plain (bare repeats, K2.5).
     Other families have one contract each and ignore it."""
     trust_remote_code: bool = False
+    chat_template: str | None = None
+    """A Jinja chat template file rendering conversations in place of the tokenizer's own (dataset.format other than
+    text); each image must render as the family's single image token."""
     processor: dict[str, Any] = field(default_factory=dict)
     """Overrides of the checkpoint's processor parameters (family-specific keys, validated by the family)."""
 
@@ -123,6 +169,8 @@ class ModelConfig:
         one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"model.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ConfigError(f"model.chat_template={self.chat_template!r} is not a file")
 
 
 @dataclass
@@ -193,10 +241,9 @@ class OutputConfig:
     quarantine_bytes_cap: int = 4 * 1024 * 1024
     """Original image bytes kept in a quarantine row up to this size; larger ones keep only their path."""
     shard_bytes: int = 1024 * 1024 * 1024
-    """Bytes of a data or quarantine file at most: a unit writes as many files as its rows need, all listed in its
-    manifest, each a few row groups (of a quarter of this, 64 MB at most). A single record larger than that gets a
-    file of its own; the estimate is the rows' Arrow size, which compressed Parquet does not exceed but for its
-    footer."""
+    """Bytes of a data or quarantine file at most, its footer included: a unit writes as many files as its rows need,
+    all listed in its manifest, each a few row groups (of a quarter of this, 64 MB at most). A single record larger
+    than that gets a file of its own."""
 
     def __post_init__(self) -> None:
         one_of("output.embed_dtype", self.embed_dtype, ("bfloat16", "float16", "float32"))
@@ -268,6 +315,7 @@ class JobConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    text: TextConfig = field(default_factory=TextConfig)
     requeue_from: str | None = None
     """A run directory whose quarantined records alone are re-run, re-read from the current dataset with
     the current config; the default run_name is then `<that run's name>-requeue`."""
@@ -278,6 +326,11 @@ class JobConfig:
         if not self.run_name or "/" in self.run_name or self.run_name in (".", ".."):
             raise ConfigError(f"run_name={self.run_name!r} must be a plain folder name")
         self.check = _check_names(self.check)
+        if self.dataset.format == "text" and self.text.trained("text") != "all":
+            raise ConfigError(f"text.train_on={self.text.train_on}: dataset.format=text has no turns; its records "
+                              "train on every token (text.train_on=all or auto)")
+        if self.dataset.format == "text" and self.text.overflow == "drop_turns":
+            raise ConfigError("text.overflow=drop_turns: dataset.format=text has no turns to drop; use quarantine")
         if self.check is not None and self.requeue_from is None:
             raise ConfigError("check=... selects quarantined records to requeue; it needs requeue_from=<run dir>")
 

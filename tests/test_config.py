@@ -63,6 +63,9 @@ def test_wrong_type_fails_naming_the_key():
     ("model.dtype=int8", "model.dtype"), ("preprocess.token_budget=0", "preprocess.token_budget"),
     ("checks.max_quarantine_fraction=2", "checks.max_quarantine_fraction"),
     ("dataset=parquet", "dataset.path"),
+    ("dataset.format=sharegpt", "dataset.format"), ("text.train_on=assistant", "text.train_on"),
+    ("text.overflow=drop_turns", "text.overflow"), ("text.max_tokens=0", "text.max_tokens"),
+    ("model.chat_template=/no/such.jinja", "model.chat_template"), ("dataset.image_first=true", "dataset.image_first"),
 ])
 def test_bad_values_fail_naming_the_key(override, key):
     with pytest.raises(Exception, match=key.replace(".", r"\.")):
@@ -108,3 +111,13 @@ def test_processor_parameters_that_contradict_the_tower_are_refused_at_load():
     family = load_family(ModelConfig(family="qwen2_vl", processor={"patch_size": 16}))
     with pytest.raises(ConfigError, match=r"model\.processor\.patch_size=16 but the checkpoint's tower has patch_size=14"):
         family.load_encoder(torch.device("cpu"), torch.float32)
+
+
+def test_a_conversation_format_on_a_checkpoint_without_a_chat_template_fails_before_any_work(tmp_path):
+    """SigLIP2 has no LLM and so no template: the job refuses it at start, leaving no run directory."""
+    from batchvlm.executor.job import run_job
+
+    cfg = job("dataset=llava", f"dataset.path={tmp_path / 'x.json'}", "model=siglip2_tiny")
+    with pytest.raises(ConfigError, match="model.chat_template"):
+        run_job(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

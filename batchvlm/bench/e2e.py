@@ -11,7 +11,10 @@ Kimi demo tower, or a ViT-B-sized MoonViT with `tower=base`):
 - the job again with `runtime.overlap=false` (batch by batch) and with `decode.jpeg=device`;
 - the decode stage both ways on the same JPEGs: the safe path (in the isolated child, as the workers run it)
   against torchvision's batched decode on the job's device (CUDA when present, else the CPU), in the same
-  groups as the packed batches, plus the worker's header check that routes a JPEG to it.
+  groups as the packed batches, plus the worker's header check that routes a JPEG to it;
+- the text side of a conversation (render with the checkpoint's chat template + tokenize + expand + mask) on
+  LLaVA-like multi-turn conversations with one image, on one core, at two lengths: conversations/s beside the decode
+  stage's images/s, and turns/s at both lengths (a cost linear in the turns gives the same turns/s).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from batchvlm.config import TINY, DatasetConfig, DecodeConfig, JobConfig, ModelConfig, OutputConfig, RuntimeConfig
+from batchvlm.config import (TINY, DatasetConfig, DecodeConfig, JobConfig, ModelConfig, OutputConfig, RuntimeConfig,
+                             TextConfig)
 from batchvlm.demo import DEMO_VERSION, build_once, home, photographs
 from batchvlm.executor.batching import TokenBudgetBatcher
 from batchvlm.executor.job import Parts, rank_job
@@ -37,11 +41,12 @@ from batchvlm.executor.worker import plan_and_lay_out
 from batchvlm.families import kimi_k25
 from batchvlm.format.schema import DATA_SCHEMA
 from batchvlm.pipeline.assemble import data_row
+from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.encode import encode_batch
 from batchvlm.pipeline.jpeg import JpegBatchDecoder, deferred
 from batchvlm.pipeline.preprocess import preprocess_batch
-from batchvlm.records import ImageRef, OutputRow, PreparedRecord, SourceRecord, WorkUnit
+from batchvlm.records import ImageRef, OutputRow, PreparedRecord, SourceRecord, Turn, WorkUnit
 from batchvlm.rundir.claims import Claims
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.rundir.sink import RunSink
@@ -49,6 +54,15 @@ from batchvlm.rundir.sink import RunSink
 SIZE = (384, 512)  # height, width
 SINK_ROWS = 2000
 WARM_UP_RECORDS = 4
+CONVERSATIONS = 400
+TEXT_TURNS = (4, 32)
+"""Turns per conversation the text side is timed at (question-answer pairs x 2)."""
+QUESTIONS = ["What is shown in the image?", "What colours stand out, and where?", "How many objects can you count?",
+             "Is it day or night? Explain briefly.", "What might happen next in this scene?"]
+ANSWERS = ["The image shows {n} objects on a table, lit from the left; the background is out of focus.",
+           "Mostly red and white: a cup in the middle, a saucer under it, and a spoon at {n} o'clock.",
+           "I count {n} of them, though two overlap near the lower edge of the frame.",
+           "Daylight: the shadows are short and sharp, so it is around noon, maybe {n} pm."]
 
 
 def photo_jpegs(count: int) -> list[bytes]:
@@ -114,6 +128,8 @@ def bench_e2e(config) -> dict:
         _, batch_by_batch_rate = run_whole(job_config(path, out, model, config.records, "e2e-off", overlap=False), out)
         _, device_decode_rate = run_whole(job_config(path, out, model, config.records, "e2e-jpeg", jpeg="device"), out)
         stages, batches, rows = stage_rates(job, images)
+        text_side = text_side_rates(job, [record.plans[0] for batch in batches for record in batch.records])
+        stages["text (render+tokenize+expand+mask)"] = text_side[TEXT_TURNS[0]]
         tower_s = sum(timed(lambda b=b: job.stage.encoder(b.pixel_values, b.grid_thw))[0] for b in batches)
         sink_s, bare_s = sink_against_bare_write(job, rows, out)
         stages["sink"] = 1 / sink_s
@@ -122,7 +138,7 @@ def bench_e2e(config) -> dict:
                 "batch_by_batch_images_per_s": batch_by_batch_rate, "device_decode_images_per_s": device_decode_rate,
                 "sink_rows_per_s": 1 / sink_s, "bare_rows_per_s": 1 / bare_s,
                 "decode": decode_both_ways(job, images, [len(batch.records) for batch in batches]),
-                "stages": stages}
+                "stages": stages, "text_side": text_side}
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -148,6 +164,28 @@ def stage_rates(job: Parts, images: list[bytes]) -> tuple[dict, list, list]:
     return ({"decode": count / decode_s, "plan+layout": count / layout_s,
              "preprocess": count / preprocess_s, "tower+checks": count / encode_s, "assemble": count / assemble_s},
             batches, rows)
+
+
+def llava_like(index: int, turns: int) -> list[Turn]:
+    """A LLaVA-like conversation: the image before the first question, then `turns` / 2 question-answer rounds."""
+    conversation = []
+    for k in range(turns // 2):
+        question = QUESTIONS[(index + k) % len(QUESTIONS)]
+        conversation += [Turn("user", (None, "\n" + question) if k == 0 else (question,)),
+                         Turn("assistant", (ANSWERS[(index + k) % len(ANSWERS)].format(n=index % 12 + k),))]
+    return conversation
+
+
+def text_side_rates(job: Parts, plans: list) -> dict[int, float]:
+    """Conversations/s of the text side at each of TEXT_TURNS, the same image plans cycled, best of 3 passes (one
+    thread: the fast tokenizer encodes one text on the calling thread)."""
+    chat = ChatRenderer(job.family, job.family.tokenizer.chat_template, TextConfig(), "llava")
+    rates = {}
+    for turns in TEXT_TURNS:
+        conversations = [llava_like(i, turns) for i in range(CONVERSATIONS)]
+        layouts = lambda: [chat.lay_out(c, [plans[i % len(plans)]]) for i, c in enumerate(conversations)]  # noqa: E731
+        rates[turns] = CONVERSATIONS / min(timed(layouts)[0] for _ in range(3))
+    return rates
 
 
 def decode_both_ways(job: Parts, images: list[bytes], group_sizes: list[int]) -> dict:
@@ -228,5 +266,16 @@ def format_e2e(result: dict) -> str:
              f"pixels differ by at most {decode['max_levels']} levels",
              f"sink {result['sink_rows_per_s']:.0f} rows/s vs bare pq.write_table {result['bare_rows_per_s']:.0f}: "
              f"{result['sink_rows_per_s'] / result['bare_rows_per_s']:.2f}x",
-             "stages alone (images/s): " + ", ".join(f"{name} {rate:.1f}" for name, rate in result["stages"].items())]
+             "stages alone (images/s; the text side in conversations/s of one image and "
+             f"{TEXT_TURNS[0]} turns): " + ", ".join(f"{name} {rate:.1f}" for name, rate in result["stages"].items()),
+             _text_side_line(result)]
     return "\n".join(lines)
+
+
+def _text_side_line(result: dict) -> str:
+    rates, decode = result["text_side"], result["stages"]["decode"]
+    short, long = TEXT_TURNS
+    return (f"text side (render + tokenize + expand + mask, one core, LLaVA-like): {rates[short]:.0f} conversations/s "
+            f"at {short} turns vs decode {decode:.1f} images/s: {rates[short] / decode:.1f}x; turns/s at {short} and "
+            f"{long} turns: {rates[short] * short:.0f} and {rates[long] * long:.0f} "
+            f"({rates[long] * long / (rates[short] * short):.2f}x: linear in the turns)")

@@ -34,6 +34,7 @@ from batchvlm.executor.tally import JobAborted, Tally
 from batchvlm.executor.worker import prepared_units
 from batchvlm.families import Family, load_family, resolve_checkpoint
 from batchvlm.format.schema import EMBED_DTYPES
+from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.jpeg import JpegBatchDecoder, resolve_jpeg_decode
 from batchvlm.pipeline.preprocess import PreprocessGuard, make_preprocessor, resolve_backend
@@ -89,6 +90,7 @@ class Parts:
     stage: Device
     assembler: Assembler
     requeue: RequeueSource | None
+    chat: ChatRenderer | None  # a conversation format's chat template renderer
     draft: Draft | None  # rank 0's
 
 
@@ -98,6 +100,7 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
     The plan comes before the run directory is written: a config that does not fit its inputs (a column that is not
     there, a glob that matches nothing, a changed input) is refused with nothing left behind."""
     family = load_family(job.model)
+    chat = ChatRenderer.of(family, job.text, job.dataset.format)
     requeue = requeue_source(job, layout.root) if job.requeue_from else None
     draft = None
     if ranks.is_main:
@@ -110,8 +113,9 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
     stage = Device(make_preprocessor(job.preprocess.backend, family, device, job.preprocess.background), encoder,
                    PreprocessGuard.from_config(job.preprocess, family, job.preprocess.background), embed_dtype,
                    Streams(device) if job.runtime.overlap else None, _jpeg_decoder(job, device))
-    assembler = Assembler(embed_dtype, encoder.hidden_sizes, job.output.quarantine_bytes_cap, run.fingerprint_digest)
-    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue, draft)
+    assembler = Assembler(embed_dtype, encoder.hidden_sizes, job.output.quarantine_bytes_cap, run.fingerprint_digest,
+                          job.text.trained(job.dataset.format), job.dataset.placeholder)
+    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue, chat, draft)
 
 
 def _jpeg_decoder(job: JobConfig, device: torch.device) -> JpegBatchDecoder | None:
@@ -225,7 +229,8 @@ class Job:
         """One pass over the units this rank claims until there is nothing more to claim for now: the chain from
         claimed units to committed shards."""
         runtime, parts = self.job.runtime, self.parts
-        prepared, queued = prepared_units(source, claimed, parts.family, self.job)  # workers fork before any thread
+        # the workers fork before any thread of this pass starts
+        prepared, queued = prepared_units(source, claimed, parts.family, self.job, parts.chat)
         writer = SinkWriter(sink, runtime.writer_queue)
         batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
         if queued is not None:

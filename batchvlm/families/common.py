@@ -18,10 +18,16 @@ from batchvlm.format.layouts import PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
 
 
+TEMPLATES = Path(__file__).parent / "templates"
+"""Published chat templates (shared/reference/conversations.md), which the tiny checkpoints' tokenizers carry."""
+
+
 class PatchFamily:
     """What every family does the same way, given its checkpoint, processor parameters and tokenizer."""
 
     name: str
+    frame_tokens: tuple[str, ...] = ()
+    """Tokens a prompt puts around an image's span (tagged FRAME), in a text's layout or a chat template's."""
 
     def __init__(self, checkpoint: Path, params, tokenizer, embedding: str, attn_implementation: str,
                  layout: PatchLayout, image_token: str):
@@ -32,6 +38,12 @@ class PatchFamily:
         self.attn_implementation = attn_implementation
         self.layout = layout
         self.image_token_id = token_id(tokenizer, image_token, self.name)
+
+    @property
+    def frame_token_ids(self) -> set[int]:
+        """The ids of the frame tokens the tokenizer has."""
+        vocab = self.tokenizer.get_vocab()
+        return {vocab[token] for token in self.frame_tokens if token in vocab}
 
     @property
     def image_mean(self) -> tuple[float, float, float]:
@@ -82,12 +94,15 @@ def processor_params(cls, values: dict, overrides: dict, family: str):
 
 
 def checkpoint_and_tokenizer(model: ModelConfig):
-    """The local checkpoint folder (the tiny demo one when model.path is null) and its tokenizer."""
+    """The local checkpoint folder (the tiny demo one when model.path is null) and its tokenizer, with the chat template
+    of model.chat_template where it is given."""
     from transformers import AutoTokenizer
 
     checkpoint = resolve_checkpoint(model)
     tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_path or checkpoint,
                                               trust_remote_code=model.trust_remote_code)
+    if model.chat_template is not None:
+        tokenizer.chat_template = Path(model.chat_template).read_text()
     return checkpoint, tokenizer
 
 
@@ -148,8 +163,13 @@ def load_submodule(checkpoint: Path, module_class, config, prefixes: tuple[str, 
     return module.to(dtype)
 
 
-def tiny_tokenizer(media_tokens: list[str]):
-    """A small byte-level BPE with the family's special tokens, trained on the demo captions: a tiny checkpoint's."""
+def published_template(name: str) -> str:
+    return (TEMPLATES / f"{name}.jinja").read_text()
+
+
+def tiny_tokenizer(media_tokens: list[str], chat_template: str | None = None):
+    """A small byte-level BPE with the family's special tokens, trained on the demo captions: a tiny checkpoint's,
+    with the chat template of the checkpoints it stands for."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -162,4 +182,5 @@ def tiny_tokenizer(media_tokens: list[str]):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     core.train_from_iterator(caption_corpus(), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", bos_token="[BOS]",
-                                   eos_token="[EOS]", additional_special_tokens=media_tokens)
+                                   eos_token="[EOS]", additional_special_tokens=media_tokens,
+                                   chat_template=chat_template)

@@ -17,7 +17,7 @@ import torch
 
 from batchvlm.config import ConfigError, ModelConfig
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, choose_projector, processor_params,
-                                      tiny_tokenizer, token_id, tokenizer_digest)
+                                      published_template, tiny_tokenizer, token_id, tokenizer_digest)
 from batchvlm.format.layouts import RASTER_CHW, PatchLayout
 from batchvlm.records import ImagePlan
 from batchvlm.format.schema import FRAME, IMAGE
@@ -112,6 +112,7 @@ class KimiEncoder(torch.nn.Module):
 class KimiK25(PatchFamily):
     name = "kimi_k25"
     resample = "bicubic"
+    frame_tokens = FRAME_TOKENS
 
     def __init__(self, checkpoint: Path, params: KimiProcessorParams, tokenizer, framing: str,
                  embedding: str, attn_implementation: str):
@@ -199,7 +200,8 @@ def from_config(model: ModelConfig, family_class: type[KimiK25] = KimiK25) -> Ki
 
 # -- tiny checkpoint ---------------------------------------------------------------------------
 MEDIA_TOKENS = ["<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
-                "<|kimi_k25_video_placeholder|>"]
+                "<|kimi_k25_video_placeholder|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
+                "<|im_end|>"]
 
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                         pos_emb_height=16, pos_emb_width=16)
@@ -209,10 +211,10 @@ BASE_VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12
 
 
 def write_tiny_checkpoint(folder: Path, vision: dict = TINY_VISION) -> None:
-    """MoonViT tower + projector + a one-layer MoE LLM, from a config with a fixed seed."""
+    """MoonViT tower + projector + a one-layer MoE LLM, from a config with a fixed seed; Kimi-K2.5's chat template."""
     from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration, Kimi_K25ImageProcessor
 
-    tokenizer = tiny_tokenizer(MEDIA_TOKENS)
+    tokenizer = tiny_tokenizer(MEDIA_TOKENS, published_template("kimi_k25"))
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in MEDIA_TOKENS}
     config = Kimi_K25Config(
         text_config=dict(model_type="deepseek_v3", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,

@@ -22,7 +22,7 @@ import torch
 from batchvlm.checks import require
 from batchvlm.config import ConfigError, ModelConfig
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_params,
-                                      tiny_tokenizer, token_id, tokenizer_digest)
+                                      published_template, tiny_tokenizer, token_id, tokenizer_digest)
 from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
 from batchvlm.format.schema import FRAME, IMAGE
@@ -166,6 +166,7 @@ class QwenEncoder(torch.nn.Module):
 class Qwen2VL(PatchFamily):
     name = "qwen2_vl"
     resample = "bicubic"
+    frame_tokens = FRAME_TOKENS
 
     def __init__(self, checkpoint: Path, params: QwenProcessorParams, tokenizer, embedding: str,
                  attn_implementation: str):
@@ -243,14 +244,14 @@ def from_config(model: ModelConfig) -> Qwen2VL:
 
 
 # -- tiny checkpoint ---------------------------------------------------------------------------
-QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>"]
 
 
 def write_tiny_checkpoint(folder: Path) -> None:
-    """Vision tower + merger + a 2-layer LLM, from a config with a fixed seed."""
+    """Vision tower + merger + a 2-layer LLM, from a config with a fixed seed; Qwen2-VL's chat template."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor
 
-    tokenizer = tiny_tokenizer(QWEN_TOKENS)
+    tokenizer = tiny_tokenizer(QWEN_TOKENS, published_template("qwen2_vl"))
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_TOKENS}
     config = Qwen2VLConfig(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -188,6 +188,7 @@ class SiglipEncoder(torch.nn.Module):
 class Siglip2(PatchFamily):
     name = "siglip2"
     resample = "bilinear"
+    frame_tokens = FRAME_TOKENS
 
     def __init__(self, checkpoint: Path, params: SiglipProcessorParams, tokenizer, embedding: str,
                  attn_implementation: str):

@@ -41,9 +41,13 @@ ROW_GROUP_BYTES = 64 * 1024 * 1024
 DEFAULT_SHARD_BYTES = OutputConfig.shard_bytes
 
 
+FOOTER_BYTES_PER_GROUP = 4096
+"""What a row group adds to a Parquet footer at most, reserved before it is written (about 90 bytes a column)."""
+
+
 class ShardWriter:
-    """One kind of a unit's rows, written a row group at a time to temporary files of at most `shard_bytes` of row
-    groups each (a row group larger than that alone gets a file of its own); the first opened on the first row.
+    """One kind of a unit's rows, written a row group at a time to temporary files of at most `shard_bytes` each,
+    footer included (a row group larger than that alone gets a file of its own); the first opened on the first row.
     `path_of(n)` names the n-th file."""
 
     def __init__(self, path_of: Callable[[int], Path], schema: pa.Schema, metadata: dict, compression: str | None,
@@ -51,6 +55,8 @@ class ShardWriter:
         self.path_of, self.schema, self.metadata, self.compression = path_of, schema, metadata, compression
         self.shard_bytes = shard_bytes
         self.group_bytes = min(ROW_GROUP_BYTES, shard_bytes // 4)  # a few row groups a file
+        # the footer holds the schema twice (Parquet's, and Arrow's serialized), then each row group's columns
+        self.footer_bytes = 2 * schema.with_metadata(metadata).serialize().size
         self.parts: list[ShardPart] = []
         self.writer: pq.ParquetWriter | None = None
         self.file: pa.NativeFile | None = None
@@ -69,13 +75,20 @@ class ShardWriter:
         if not self.buffer:
             return
         table = pa.Table.from_pylist(self.buffer, schema=self.schema.with_metadata(self.metadata))
-        if self.writer is not None and self.file.tell() + table.nbytes > self.shard_bytes:
+        if self.writer is not None and not self._fits(table):
             self._close_part()
         if self.writer is None:
             self._open_part()
         self.writer.write_table(table)
         self.parts[-1].rows += len(self.buffer)
+        self.parts[-1].groups += 1
         self.buffer, self.buffered_bytes = [], 0
+
+    def _fits(self, table: pa.Table) -> bool:
+        """The open file with this row group and its footer stays within shard_bytes (the row group's Arrow size
+        bounds what compressed Parquet writes of it)."""
+        footer = self.footer_bytes + (self.parts[-1].groups + 1) * FOOTER_BYTES_PER_GROUP
+        return self.file.tell() + table.nbytes + footer <= self.shard_bytes
 
     def _open_part(self) -> None:
         part = ShardPart(self.path_of(len(self.parts)))
@@ -108,6 +121,7 @@ class ShardPart:
 
     path: Path
     rows: int = 0
+    groups: int = 0
 
     @property
     def tmp(self) -> Path:

@@ -12,7 +12,9 @@ def test_e2e_bench_puts_the_job_beside_its_tower_and_the_sink_beside_a_bare_writ
     from batchvlm.bench.e2e import bench_e2e, format_e2e
 
     result = bench_e2e(BenchConfig(task="e2e", tower="tiny", records=4, device="cpu"))
-    assert set(result["stages"]) == {"decode", "plan+layout", "preprocess", "tower+checks", "assemble", "sink"}
+    assert set(result["stages"]) == {"decode", "plan+layout", "preprocess", "tower+checks", "assemble", "sink",
+                                     "text (render+tokenize+expand+mask)"}
+    assert set(result["text_side"]) == {4, 32} and all(rate > 0 for rate in result["text_side"].values())
     assert all(rate > 0 for rate in result["stages"].values())
     assert result["job_images_per_s"] > 0 and result["tower_images_per_s"] > 0
     assert result["batch_by_batch_images_per_s"] > 0 and result["device_decode_images_per_s"] > 0
@@ -20,3 +22,4 @@ def test_e2e_bench_puts_the_job_beside_its_tower_and_the_sink_beside_a_bare_writ
     assert result["decode"]["max_levels"] == 0  # libjpeg-turbo both ways on the CPU
     assert "batch by batch" in format_e2e(result) and "batched torchvision on cpu" in format_e2e(result)
     assert "end-to-end" in format_e2e(result) and "bare pq.write_table" in format_e2e(result)
+    assert "conversations/s at 4 turns vs decode" in format_e2e(result)

@@ -7,10 +7,11 @@ import shutil
 from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import REPO, committed_shards, run_embed
+from conftest import REPO, committed_shards, relist, run_embed
 
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.manifest import all_manifests
@@ -18,7 +19,7 @@ from batchvlm.rundir.verify import verify_run
 from batchvlm.training.reader import read_run
 from batchvlm.training import (LoaderConfig, PackedLoader, RunNotFinished,
                                pack)
-from batchvlm.training.loader import READ_AHEAD, _OpenRowGroups
+from batchvlm.training.loader import READ_AHEAD, RunIndex, _OpenRowGroups
 
 SMALL = LoaderConfig(max_tokens=800, shuffle_buffer=4, pack_buffer=8, num_workers=0)
 
@@ -167,15 +168,14 @@ def test_only_the_shards_a_manifest_lists_are_read(qwen_run, records):
 @pytest.mark.slow
 def test_a_run_cut_into_files_of_a_few_row_groups_reads_back_as_the_run_in_one_file_a_unit(qwen_run, records,
                                                                                           tmp_path):
-    small = 150_000  # bytes of a data file's row groups at most (records of ~35 kB): several files a unit
+    small = 150_000  # bytes of a data file at most (records of ~35 kB): several files a unit
     result = run_embed(f"output.root={tmp_path}", "run_name=cut", "model=qwen2_vl_tiny", f"output.shard_bytes={small}")
     assert result.returncode == 0, result.stderr[-3000:]
     cut = tmp_path / "cut"
     assert verify_run(cut) == []
     manifests = all_manifests(RunLayout(cut))
     files = [listing for manifest in manifests for listing in manifest.shards("data")]
-    footers = [pq.read_metadata(cut / listing.path).serialized_size + 8 for listing in files]  # + length, magic
-    assert len(files) > len(manifests) and all(f.bytes - footer <= small for f, footer in zip(files, footers))
+    assert len(files) > len(manifests) and all(listing.bytes <= small for listing in files)
     assert {pq.read_metadata(cut / listing.path).num_row_groups for listing in files} - {1}  # groups of a file
     read = {record.id: record for record in read_run(cut)}
     assert sorted(read) == sorted(record.id for record in records)
@@ -184,3 +184,22 @@ def test_a_run_cut_into_files_of_a_few_row_groups_reads_back_as_the_run_in_one_f
     batches = list(loader)
     assert sorted(i for batch in batches for i in batch.ids) == sorted(read)
     assert len(loader.index.shards) == len(files)
+
+
+@pytest.mark.slow
+def test_start_up_reads_each_rows_token_count_not_its_ids(qwen_run, tmp_path):
+    """Opening a run costs O(shards): the few bytes of num_tokens a row, not the input_ids lists. Shards written
+    before the column was stored give their lists' lengths."""
+    copy = tmp_path / "run"
+    shutil.copytree(qwen_run, copy)
+    expected = RunIndex.of(qwen_run).lengths
+    first = committed_shards(copy)[0]
+    table = pq.read_table(first)
+    doubled = table.set_column(table.schema.get_field_index("num_tokens"), "num_tokens",
+                               pc.multiply(table.column("num_tokens"), 2))
+    pq.write_table(doubled, first)
+    relist(copy, first)
+    assert RunIndex.of(copy).lengths[0].tolist() == (expected[0] * 2).tolist()  # the column, not the lists
+    pq.write_table(table.drop_columns(["num_tokens"]), first)
+    relist(copy, first)
+    assert [lengths.tolist() for lengths in RunIndex.of(copy).lengths] == [lengths.tolist() for lengths in expected]
