@@ -191,7 +191,8 @@ class Job:
             log.info("plan: %d work units from %d inputs", len(draft.plan.units), len(draft.plan.inputs))
             if requeue is not None:
                 write_lineage(self.layout, requeue)
-        coordinator = Coordinator(self.layout, self.ranks)  # a collective: the plan exists after it
+        # a collective: the plan exists after it
+        coordinator = Coordinator(self.layout, self.ranks, self.job.runtime.progress_interval_s)
         plan = read_plan(self.layout)
         source = draft.source if self.ranks.is_main else requeue or make_source(self.job.dataset, plan.inputs,
                                                                                    self.job.decode.max_bytes)
@@ -264,7 +265,7 @@ class Job:
         """This rank's count for the others; on rank 0, progress over every rank's count."""
         coordinator.report(self.tally.seen)
         if self.ranks.is_main:
-            progress.show(coordinator.records_done())
+            progress.show(coordinator.records_done(self.tally.seen))
 
 
 def rank_job(job: JobConfig, run_dir: Path) -> Job:

@@ -32,6 +32,7 @@ from pathlib import Path
 from batchvlm.records import WorkUnit
 from batchvlm.rundir.claims import Claim, Claims
 from batchvlm.rundir.dedup import IdsGather, bucket_of_task, bucket_task
+from batchvlm.rundir.durable import replace_json
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.workunits import Block, Plan
 
@@ -145,9 +146,7 @@ def read_board(path: Path) -> Board | None:
 
 
 def write_board(path: Path, board: Board) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(board)))
-    os.replace(tmp, path)  # a reader sees the board before or after, never half of it
+    replace_json(path, asdict(board))  # rewritten as the tail goes: a reader sees a whole board
 
 
 class TailScan:
