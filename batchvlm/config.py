@@ -277,11 +277,13 @@ class RuntimeConfig:
     """Batches waiting for the writer thread (bounds the device-to-sink queue)."""
     progress: bool = True
     progress_interval_s: float = 30.0
-    """Seconds between progress lines when stderr is not a terminal (Slurm, a redirect); a terminal gets a bar."""
+    """Seconds between progress lines when stderr is not a terminal (Slurm, a redirect); a terminal gets a bar. Also
+    how often a rank reports its count to rank 0, and rank 0 reads the others'."""
     lease_s: float = 120.0
     """A rank whose heartbeat is older than this loses the units it claimed: another rank takes them over."""
     poll_s: float = 2.0
-    """How often a rank with nothing left to claim looks again (for units of a dead rank, for the end)."""
+    """How long a rank with nothing left to claim first waits before it looks at its launch's board again (for blocks
+    of a dead rank, for the end); the wait doubles up to 8 times this, never beyond a quarter lease."""
     overlap: bool = True
     """Stage the next packed batch (host-to-device copies, preprocessing) while the current one encodes: on CUDA on a
     side stream, so copies and preprocessing overlap the tower; on the CPU the same order, without streams."""
