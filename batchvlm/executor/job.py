@@ -207,10 +207,15 @@ class Job:
         blocks = {block.task: block for block in plan.blocks()}
         log.info("rank %d/%d: %d work units in the run, in %d blocks of up to %d", self.ranks.rank, self.ranks.world,
                  len(plan.units), len(blocks), plan.block_units)
+
+        def wait(seconds: float) -> None:  # the tail: progress shown while the rank waits
+            shown()
+            time.sleep(seconds)
+
         try:
-            phase.work_through(lambda claimed: self.embed_claimed(
-                source, claimed_units(self.layout, blocks, claimed), sink, shown), lambda seconds: (
-                    shown(), time.sleep(seconds)))
+            phase.work_through(
+                lambda claimed: self.embed_claimed(source, claimed_units(self.layout, blocks, claimed), sink, shown),
+                wait)
             shown()
         finally:
             progress.close()
