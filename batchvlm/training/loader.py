@@ -118,12 +118,12 @@ def packing_efficiency(index: RunIndex, packs: list[list[RecordRef]], max_tokens
 
 
 READ_AHEAD = 2
+"""Shards a worker reads at once, ahead of the one it packs: with one, packing on 2 cores waited on the reads."""
 
 
 def resident_bytes(shard_bytes: float) -> float:
     """A worker's memory for shards of this size: the one it packs from and the READ_AHEAD it reads meanwhile."""
     return (1 + READ_AHEAD) * shard_bytes
-"""Shards a worker reads at once, ahead of the one it packs: with one, packing on 2 cores waited on the reads."""
 
 
 class _OpenShards:
