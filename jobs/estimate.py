@@ -1,5 +1,5 @@
 """`python jobs/estimate.py [overrides]`: how much output, how long and how much bandwidth the embed job of the same
-overrides needs, from a sample of its input (batchvlm/executor/estimate.py)."""
+overrides needs, from a sample of its input (batchvlm/bench/estimate.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import transformers
 from omegaconf import DictConfig
 
 from batchvlm.config import ConfigError, EstimateConfig, register_schemas, to_job_config
-from batchvlm.executor.estimate import estimate, format_estimate
+from batchvlm.bench.estimate import estimate, format_estimate
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 register_schemas()
