@@ -18,6 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 from batchvlm.checks import CATALOGUE
 
 
+FLASH_ATTENTION = "flash_attention_2"
+
+
 class ConfigError(ValueError):
     """A config value that cannot work. The message names the key."""
 
@@ -93,7 +96,7 @@ class ModelConfig:
     tokenizer_path: str | None = None
     """Tokenizer folder when it is not the checkpoint's own."""
     dtype: str = "float32"
-    """Compute dtype of the tower: float32 | bfloat16 | float16."""
+    """Compute dtype of the tower: float32 | bfloat16 | float16 (flash_attention_2 needs one of the last two)."""
     device: str = "auto"
     """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
     attn_implementation: str = "sdpa"
@@ -112,7 +115,10 @@ class ModelConfig:
         one_of("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         one_of("model.embedding", self.embedding, ("auto", "projector", "tower", "both"))
         one_of("model.framing", self.framing, ("k3", "plain"))
-        one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
+        one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", FLASH_ATTENTION))
+        if self.attn_implementation == FLASH_ATTENTION and self.dtype == "float32":
+            raise ConfigError(f"model.attn_implementation={FLASH_ATTENTION} runs in float16 or bfloat16 only, and "
+                              "model.dtype=float32: set model.dtype=bfloat16 (or float16), or model.attn_implementation=sdpa")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"model.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
 

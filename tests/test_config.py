@@ -69,6 +69,14 @@ def test_bad_values_fail_naming_the_key(override, key):
         job(override)
 
 
+def test_flash_attention_in_fp32_is_refused_before_any_work_naming_both_keys():
+    """flash_attention_2 raises 'only fp16/bf16' on every batch in fp32: refused at load, as any setting that cannot
+    work (the tiny configs leave model.dtype at float32)."""
+    with pytest.raises(ConfigError, match=r"model\.attn_implementation=flash_attention_2 .* model\.dtype=float32"):
+        job("model.attn_implementation=flash_attention_2")
+    assert job("model.attn_implementation=flash_attention_2", "model.dtype=bfloat16").model.dtype == "bfloat16"
+
+
 def test_unknown_processor_parameter_is_refused():
     from batchvlm.config import ModelConfig
     from batchvlm.families import load_family
