@@ -44,6 +44,17 @@ def gather_to(parts: list[torch.Tensor], out: torch.Tensor) -> None:
     torch.cat([part if part.is_cuda else next(moved) for part in flat], out=out)
 
 
+def images_on(pixels: list, device: torch.device) -> list[torch.Tensor]:
+    """Images (host arrays or tensors, or tensors already on `device`) as tensors on `device`; on CUDA the host ones
+    cross together, one batch in one copy (`gather_to`)."""
+    tensors = [torch.as_tensor(image) for image in pixels]
+    if device.type != "cuda":
+        return tensors
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.uint8, device=device)
+    gather_to(tensors, flat)
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
 def to_host(tensors: list[torch.Tensor], stream=None) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
     """Device tensors on their way to the host, and the event after which they are there (None: already there).
 

@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from batchvlm.config import ConfigError, register_schemas, to_job_config
-from batchvlm.executor.job import JobAborted, run_job, summarize
+from batchvlm.executor.job import JobAborted, QuarantineOverLimit, run_job, summarize
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 register_schemas()
@@ -28,6 +28,8 @@ def main(cfg: DictConfig) -> None:
         summary = run_job(job, run_dir)
     except (ConfigError, JobAborted) as error:
         _remove_if_empty(run_dir)
+        if isinstance(error, QuarantineOverLimit):  # the run finished: its summary, then why it failed
+            print(summarize(error.summary))
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     if summary is not None:  # rank 0 speaks for the job
