@@ -126,6 +126,15 @@ class TorchPreprocessor:
     def image_rows(self, image: DecodedImage, plan: ImagePlan) -> tuple[torch.Tensor, tuple]:
         return self.rows_of(pixels_on(image, self.device), plan)
 
+    def levels(self, ours: torch.Tensor, oracle: torch.Tensor, plan: ImagePlan) -> float | None:
+        """Largest difference between two images' rows (on the host) in uint8 levels (one level is scale_c in
+        normalized units, per channel); None where their shapes differ."""
+        if ours.shape != oracle.shape:
+            return None
+        channel = torch.arange(3, dtype=torch.float32).view(3, 1, 1).expand(3, *plan.padded)
+        scale = self.scale.cpu().view(3)[self.family.patchify(channel).long()]
+        return float(((ours - oracle).abs() / scale).max()) if ours.numel() else 0.0
+
     def rows_of(self, pixels: torch.Tensor, plan: ImagePlan) -> tuple[torch.Tensor, tuple]:
         canvas = self.padded_uint8(pixels, plan)
         return self.normalized_rows(canvas), self.family.grid_of(canvas)
@@ -250,7 +259,7 @@ class PreprocessGuard:
             oracle, _ = self.cpu.image_rows(image, plan)
         else:
             oracle, _ = self.cpu.family.reference_preprocess([image.on_host()])
-        levels = self._levels(rows.detach().float().cpu(), oracle.float(), plan)
+        levels = self.cpu.levels(rows.detach().float().cpu(), oracle.float(), plan)
         if levels is None or levels > self.parity_max_levels:
             stats.parity_failed.add(index)
             observed = (f"shape {tuple(rows.shape)} vs {tuple(oracle.shape)}" if levels is None
@@ -258,14 +267,6 @@ class PreprocessGuard:
             raise CheckFailed("preprocess.parity", f"image {index}: the backend's pixels differ from the reference "
                               f"processor's by {observed}", expected=f"<= {self.parity_max_levels} levels",
                               observed=observed, image_index=index)
-
-    def _levels(self, ours: torch.Tensor, oracle: torch.Tensor, plan: ImagePlan) -> float | None:
-        """Largest difference in uint8 levels (one level is scale_c in normalized units, per channel)."""
-        if ours.shape != oracle.shape:
-            return None
-        channel = torch.arange(3, dtype=torch.float32).view(3, 1, 1).expand(3, *plan.padded)
-        scale = self.cpu.scale.view(3)[self.cpu.family.patchify(channel).long()]
-        return float(((ours - oracle).abs() / scale).max()) if ours.numel() else 0.0
 
 
 def merged_stats(parts: list[dict]) -> dict:
