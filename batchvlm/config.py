@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from typing import TYPE_CHECKING, Any
 
 from batchvlm.checks import CATALOGUE
+
+if TYPE_CHECKING:  # Hydra and OmegaConf are the jobs' (imported where the jobs use them): the library runs without
+    from omegaconf import DictConfig
 
 
 FLASH_ATTENTION = "flash_attention_2"
@@ -293,12 +293,17 @@ def register_schemas() -> None:
     The groups need no entries of their own: JobConfig types every group's node, so each YAML merged onto
     it is checked key by key. A `schema` option per group would also show in `--help` and tab completion,
     and `model=schema` would run with the dataclass defaults."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
     OmegaConf.register_new_resolver("batchvlm.default_run_name", default_run_name, replace=True)
     ConfigStore.instance().store(name="embed_schema", node=JobConfig)
 
 
 def required_path(cfg: DictConfig, key: str, usage: str) -> Path:
     """A `???` key that the user gives on the command line: a ConfigError that shows how, not a traceback."""
+    from omegaconf import OmegaConf
+
     if OmegaConf.is_missing(cfg, key):
         raise ConfigError(f"{key} is required: {usage}")
     return Path(cfg[key])
@@ -319,6 +324,8 @@ def _reject_unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> No
 def to_job_config(cfg: DictConfig) -> JobConfig:
     """Turn the composed config into validated objects; ConfigError names the offending key."""
     _reject_unknown_keys(cfg, JobConfig)
+    from omegaconf import OmegaConf
+
     job = OmegaConf.to_object(cfg)
     assert isinstance(job, JobConfig)
     return job

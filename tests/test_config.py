@@ -116,3 +116,23 @@ def test_processor_parameters_that_contradict_the_tower_are_refused_at_load():
     family = load_family(ModelConfig(family="qwen2_vl", processor={"patch_size": 16}))
     with pytest.raises(ConfigError, match=r"model\.processor\.patch_size=16 but the checkpoint's tower has patch_size=14"):
         family.load_encoder(torch.device("cpu"), torch.float32)
+
+
+def test_the_library_below_the_jobs_imports_without_hydra_omegaconf_or_datasets():
+    """The schemas need neither; only the jobs load configs with them. So the kernels, the families and the stages
+    import on an image that lacks them (the GPU check's kernel tests run even when its wheels failed to install)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("hydra", "omegaconf", "datasets"):
+            raise ImportError(f"no {name} here")
+sys.meta_path.insert(0, Absent())
+import batchvlm.config, batchvlm.families.kimi_k25, batchvlm.families.qwen2_vl, batchvlm.families.siglip2
+import batchvlm.kernels.pack_pixels, batchvlm.pipeline.preprocess, batchvlm.pipeline.encode, batchvlm.pipeline.jpeg
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
