@@ -118,7 +118,8 @@ class ModelConfig:
         one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", FLASH_ATTENTION))
         if self.attn_implementation == FLASH_ATTENTION and self.dtype == "float32":
             raise ConfigError(f"model.attn_implementation={FLASH_ATTENTION} runs in float16 or bfloat16 only, and "
-                              "model.dtype=float32: set model.dtype=bfloat16 (or float16), or model.attn_implementation=sdpa")
+                              "model.dtype=float32: set model.dtype=bfloat16 (or float16), or "
+                              "model.attn_implementation=sdpa")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"model.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
 

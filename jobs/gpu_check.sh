@@ -107,6 +107,8 @@ tests() { "$PYTHON" -m pytest -q -p no:cacheprovider $([[ $MODE == dry ]] && ech
 # A bench step: its config checked and its task imported only in a dry run.
 bench() { "$PYTHON" jobs/bench.py "$@" $([[ $MODE == dry ]] && echo dry_run=true); }
 
+DEVICE_TESTS="tests/test_devices.py tests/executor/test_overlap.py tests/pipeline/test_jpeg.py"
+DEVICE_TESTS+=" tests/pipeline/test_encode.py tests/executor/test_device.py"
 # name, timeout in seconds, command: the timeouts add up to under the device tool's 600 s per command; the steps
 # are expected to take half of that.
 STEPS=(
@@ -119,7 +121,7 @@ STEPS=(
     "bf16 base tower TFLOP/s|50|bench task=tower records=64 repeats=3"
     "job vs tower, overlap on/off, syncs|110|bench task=e2e records=128 job_workers=8"
     "nvJPEG vs libjpeg-turbo|35|bench task=jpeg records=32"
-    "CUDA tests of the device loop|150|tests tests/test_devices.py tests/executor/test_overlap.py tests/pipeline/test_jpeg.py tests/pipeline/test_encode.py tests/executor/test_device.py"
+    "CUDA tests of the device loop|150|tests $DEVICE_TESTS"
 )
 
 unset TRITON_INTERPRET  # compiled kernels, not interpreted

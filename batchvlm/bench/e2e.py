@@ -108,7 +108,8 @@ def bench_e2e(config) -> dict:
                 "batch_by_batch_images_per_s": batch_by_batch_rate, "device_decode_images_per_s": device_decode_rate,
                 "syncs": syncs_of(job), "batch_by_batch_syncs": syncs_of(off),
                 "sink_rows_per_s": 1 / sink_s, "bare_rows_per_s": 1 / bare_s,
-                "decode": decode_both_ways(job.device, job.job.decode, images, [len(batch.records) for batch in batches]),
+                "decode": decode_both_ways(job.device, job.job.decode, images,
+                                           [len(batch.records) for batch in batches]),
                 "stages": stages}
     finally:
         shutil.rmtree(out, ignore_errors=True)

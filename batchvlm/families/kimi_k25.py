@@ -112,7 +112,8 @@ class KimiEncoder(torch.nn.Module):
                                                             mode=table.interpolation_mode,
                                                             align_corners=table.interpolation_align_corners)
         indices = {"position_ids": get_vision_position_ids(grid_thw, spatial_merge_size=1),
-                   "interp_indices": taps[0], "interp_weights": taps[1], "frame_index": get_vision_frame_index(grid_thw),
+                   "interp_indices": taps[0], "interp_weights": taps[1],
+                   "frame_index": get_vision_frame_index(grid_thw),
                    "temporal_merge_index": get_vision_temporal_merge_index(grid_thw, *self.tower.merge_kernel_size)}
         return tower_inputs(self.tower, pixel_values, self.attention, indices,
                             {"cu_seqlens": get_vision_cu_seqlens(grid_thw, merge_temporal=True)})

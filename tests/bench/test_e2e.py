@@ -20,7 +20,8 @@ def test_e2e_bench_puts_the_job_beside_its_tower_and_the_sink_beside_a_bare_writ
     assert result["batch_by_batch_images_per_s"] > 0 and result["device_decode_images_per_s"] > 0
     for syncs in (result["syncs"], result["batch_by_batch_syncs"]):  # one wait per batch, nothing implicit (CPU)
         assert syncs["batches"] >= 1 and syncs["waits"] == syncs["batches"] and syncs["implicit"] == 0
-    assert all(result["decode"][key] > 0 for key in ("safe_images_per_s", "batched_images_per_s", "header_images_per_s"))
+    assert all(result["decode"][key] > 0
+               for key in ("safe_images_per_s", "batched_images_per_s", "header_images_per_s"))
     assert result["decode"]["max_levels"] == 0  # libjpeg-turbo both ways on the CPU
     report = format_e2e(result)
     assert "batch by batch" in report and "batched torchvision on cpu" in report and "syncs per batch" in report

@@ -155,6 +155,7 @@ def test_overlap_on_and_off_give_the_same_records_in_the_same_order(device):
 
     raises = {"b1r2": ValueError("bad"), "b3r0": RuntimeError("CUDA out of memory")}
     pack_raises = {"b2r1": RuntimeError("a backend crash")}
+
     def flat(results):  # the encoded records in order, the quarantined ones in order
         return [i for encoded, _ in results for i in encoded], [q for _, quarantined in results for q in quarantined]
 
