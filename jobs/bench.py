@@ -15,7 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from batchvlm.bench.tasks import BenchConfig, bench_loader, bench_preprocess, format_loader, format_preprocess
-from batchvlm.bench.decode import bench_jpeg, format_jpeg
+from batchvlm.bench.decoding import bench_jpeg, format_jpeg
 from batchvlm.bench.e2e import bench_e2e, format_e2e
 from batchvlm.bench.scale import bench_scale, format_scale
 from batchvlm.bench.tower import bench_tower, format_tower

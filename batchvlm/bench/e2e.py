@@ -1,6 +1,6 @@
 """`python jobs/bench.py task=e2e`: where the job's time goes, measured side by side in one run.
 
-One dataset (`records` real photos, one JPEG per record, of the common sizes in decode.REAL_SIZES) cut into two work
+One dataset (`records` real photos, one JPEG per record, of the common sizes in decoding.REAL_SIZES) cut into two work
 units per worker (`job_workers`), so that the workers decode side by side, and one checkpoint (the tiny Kimi demo
 tower, or a ViT-B-sized MoonViT with `tower=base`) in `dtype` (bf16 by default, as checkpoints ship):
 - the whole job (`Job.run_all`, in this process, after model load) against the tower alone on the same packed
@@ -12,7 +12,7 @@ tower, or a ViT-B-sized MoonViT with `tower=base`) in `dtype` (bf16 by default, 
 - each stage alone on the same records, in images/s: decode (in the isolated child), plan+layout,
   preprocess, tower, assemble, sink;
 - the job again with `runtime.overlap=false` (batch by batch) and with `decode.jpeg=device`;
-- the decode stage both ways on the same JPEGs (decode.decode_both_ways).
+- the decode stage both ways on the same JPEGs (decoding.decode_both_ways).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchvlm.bench.decode import REAL_SIZES, decode_both_ways, jpeg_of, photos, timed
+from batchvlm.bench.decoding import REAL_SIZES, decode_both_ways, jpeg_of, photos, timed
 from batchvlm.bench.tower import tower_model
 from batchvlm.config import DatasetConfig, DecodeConfig, JobConfig, ModelConfig, OutputConfig, RuntimeConfig
 from batchvlm.executor.batching import TokenBudgetBatcher

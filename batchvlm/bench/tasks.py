@@ -3,7 +3,7 @@
 task=scale: bench/scale.py (start-up and memory as the dataset grows).
 task=e2e: bench/e2e.py (the job against its tower, the sink against a bare write, stage by stage).
 task=tower: bench/tower.py (the tower alone: images/s and achieved TFLOP/s).
-task=jpeg: bench/decode.py (the batched JPEG decode against the safe path, per kind of JPEG).
+task=jpeg: bench/decoding.py (the batched JPEG decode against the safe path, per kind of JPEG).
 
 task=preprocess: one fixed mix of image sizes (real photos, plus synthetic extremes) through the
 Triton kernels (where CUDA is), the torch ops and the family's HF processor (with `device=` where
@@ -66,7 +66,7 @@ class BenchConfig:
     workers: int = 0
     """task=loader: DataLoader workers of the loader (0: in this process, like the scan)."""
     records: int = 16
-    """task=e2e|tower|jpeg: records (one real photo each, of the common sizes in decode.REAL_SIZES) run through the
+    """task=e2e|tower|jpeg: records (one real photo each, of the common sizes in decoding.REAL_SIZES) run through the
     job and each stage, through the tower, or encoded as each kind of JPEG."""
     tower: str = "base"
     """task=e2e|tower: base (a ViT-B-sized MoonViT, built once) | tiny (the demo tower)."""

@@ -1,5 +1,5 @@
 """`python jobs/bench.py task=tower`: the tower alone, in the dtype it runs in (`dtype`, bf16 by default), on the packed
-batches of `records` real photos of the common sizes (decode.REAL_SIZES): images/s, patches/s, and the achieved
+batches of `records` real photos of the common sizes (decoding.REAL_SIZES): images/s, patches/s, and the achieved
 TFLOP/s (the batches' matmul FLOPs over the time, `vit_flops`) with its share of `peak_tflops` (model FLOPs
 utilization). The tower is the base-size MoonViT (kimi_k25.BASE_VISION, `tower=base`) or the tiny demo one, without
 its projector, timed after one warm-up pass, the device synchronized around each pass, the best of `repeats`.
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from batchvlm.bench.decode import REAL_SIZES, photos
+from batchvlm.bench.decoding import REAL_SIZES, photos
 from batchvlm.bench.tasks import bench_device, best_seconds, records_of
 from batchvlm.config import ModelConfig, PreprocessConfig
 from batchvlm.demo import DEMO_VERSION, build_once, home

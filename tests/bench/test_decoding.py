@@ -7,7 +7,7 @@ import io
 import pytest
 from PIL import Image
 
-from batchvlm.bench.decode import KINDS, bench_jpeg, format_jpeg, jpeg_of, photos
+from batchvlm.bench.decoding import KINDS, bench_jpeg, format_jpeg, jpeg_of, photos
 
 
 def test_each_kind_is_the_jpeg_it_names():
