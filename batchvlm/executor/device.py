@@ -57,11 +57,12 @@ class Running:
 
 
 def made_on_the_side(staged: Staged) -> list[torch.Tensor]:
-    """What the compute stream reads of the side stream's work: the packed pixels, and the pixels decoded on the
-    device (decode.jpeg=device), which the checked path packs again if the batch is redone."""
+    """What the compute stream reads of the side stream's work: the packed pixels and their finite flags, and the
+    pixels decoded on the device (decode.jpeg=device), which the checked path packs again if the batch is redone."""
     decoded = [image.pixels for record in staged.records for image in record.images
                if isinstance(image.pixels, torch.Tensor)]
-    return decoded + ([staged.batch.pixel_values] if staged.batch is not None else [])
+    batch = staged.batch
+    return decoded + ([] if batch is None else [batch.pixel_values] + ([] if batch.finite is None else [batch.finite]))
 
 
 @dataclass
