@@ -36,6 +36,14 @@ CATALOGUE: dict[str, Check] = {
         Check("source.missing_image", "with dataset.require_images, the row has at least one image",
               "an image-text dataset row with its image missing, written as text only",
               "fix the row, or set dataset.require_images=false for a dataset with text-only rows"),
+        Check("source.truncated", "an input reads to its end (a tar shard does not stop inside a member)",
+              "a partly copied shard whose tail is lost without a record of it; the samples before it are kept",
+              "re-copy the shard; rerunning after a fix is a requeue of source.truncated"),
+        Check("source.bad_metadata", "a sample's metadata (its .json part) is a JSON object",
+              "a sample whose id, status or caption fields cannot be read", "fix the sample's .json"),
+        Check("source.unrecognised_sample", "a sample has a part the config names: an image part, the text part or "
+              "its .json", "a sample of unknown parts written as an empty, image-less row",
+              "name its parts in dataset.images_column / dataset.text_column, or drop the sample"),
         Check("decode.unreadable", "the bytes are an image Pillow can identify",
               "bytes that are not an image (HTML saved as .jpg, random bytes, empty files)", "fix or drop the file"),
         Check("decode.format_not_allowed", "the format, read from the content, is in decode.formats",
@@ -43,6 +51,16 @@ CATALOGUE: dict[str, Check] = {
               "convert the image to an allowed format, or extend decode.formats deliberately"),
         Check("decode.too_many_pixels", "width x height from the header <= decode.max_pixels",
               "decompression bombs and out-of-memory on huge images", "downscale the source or raise decode.max_pixels"),
+        Check("decode.too_many_bytes", "the encoded image (or the file or tar member it is read from, by its declared "
+              "size, before any byte is read) is at most decode.max_bytes",
+              "a huge or sparse file, or a tar member, read whole into memory before any limit applies",
+              "re-encode the image smaller or raise decode.max_bytes"),
+        Check("decode.path_outside_root", "an image named by path lies under the dataset's image root "
+              "(dataset.image_root, else the folder of the input naming it), links followed; it is never opened",
+              "a dataset that names /etc/passwd, ../ paths or another user's files, and learns from the outcome "
+              "whether they exist", "move the images under the root, or set dataset.image_root to their folder"),
+        Check("decode.not_a_file", "an image named by path is a regular file",
+              "a FIFO, device or folder that hangs or floods the job", "point the path at the image file"),
         Check("decode.truncated", "the whole image decodes",
               "a partly decoded image whose missing rows would be embedded as black", "re-fetch the file"),
         Check("decode.failed", "the decoder raises no other error",

@@ -25,6 +25,10 @@ class ConfigError(ValueError):
     """A config value that cannot work. The message names the key."""
 
 
+TINY = "tiny"
+"""model.path of the family's tiny checkpoint, built on first use: the demo's, never a real model."""
+
+
 def one_of(key: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
@@ -91,8 +95,9 @@ class DatasetConfig:
 class ModelConfig:
     family: str = "kimi_k25"
     """Encoder family module under batchvlm/families/."""
-    path: str | None = None
-    """Local checkpoint folder (safetensors). null: the family's tiny demo checkpoint, built on first use."""
+    path: str = TINY
+    """Local checkpoint folder (safetensors), or `tiny`: the family's tiny demo checkpoint, built on first use. Required
+    in a job's config: only the *_tiny model configs name `tiny` (the Python default is the demo's)."""
     tokenizer_path: str | None = None
     """Tokenizer folder when it is not the checkpoint's own."""
     dtype: str = "float32"
@@ -112,6 +117,8 @@ class ModelConfig:
     """Overrides of the checkpoint's processor parameters (family-specific keys, validated by the family)."""
 
     def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError(f"model.path={self.path!r}: give a local checkpoint folder, or tiny for the demo's")
         one_of("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         one_of("model.embedding", self.embedding, ("auto", "projector", "tower", "both"))
         one_of("model.framing", self.framing, ("k3", "plain"))
@@ -283,6 +290,21 @@ def _check_names(value) -> list[str] | None:
     return names
 
 
+def differences(old: dict, new: dict, prefix: str = "") -> str:
+    """`key: old -> new` for every key whose value differs, nested keys dotted."""
+    keys = sorted(set(old) | set(new))
+    diffs = []
+    for key in keys:
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            inner = differences(a, b, f"{prefix}{key}.")
+            if inner:
+                diffs.append(inner)
+        elif a != b:
+            diffs.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return "; ".join(diffs)
+
+
 def default_run_name(requeue_from: str | None, default: str) -> str:
     """run_name's default: `<old run>-requeue` for a requeue, so it never writes into the run it reads."""
     return f"{Path(requeue_from).name}-requeue" if requeue_from else default
@@ -295,10 +317,13 @@ def register_schemas() -> None:
     it is checked key by key. A `schema` option per group would also show in `--help` and tab completion,
     and `model=schema` would run with the dataclass defaults."""
     from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
+    from omegaconf import MISSING, OmegaConf
 
     OmegaConf.register_new_resolver("batchvlm.default_run_name", default_run_name, replace=True)
-    ConfigStore.instance().store(name="embed_schema", node=JobConfig)
+    schema = OmegaConf.structured(JobConfig)
+    # A job names its checkpoint: merged onto a default, a model YAML's `path: ???` would leave the default standing.
+    schema.model.path = MISSING
+    ConfigStore.instance().store(name="embed_schema", node=schema)
 
 
 def required_path(cfg: DictConfig, key: str, usage: str) -> Path:
@@ -326,7 +351,14 @@ def to_job_config(cfg: DictConfig) -> JobConfig:
     """Turn the composed config into validated objects; ConfigError names the offending key."""
     _reject_unknown_keys(cfg, JobConfig)
     from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue
 
-    job = OmegaConf.to_object(cfg)
+    try:
+        job = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as error:
+        key = error.full_key
+        hint = (" (a local checkpoint folder; model=<family>_tiny for the demo's tiny checkpoint)"
+                if key == "model.path" else "")
+        raise ConfigError(f"{key} is required: give {key}=...{hint}") from None
     assert isinstance(job, JobConfig)
     return job

@@ -15,7 +15,10 @@ class InputFile:
 
     name: str  # stable, human-readable, unique within the run
     location: str  # what a user would open: a path or URL
-    size: int | None = None  # bytes, where a listing tells it (a changed size refuses the old plan)
+    size: int | None = None  # bytes, where a listing tells it
+    identity: dict = field(default_factory=dict, hash=False)
+    """What tells this input from another of the same name: modification time, ETag or version where the file system
+    keeps one; a `datasets` dataset's fingerprint and rows. A resume over an input whose identity changed is refused."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class ImageRef:
     data: bytes | None = None
     path: str | None = None
     storage_options: dict | None = None  # fsspec options for a URL path (the dataset's own)
+    root: str | None = None  # the folder a path must lie under (decode.path_outside_root); None for a fetched URL
+    size: int | None = None  # the bytes the source declares, where it knows them before reading (a tar member)
 
 
 @dataclass

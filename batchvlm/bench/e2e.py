@@ -147,7 +147,7 @@ def sink_against_bare_write(job: Parts, rows: list[dict], out: Path) -> tuple[fl
     rows = [{**rows[i % len(rows)], "id": f"row-{i:06d}", "row": i} for i in range(SINK_ROWS)]
     metadata = job.run.schema_metadata(job.assembler.hidden_sizes)
     layout = RunLayout(out / "sink")
-    claims = Claims(layout.claims("bench"), "rank00000-bench", 60)
+    claims = Claims(layout.claims, "rank00000-bench", 60)
     sink = RunSink(layout, metadata, job.job.output.compression, claims, dedup_buckets=1)
     unit = WorkUnit("bench-00000000", "bench", 0, len(rows))
 

@@ -9,12 +9,12 @@ A synthetic dataset (`rows` over `files` Parquet files of small images) is writt
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,13 +24,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
+from batchvlm.bench import EMBED_JOB
 from batchvlm.config import DatasetConfig
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.manifest import committed_units
 from batchvlm.sources import make_source
-
-EMBED = [sys.executable, "-m", "batchvlm.jobs.embed"]
-"""The job as an installed package runs it: no path into a source checkout."""
 
 
 def small_images(count: int = 16) -> list[bytes]:
@@ -77,8 +75,8 @@ def plan_cost(path: Path, limit: int | None) -> dict:
 
 def _job(path: Path, out: Path, run_name: str, env: dict, *overrides: str) -> subprocess.Popen:
     """The job in a session of its own, so that stopping it stops its DataLoader workers and decoder too."""
-    return subprocess.Popen([*EMBED, "dataset=parquet", f"dataset.path={path}",
-                             f"output.root={out}", f"run_name={run_name}", "runtime.progress=false", *overrides],
+    return subprocess.Popen([*EMBED_JOB, "dataset=parquet", f"dataset.path={path}", f"output.root={out}",
+                             f"run_name={run_name}", "runtime.progress=false", *overrides], cwd=out,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
 
 
@@ -93,7 +91,8 @@ def first_commit_seconds(path: Path, out: Path, env: dict, unit_records: int) ->
             time.sleep(0.05)
         return time.perf_counter() - started
     finally:
-        os.killpg(job.pid, signal.SIGKILL)  # the job and every process it started
+        with contextlib.suppress(ProcessLookupError):  # the job and every process it started
+            os.killpg(job.pid, signal.SIGKILL)
         job.wait()
 
 

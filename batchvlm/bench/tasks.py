@@ -19,7 +19,6 @@ records repeated `copies` times (built on first use).
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from batchvlm.config import ConfigError, ModelConfig, one_of, positive
+from batchvlm.bench import EMBED_JOB
+from batchvlm.config import TINY, ConfigError, ModelConfig, one_of, positive
 from batchvlm.demo import build_once, demo_rows, home, photographs
 from batchvlm.families import load_family
 from batchvlm.pipeline.preprocess import TorchPreprocessor, TritonPreprocessor
@@ -224,13 +224,15 @@ def repeated_demo_run(config: BenchConfig) -> Path:
     """A finished run of the demo records repeated `copies` times, embedded by the job itself on first use."""
     data = build_once(home() / f"bench-loader-x{config.copies}", lambda folder: _write_repeated_demo(config.copies,
                                                                                                        folder))
-    root = Path("outputs")
-    name = f"bench-loader-{Path(config.model.path).name if config.model.path else config.model.family}-x{config.copies}"
+    root = Path("outputs").resolve()
+    checkpoint = config.model.family if config.model.path == TINY else Path(config.model.path).name
+    name = f"bench-loader-{checkpoint}-x{config.copies}"
     if not RunLayout(root / name).success.exists():
-        model = [f"model.family={config.model.family}"] + ([f"model.path={config.model.path}"] if config.model.path else [])
-        result = subprocess.run([sys.executable, "-m", "batchvlm.jobs.embed", "dataset=parquet", f"dataset.path={data}/*.parquet",
+        model = [f"model.family={config.model.family}", f"model.path={config.model.path}"]
+        root.mkdir(parents=True, exist_ok=True)
+        result = subprocess.run([*EMBED_JOB, "dataset=parquet", f"dataset.path={data}/*.parquet",
                                  f"output.root={root}", f"run_name={name}", "runtime.progress=false", *model],
-                                capture_output=True, text=True)
+                                cwd=root, capture_output=True, text=True)
         if result.returncode:
             raise RuntimeError(f"the embed job for the loader bench failed:\n{result.stderr[-3000:]}")
     return root / name

@@ -13,7 +13,7 @@ import torch
 
 from batchvlm.bench.decoding import REAL_SIZES, photos
 from batchvlm.bench.tasks import bench_device, best_seconds, records_of
-from batchvlm.config import ModelConfig, PreprocessConfig
+from batchvlm.config import TINY, ModelConfig, PreprocessConfig
 from batchvlm.demo import DEMO_VERSION, build_once, home
 from batchvlm.executor.batching import TokenBudgetBatcher
 from batchvlm.families import kimi_k25, load_family
@@ -40,7 +40,7 @@ def vit_flops(config, grids: list[tuple[int, int, int]]) -> int:
 
 def tower_model(config, embedding: str = "tower") -> ModelConfig:
     """The bench's checkpoint: the base-size one or the tiny demo one, in `config.dtype`; by default its tower alone."""
-    return ModelConfig(path=str(base_checkpoint()) if config.tower == "base" else None, device=config.device,
+    return ModelConfig(path=str(base_checkpoint()) if config.tower == "base" else TINY, device=config.device,
                        dtype=config.dtype, embedding=embedding)
 
 

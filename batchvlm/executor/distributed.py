@@ -16,7 +16,7 @@ import torch
 from accelerate import PartialState
 
 from batchvlm.devices import on_cpu
-from batchvlm.rundir.claims import Claims, owner_name
+from batchvlm.rundir.claims import Claims, owner_name, rank_owners
 from batchvlm.rundir.durable import durable_write_json
 from batchvlm.rundir.layout import RunLayout
 
@@ -36,6 +36,14 @@ class Ranks:
         if self.world > 1:
             self.state.wait_for_everyone()
 
+    def broadcast(self, value):
+        """Rank 0's value, on every rank."""
+        if self.world == 1:
+            return value
+        shared = [value]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        return shared[0]
+
     def close(self) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -54,29 +62,25 @@ def init_ranks(device: str) -> tuple[Ranks, torch.device]:
 
 
 class Coordinator:
-    """Per-attempt rank state in the shared run directory: progress counts, claims and heartbeats.
+    """One launch's ranks in the shared run directory: this attempt's progress counts, and the claims it shares with
+    every other attempt on the run (rundir.claims).
 
     Ranks meet only here once they have started: they claim units and buckets through files, and the
     end of the run is every unit and bucket committed, not a collective, so a long tail on one rank
-    can never time out a barrier and a dead rank costs only the units it held.
+    can never time out a barrier and a dead rank costs only the units it held. Another launch on the
+    same run directory (a restart, or a second job) claims beside this one; none removes the other's state.
     """
 
     def __init__(self, layout: RunLayout, ranks: Ranks):
         self.ranks = ranks
         self.layout = layout
-        if ranks.is_main:
-            if layout.ranks.exists():
-                shutil.rmtree(layout.ranks)
-            layout.ranks.mkdir(parents=True)
-            durable_write_json(layout.attempt_token, {"attempt": uuid.uuid4().hex, "world": ranks.world})
-        ranks.barrier()
-        self.attempt = json.loads(layout.attempt_token.read_text())["attempt"]
+        self.attempt = ranks.broadcast(uuid.uuid4().hex[:12])  # every rank of this launch, and no other, shares it
         layout.attempt(self.attempt).mkdir(parents=True, exist_ok=True)
-        self.owner = owner_name(ranks.rank, uuid.uuid4().hex[:8])
+        self.owner = owner_name(self.attempt, ranks.rank)
         self._last_report = 0.0
 
     def claims(self, lease_s: float) -> Claims:
-        return Claims(self.layout.claims(self.attempt), self.owner, lease_s)
+        return Claims(self.layout.claims, self.owner, lease_s)
 
     def _file(self, rank: int, kind: str) -> Path:
         return self.layout.rank_file(self.attempt, rank, kind)
@@ -97,11 +101,17 @@ class Coordinator:
     def rank_stats(self, claims: Claims, poll_s: float) -> list[dict]:
         """Rank 0: what every rank reported once it finished; a rank whose heartbeat expired reports nothing."""
         def settled(rank: int) -> bool:
-            return self._file(rank, "done").exists() or claims.expired(owner_name(rank, "*"))
+            return self._file(rank, "done").exists() or claims.expired(rank_owners(self.attempt, rank))
 
         while not all(settled(rank) for rank in range(self.ranks.world)):
             time.sleep(poll_s)
         return self._read_all("done")
+
+    def retire(self, claims: Claims) -> None:
+        """Rank 0 of a finished run: this launch's state goes, and the claims too once no other launch is alive."""
+        shutil.rmtree(self.layout.attempt(self.attempt), ignore_errors=True)
+        if all(owner.startswith(f"{self.attempt}-") for owner in claims.alive_holders()):
+            shutil.rmtree(self.layout.ranks, ignore_errors=True)
 
     def _read_all(self, kind: str) -> list[dict]:
         found = []

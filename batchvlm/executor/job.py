@@ -29,7 +29,7 @@ from batchvlm.executor.progress import Progress
 from batchvlm.executor.rows import Assembler, rows
 from batchvlm.executor.tally import JobAborted, QuarantineOverLimit, Tally, check_run_totals
 from batchvlm.executor.worker import PreparedStream, prepared_units
-from batchvlm.families import Family, load_family
+from batchvlm.families import Family, load_family, resolve_checkpoint
 from batchvlm.format.schema import EMBED_DTYPES
 from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.jpeg import JpegBatchDecoder, resolve_jpeg_decode
@@ -38,16 +38,20 @@ from batchvlm.records import WorkUnit
 from batchvlm.rundir.claims import Claims, Heartbeat
 from batchvlm.rundir.dedup import commit_bucket, find_duplicates
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
-from batchvlm.rundir.manifest import remove_orphans
-from batchvlm.rundir.run import RunDir
+from batchvlm.rundir.cleanup import remove_stale, uncommit_broken
+from batchvlm.rundir.run import RunDir, check_ours
 from batchvlm.rundir.sink import RunSink, SinkWriter
-from batchvlm.rundir.workunits import Plan, make_plan, read_plan
+from batchvlm.rundir.workunits import Plan, make_plan, read_plan, write_plan
 from batchvlm.sources import Source, make_source
 from batchvlm.sources.requeue import RequeueSource, requeue_source, write_lineage
 
-__all__ = ["JobAborted", "QuarantineOverLimit", "run_job", "summarize"]
+__all__ = ["JobAborted", "QuarantineOverLimit", "Terminated", "run_job", "summarize"]
 
 log = logging.getLogger("batchvlm")
+
+
+class Terminated(BaseException):
+    """The process was asked to stop (SIGTERM). A BaseException, so that no stage takes it for a record's failure."""
 
 
 def resolve_auto(job: JobConfig, device: torch.device) -> JobConfig:
@@ -56,6 +60,15 @@ def resolve_auto(job: JobConfig, device: torch.device) -> JobConfig:
     return dataclasses.replace(
         job, preprocess=dataclasses.replace(job.preprocess, backend=resolve_backend(job.preprocess.backend, device)),
         decode=dataclasses.replace(job.decode, jpeg=resolve_jpeg_decode(job.decode.jpeg, device)))
+
+
+@dataclass
+class Draft:
+    """Rank 0's plan, made (or read back and checked) before the run directory is written."""
+
+    plan: Plan
+    source: Source
+    new: bool
 
 
 @dataclass
@@ -71,12 +84,21 @@ class Parts:
     stage: Device
     assembler: Assembler
     requeue: RequeueSource | None
+    draft: Draft | None  # rank 0's
 
 
 def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device) -> Parts:
-    """The family and its tower, the run directory (its fingerprint checked), and the device stage."""
+    """The family and its tower, rank 0's plan, the run directory (its fingerprint checked), the device stage.
+
+    The plan comes before the run directory is written: a config that does not fit its inputs (a column that is not
+    there, a glob that matches nothing, a changed input) is refused with nothing left behind."""
     family = load_family(job.model)
     requeue = requeue_source(job, layout.root) if job.requeue_from else None
+    draft = None
+    if ranks.is_main:
+        source = requeue or make_source(job.dataset, max_bytes=job.decode.max_bytes)
+        plan, new = make_plan(layout, source, job)
+        draft = Draft(plan, source, new)
     encoder = family.load_encoder(device, EMBED_DTYPES[job.model.dtype])
     run = RunDir(layout, job, family, encoder, ranks)
     embed_dtype = EMBED_DTYPES[job.output.embed_dtype]
@@ -85,7 +107,7 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
                    PreprocessGuard.from_config(job.preprocess, family, job.preprocess.background), embed_dtype,
                    overlap, Streams(device, overlap), _jpeg_decoder(job, device))
     assembler = Assembler(embed_dtype, encoder.hidden_sizes, job.output.quarantine_bytes_cap, run.fingerprint_digest)
-    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue)
+    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue, draft)
 
 
 def _jpeg_decoder(job: JobConfig, device: torch.device) -> JpegBatchDecoder | None:
@@ -104,17 +126,30 @@ class Job:
         self.tally = Tally(parts.job.checks)
 
     def run_all(self) -> dict | None:
-        """Embed until every unit is committed, then find duplicates; rank 0 returns the summary."""
-        started = time.perf_counter()
+        """Embed until every unit is committed, then find duplicates; rank 0 returns the summary. A process that
+        finds the run complete (from the start, or finished meanwhile by another job) ends without error."""
         if (done := self.parts.run.completed()) is not None:
             log.info("%s is already complete: nothing to do", self.layout.root)
-            return done
+            return done if self.ranks.is_main else None
+        try:
+            return self._run()
+        except Exception:
+            if (done := self.parts.run.completed()) is None:
+                raise
+            log.info("%s was completed meanwhile by another job", self.layout.root)
+            return done if self.ranks.is_main else None
+
+    def _run(self) -> dict | None:
+        started = time.perf_counter()
         plan, source, coordinator = self.plan()
         claims = coordinator.claims(self.job.runtime.lease_s)
-        sink = RunSink(self.layout, self.parts.run.schema_metadata(self.parts.assembler.hidden_sizes),
-                       self.job.output.compression, claims, plan.dedup_buckets, self.ranks.rank)
         heartbeat = Heartbeat(claims)
         try:
+            if self.ranks.is_main:
+                self.tidy(plan, claims)
+            self.ranks.barrier()  # units whose commit was withdrawn are claimable before any rank looks
+            sink = RunSink(self.layout, self.parts.run.schema_metadata(self.parts.assembler.hidden_sizes),
+                           self.job.output.compression, claims, plan.dedup_buckets, self.ranks.rank)
             self.embed(plan, source, claims, sink, coordinator)
             self.find_duplicates(plan, claims)
         finally:
@@ -123,29 +158,34 @@ class Job:
         coordinator.done({"rank": self.ranks.rank, "records": tally.seen, "image_tokens": tally.image_tokens})
         if not self.ranks.is_main:
             return None
-        remove_orphans(self.layout)  # files of ranks that died or lost a unit: no manifest lists them
         stats = coordinator.rank_stats(claims, self.job.runtime.poll_s)
-        return self.parts.run.finish(plan, time.perf_counter() - started, sum(s["records"] for s in stats),
-                                     sum(s["image_tokens"] for s in stats))
+        self.tidy(plan, claims)  # what dead holders left, and a unit damaged meanwhile, before the totals
+        summary = self.parts.run.finish(plan, time.perf_counter() - started, sum(s["records"] for s in stats),
+                                        sum(s["image_tokens"] for s in stats))
+        if summary["complete"]:
+            coordinator.retire(claims)
+        return summary
+
+    def tidy(self, plan: Plan, claims: Claims) -> None:
+        """Rank 0: units that are not whole are uncommitted (and redone), and what dead claims left is removed."""
+        uncommit_broken(self.layout)
+        if removed := remove_stale(self.layout, {unit.unit_id for unit in plan.units}, claims):
+            log.info("removed %d files that dead claims left and no manifest lists", len(removed))
 
     def plan(self) -> tuple[Plan, Source, Coordinator]:
-        """Rank 0 plans from the inputs' metadata (or checks the plan of an earlier attempt) and clears what a
-        crashed attempt left; the others read the plan, and list nothing."""
-        requeue = self.parts.requeue
+        """Rank 0 writes the plan it made from the inputs' metadata (or checked against an earlier attempt's); the
+        others read it, and list nothing."""
+        requeue, draft = self.parts.requeue, self.parts.draft
         if self.ranks.is_main:
-            started = time.perf_counter()
-            source = requeue or make_source(self.job.dataset)
-            plan = make_plan(self.layout, source, self.job.dataset, self.job.runtime.dedup_buckets)
-            log.info("plan: %d work units from %d inputs in %.2f s", len(plan.units), len(plan.inputs),
-                     time.perf_counter() - started)
+            if draft.new:
+                write_plan(self.layout, draft.plan)
+            log.info("plan: %d work units from %d inputs", len(draft.plan.units), len(draft.plan.inputs))
             if requeue is not None:
                 write_lineage(self.layout, requeue)
-            if removed := remove_orphans(self.layout):
-                log.info("removed %d files of an earlier attempt that no manifest lists", len(removed))
-        coordinator = Coordinator(self.layout, self.ranks)  # a barrier: the plan exists after it
+        coordinator = Coordinator(self.layout, self.ranks)  # a collective: the plan exists after it
         plan = read_plan(self.layout)
-        if not self.ranks.is_main:
-            source = requeue or make_source(self.job.dataset, plan.inputs)
+        source = draft.source if self.ranks.is_main else requeue or make_source(self.job.dataset, plan.inputs,
+                                                                                   self.job.decode.max_bytes)
         return plan, source, coordinator
 
     def embed(self, plan: Plan, source: Source, claims: Claims, sink: RunSink, coordinator: Coordinator) -> None:
@@ -218,8 +258,14 @@ class Job:
 def rank_job(job: JobConfig, run_dir: Path) -> Job:
     """This process's Job: its rank joined, `auto` resolved for its device, every part built."""
     ranks, device = init_ranks(job.model.device)
+    layout = RunLayout(run_dir)
     try:
-        return Job(build(resolve_auto(job, device), RunLayout(run_dir), ranks, device))
+        if ranks.is_main:
+            check_ours(layout)
+            # a tiny checkpoint is built by rank 0 alone: transformers writes a model's weights on rank 0 only
+            resolve_checkpoint(job.model)
+        ranks.barrier()
+        return Job(build(resolve_auto(job, device), layout, ranks, device))
     except BaseException:
         ranks.close()
         raise
@@ -240,9 +286,11 @@ def run_job(job: JobConfig, run_dir: Path) -> dict | None:
 
 def summarize(summary: dict) -> str:
     layout = RunLayout(Path(summary["run_dir"]))
-    lines = [f"run directory: {summary['run_dir']}",
-             f"records in: {summary['records_in']}  written: {summary['written']}  "
-             f"quarantined: {summary['quarantined']}"]
+    lines = [f"run directory: {summary['run_dir']}"]
+    if summary.get("checkpoint") == "tiny":
+        lines.append(f"model: {summary['family']} on its tiny demo checkpoint, not a real model (model.path=tiny)")
+    lines.append(f"records in: {summary['records_in']}  written: {summary['written']}  "
+                 f"quarantined: {summary['quarantined']}")
     for check, count in sorted(summary["by_check"].items(), key=lambda kv: -kv[1]):
         lines.append(f"  {check}: {count}")
     lines.append(f"throughput: {summary['records_per_s']:.1f} records/s, {summary['tokens_per_s']:.0f} image tokens/s "

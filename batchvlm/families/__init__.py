@@ -21,7 +21,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.config import TINY, ConfigError, ModelConfig
 from batchvlm.demo import DEMO_VERSION, build_once, home
 from batchvlm.format.layouts import PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
@@ -115,11 +115,15 @@ def tiny_checkpoint(name: str) -> Path:
 
 
 def resolve_checkpoint(model: ModelConfig) -> Path:
-    """The local checkpoint folder: model.path, or the family's tiny one where it is null."""
-    if model.path is None:
+    """The local checkpoint folder: model.path, or the family's tiny one (model.path=tiny)."""
+    if model.path == TINY:
         return tiny_checkpoint(model.family)
     path = Path(model.path)
     if not (path / "config.json").exists():
         raise ConfigError(f"model.path={model.path!r} is not a checkpoint folder (no config.json); "
                           "batchvlm reads local checkpoints only")
+    if not any(path.glob("*.safetensors")):
+        found = ", ".join(sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))) or "none"
+        raise ConfigError(f"model.path={model.path!r} holds no safetensors weights (weights found: {found}); "
+                          "batchvlm reads safetensors only and never unpickles a checkpoint: convert it first")
     return path

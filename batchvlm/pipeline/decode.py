@@ -3,6 +3,9 @@
 - Only allowlisted decoders ever run: the bytes are opened with `formats=decode.formats`; a file
   that no allowed decoder takes is named by Pillow's magic-byte `accept` checks alone (no decoder
   of a refused format is invoked, so EPS never reaches Ghostscript).
+- Reads are confined and bounded: an image named by path is read only from under its root (links
+  followed), only if it is a regular file, and only if its size is within decode.max_bytes, all
+  checked before a byte is read; local files are read in the isolated child, under the time limit.
 - Limits come before pixels: the encoded size, then the header's width x height; Pillow's bomb
   warning is an error.
 - The whole image loads inside the same guard as the open, so truncation surfaces here.
@@ -17,11 +20,12 @@ import faulthandler
 import hashlib
 import io
 import os
+import posixpath
 import signal
+import stat
 import struct
 import warnings
 from multiprocessing.connection import Connection, Pipe
-from pathlib import Path
 
 import fsspec
 import numpy as np
@@ -41,23 +45,74 @@ DECODER_ERRORS = (SyntaxError, ValueError, NotImplementedError, OverflowError, M
                   KeyError, ZeroDivisionError, EOFError, AttributeError, RuntimeError, struct.error)
 
 
-def read_bytes(ref: ImageRef, image_index: int) -> bytes:
-    """The image's bytes: given, read from a local path, or through fsspec for a URL the dataset allows."""
+def is_remote(ref: ImageRef) -> bool:
+    return isinstance(ref.path, str) and "://" in ref.path
+
+
+def read_bytes(ref: ImageRef, cfg: DecodeConfig, image_index: int) -> bytes:
+    """The image's bytes: given, read from a local path, or through fsspec for a URL the dataset allows; each read
+    bounded by decode.max_bytes, and a path read only from under its root, before any byte is read."""
     if ref.data is not None:
+        _within_bytes(len(ref.data), cfg, image_index)
         return ref.data
-    remote = isinstance(ref.path, str) and "://" in ref.path
-    if remote and ref.storage_options is None:
+    if ref.size is not None:  # a tar member the source did not read: its declared size was over the limit
+        _within_bytes(ref.size, cfg, image_index)
+    if not ref.path:
+        raise CheckFailed("decode.unreadable", "the record names no image bytes and no path", expected="an image",
+                          observed="nothing", image_index=image_index)
+    if is_remote(ref) and ref.storage_options is None:
         raise CheckFailed("decode.missing_file", f"the image is given as a URL ({ref.path}); set "
                           "dataset.fetch_urls=true to read it through fsspec", expected="image bytes or a path",
                           observed="a URL", image_index=image_index)
+    _within_root(ref, image_index)
     try:
-        if remote:
-            with fsspec.open(ref.path, "rb", **ref.storage_options) as handle:
-                return handle.read()
-        return Path(ref.path).read_bytes()
+        return _remote_bytes(ref, cfg, image_index) if is_remote(ref) else _local_bytes(ref.path, cfg, image_index)
     except (OSError, TypeError, ValueError) as error:
         raise CheckFailed("decode.missing_file", f"cannot read image file {ref.path}: {error}",
                           expected="a readable file", observed=type(error).__name__, image_index=image_index)
+
+
+def _within_root(ref: ImageRef, image_index: int) -> None:
+    """A path under its root, links followed (locally) or `..` resolved (a URL): else it is never opened."""
+    if ref.root is None:
+        return
+    if is_remote(ref):
+        inside = posixpath.normpath(ref.path.split("://", 1)[1])
+        root = posixpath.normpath(ref.root.split("://", 1)[1])
+        within = ref.path.split("://", 1)[0] == ref.root.split("://", 1)[0] and inside.startswith(root + "/")
+    else:
+        inside, root = os.path.realpath(ref.path), os.path.realpath(ref.root)
+        within = os.path.commonpath([inside, root]) == root
+    if not within:
+        raise CheckFailed("decode.path_outside_root", f"the image path {ref.path} is not under the image root "
+                          f"{ref.root}; it is not read", expected=f"a file under {ref.root}", observed=ref.path,
+                          image_index=image_index)
+
+
+def _local_bytes(path: str, cfg: DecodeConfig, image_index: int) -> bytes:
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckFailed("decode.not_a_file", f"{path} is not a regular file; it is not read",
+                          expected="a regular file", observed=stat.filemode(info.st_mode), image_index=image_index)
+    _within_bytes(info.st_size, cfg, image_index)
+    with open(path, "rb") as handle:
+        data = handle.read(cfg.max_bytes + 1)  # a file that grew since: still no more than the limit
+    _within_bytes(len(data), cfg, image_index)
+    return data
+
+
+def _remote_bytes(ref: ImageRef, cfg: DecodeConfig, image_index: int) -> bytes:
+    fs, path = fsspec.core.url_to_fs(ref.path, **ref.storage_options)
+    _within_bytes(fs.size(path) or 0, cfg, image_index)
+    with fs.open(path, "rb") as handle:
+        data = handle.read(cfg.max_bytes + 1)
+    _within_bytes(len(data), cfg, image_index)
+    return data
+
+
+def _within_bytes(size: int, cfg: DecodeConfig, image_index: int) -> None:
+    require(size <= cfg.max_bytes, "decode.too_many_bytes", f"the encoded image is {size} bytes, over decode.max_bytes",
+            expected=f"<= {cfg.max_bytes} bytes", observed=f"{size} bytes", image_index=image_index)
 
 
 def sniff_format(data: bytes) -> str | None:
@@ -80,9 +135,7 @@ def decode_image(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> Decode
 
     if not data:
         raise fail("decode.unreadable", "the image is empty (0 bytes)", "image bytes", "0 bytes")
-    if len(data) > cfg.max_bytes:
-        raise fail("decode.too_many_pixels", "encoded image is over decode.max_bytes",
-                   f"<= {cfg.max_bytes} bytes", f"{len(data)} bytes")
+    _within_bytes(len(data), cfg, image_index)
     with warnings.catch_warnings():
         # Pillow only warns between 1x and 2x its own bomb limit; here every such warning is an error.
         warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -158,9 +211,14 @@ def _serve(conn: Connection, cfg: DecodeConfig) -> None:
     faulthandler.disable()  # a decoder crash is reported by the parent as decode.crashed, not dumped here
     while True:
         try:
-            data, image_index = conn.recv()
+            ref, image_index = conn.recv()
         except EOFError:
             return
+        try:
+            data = read_bytes(ref, cfg, image_index)  # a path is read here, under the parent's time limit
+        except CheckFailed as failure:
+            conn.send(("failed", failure))
+            continue
         digest = hashlib.sha256(data).hexdigest()
         if (target := fault("decode.crash")) and digest.startswith(target):
             os.abort()
@@ -185,12 +243,13 @@ class Decoder:
         self.conn: Connection | None = None
 
     def __call__(self, ref: ImageRef, image_index: int) -> DecodedImage | EncodedJpeg:
-        data = read_bytes(ref, image_index)
         if self.cfg.isolation == "none":
-            return decode_or_defer(data, self.cfg, image_index)
+            return decode_or_defer(read_bytes(ref, self.cfg, image_index), self.cfg, image_index)
+        if is_remote(ref):  # fsspec's file systems are read here, not in a forked child; the size is checked first
+            ref = ImageRef(data=read_bytes(ref, self.cfg, image_index))
         if self.pid is None:
             self._start()
-        self.conn.send((data, image_index))
+        self.conn.send((ref, image_index))
         if not self.conn.poll(self.cfg.timeout_s):
             self._stop()
             raise CheckFailed("decode.timeout", f"decoding took longer than decode.timeout_s={self.cfg.timeout_s}",

@@ -30,6 +30,7 @@ from batchvlm.rundir.dedup import committed_results, duplicate_rows
 from batchvlm.rundir.durable import read_json
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import Manifest, ManifestError, RunTotals, all_manifests, listed_shards
+from batchvlm.sources import parent_of
 from batchvlm.sources.requeue import read_lineage
 
 log = logging.getLogger("batchvlm")
@@ -180,7 +181,9 @@ def _attach_thumbnails(report: Report, config: dict) -> None:
                 cards_by_shard.setdefault(card.shard, []).append(card)
     if not cards_by_shard:
         return
-    thumbnailer = Thumbnailer(DecodeConfig(**config.get("decode", {})), _planner(config))
+    image_root = config.get("dataset", {}).get("image_root")
+    thumbnailer = Thumbnailer(DecodeConfig(**config.get("decode", {})), _planner(config),
+                              root_of=lambda row: image_root or parent_of(row["source"]))
     try:
         for shard, cards in cards_by_shard.items():
             wanted = {card.index: card for card in cards}

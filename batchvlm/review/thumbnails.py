@@ -1,9 +1,10 @@
 """Thumbnails of quarantined images, made as safely as the job decodes them.
 
 Quarantined images are the ones most likely to be hostile, so a thumbnail is decoded with the run's
-own decode limits (format allowlist, byte and pixel limits), always in a forked child with a short
-time limit, and never at all for the image that crashed or hung the job's decoder. An image that
-cannot be decoded that way gets a placeholder saying why, never a partial picture.
+own decode limits (format allowlist, byte and pixel limits), read only from under the run's image
+root as the job reads it, always in a forked child with a short time limit, and never at all for the
+image that crashed or hung the job's decoder. An image that cannot be decoded that way gets a
+placeholder saying why, never a partial picture.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
-import os
 from dataclasses import dataclass, field
 
 from PIL import Image
@@ -22,7 +22,8 @@ from batchvlm.pipeline.decode import Decoder
 from batchvlm.records import ImageRef
 
 THUMBNAIL_TIMEOUT_S = 10.0  # a reviewer waits seconds for a page, not the job's per-image limit
-NEVER_DECODED = {"decode.crashed": "it crashed the decoder", "decode.timeout": "it hung the decoder"}
+NEVER_DECODED = {"decode.crashed": "it crashed the decoder", "decode.timeout": "it hung the decoder",
+                 "decode.path_outside_root": "its path is outside the image root"}
 
 
 @dataclass
@@ -35,12 +36,13 @@ class Thumbnail:
 
 
 class Thumbnailer:
-    def __init__(self, decode: DecodeConfig, planner=None, size: int = 192):
+    def __init__(self, decode: DecodeConfig, planner=None, size: int = 192, root_of=lambda failure: None):
         timeout = min(decode.timeout_s, THUMBNAIL_TIMEOUT_S)
         self.limits = dataclasses.replace(decode, isolation="process", timeout_s=timeout)
         self.decoder = Decoder(self.limits)
         self.planner = planner  # (height, width) -> the family's ImagePlan, when the run's family loads
         self.size = size
+        self.root_of = root_of  # a quarantine row -> the root its images' paths must lie under, as the job read them
 
     def __call__(self, data: bytes | None, path: str | None, index: int, failure: dict) -> Thumbnail:
         facts = {"bytes": f"{len(data):,}" if data is not None else "not kept"}
@@ -50,10 +52,8 @@ class Thumbnailer:
             return Thumbnail(None, f"not decoded: {NEVER_DECODED[failure['check']]} in the job", facts)
         if data is None and not path:
             return Thumbnail(None, "no bytes kept and no path", facts)
-        if data is None and not _within_bytes(path, self.limits.max_bytes):
-            return Thumbnail(None, f"{path} is missing or over decode.max_bytes", facts)
         try:
-            image = self.decoder(ImageRef(data=data, path=path), index)
+            image = self.decoder(ImageRef(data=data, path=path, root=self.root_of(failure)), index)
         except CheckFailed as refused:
             return Thumbnail(None, f"cannot be decoded safely: [{refused.check}] {refused.message}", facts)
         facts.update(format=image.format, size=f"{image.width}x{image.height}")
@@ -72,13 +72,6 @@ class Thumbnailer:
 
     def close(self) -> None:
         self.decoder.close()
-
-
-def _within_bytes(path: str, limit: int) -> bool:
-    try:
-        return os.path.getsize(path) <= limit
-    except OSError:
-        return False
 
 
 def _data_uri(pixels, size: int) -> str:

@@ -1,22 +1,26 @@
 """Work claiming through the run directory: exclusive, leased claims on named tasks.
 
 A claim on task T is the file `T.<generation>`, published with a hard link (which fails if the
-name exists, as O_EXCL does, and never shows a half-written file), which exactly one process can do. Its holder keeps it alive through a per-process heartbeat file that a thread
-touches; a claim whose holder's heartbeat is older than the lease is taken over by creating the
-next generation, again exclusively, so of several ranks that see a dead holder one wins. The
-newest generation is the claim that counts: a holder checks it still has it before it commits
-(fencing), and the commit itself is exclusive (sink), so a holder that was only frozen never
-commits twice.
+name exists, as O_EXCL does, and never shows a half-written file), which exactly one process can do.
+Its holder keeps it alive through a per-process heartbeat file that a thread touches; a claim whose
+holder's heartbeat is older than the lease is taken over by creating the next generation, again
+exclusively, so of several ranks that see a dead holder one wins. The newest generation is the claim
+that counts: a holder checks it still has it before it commits (fencing), and the commit itself is
+exclusive (sink), so a holder that was only frozen never commits twice.
 
-Ages are compared between two files' modification times, both set by the file system that holds
-the run directory, so clocks that differ between nodes do not matter.
+The claims outlive a job: a restart, or a second job on the same run directory, claims beside the
+ones of earlier attempts, and takes over only what a dead holder held. Ages are compared between
+two files' modification times, both set by the file system that holds the run directory, so clocks
+that differ between nodes do not matter; a holder on this host whose process is gone is dead at once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,24 +56,65 @@ class Claims:
         return self.alive / owner
 
     def beat(self) -> None:
-        self._heartbeat_file(self.owner).touch()
+        """Touch the heartbeat; its first beat says where the holder runs."""
+        heartbeat = self._heartbeat_file(self.owner)
+        try:
+            os.utime(heartbeat)
+        except FileNotFoundError:
+            heartbeat.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
 
     def expired(self, owner: str) -> bool:
-        """The owner's heartbeat (the newest, for a pattern like `rank00001-*`) is older than the lease, seen
-        against this process's own fresh one."""
+        """Every holder that `owner` names (a pattern like `<attempt>-rank00001-*` names one per attempt's rank) is
+        dead: its heartbeat older than the lease, seen against this process's own fresh one, or its process gone
+        from this host."""
         self.beat()
-        beats = [path.stat().st_mtime for path in self.alive.glob(owner)]
-        return not beats or self._heartbeat_file(self.owner).stat().st_mtime - max(beats) > self.lease_s
+        now = self._heartbeat_file(self.owner).stat().st_mtime
+        return all(now - beat > self.lease_s or _gone_from_this_host(path) for path, beat in self._beats(owner))
+
+    def _beats(self, owner: str) -> list[tuple[Path, float]]:
+        found = []
+        for path in self.alive.glob(owner):
+            try:
+                found.append((path, path.stat().st_mtime))
+            except FileNotFoundError:
+                continue
+        return found
+
+    def alive_holders(self) -> list[str]:
+        """The holders of every attempt whose heartbeats are live."""
+        return [path.name for path, _ in self._beats("*") if not self.expired(path.name)]
+
+    def claim_of(self, task: str, token: str) -> Claim | None:
+        """The claim on `task` whose files carry `token`, if it was made here."""
+        generation = 0
+        while (claim := self._read(task, generation)) is not None:
+            if claim.token == token:
+                return claim
+            generation += 1
+        return None
+
+    def dead(self, task: str, token: str, committed_token: str | None) -> bool:
+        """The claim whose files carry `token` can never commit and nobody is still writing for it: it is fenced (a
+        later claim on the task, or the task committed by another claim) and its holder's lease has expired."""
+        claim = self.claim_of(task, token)
+        if claim is None:
+            return committed_token is not None and committed_token != token
+        fenced = not self.holds(claim) or (committed_token is not None and committed_token != token)
+        return fenced and self.expired(claim.owner)
+
+    def _read(self, task: str, generation: int) -> Claim | None:
+        try:
+            owner = json.loads(self._claim_file(task, generation).read_text())["owner"]
+        except FileNotFoundError:
+            return None
+        return Claim(task, generation, owner)
 
     def _newest(self, task: str) -> tuple[int, str] | None:
         """The newest generation of a task's claim and its owner, or None if it was never claimed."""
-        generation, owner = -1, None
-        while True:
-            try:
-                owner = json.loads(self._claim_file(task, generation + 1).read_text())["owner"]
-            except FileNotFoundError:
-                return None if owner is None else (generation, owner)
-            generation += 1
+        newest, generation = None, 0
+        while (claim := self._read(task, generation)) is not None:
+            newest, generation = (claim.generation, claim.owner), generation + 1
+        return newest
 
     def _create(self, task: str, generation: int) -> Claim | None:
         """Publish the claim file whole or not at all (durable.publish_exclusive: written beside it, then
@@ -120,5 +165,28 @@ class Heartbeat:
         self.thread.join()
 
 
-def owner_name(rank: int, nonce: str) -> str:
-    return f"rank{rank:05d}-{nonce}"
+def owner_name(attempt: str, rank: int) -> str:
+    """A holder of claims: its attempt (one launch of the job), its rank, and a nonce that names its files."""
+    return f"{rank_owners(attempt, rank)[:-1]}{uuid.uuid4().hex[:8]}"
+
+
+def rank_owners(attempt: str, rank: int) -> str:
+    """The pattern of the holders of one rank of an attempt."""
+    return f"{attempt}-rank{rank:05d}-*"
+
+
+def _gone_from_this_host(heartbeat: Path) -> bool:
+    """The holder ran on this host and its process is gone (a restart need not wait out a dead process's lease)."""
+    try:
+        where = json.loads(heartbeat.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    if where.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(where["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from batchvlm.faults import crash_point
+from batchvlm.faults import crash_point, disk_full_point
 
 TMP_MARK = ".tmp-"
 
@@ -33,6 +33,7 @@ def fsync_file(path: Path) -> None:
 
 def publish(tmp: Path, path: Path) -> None:
     """fsync a finished temporary file, rename it to its final name, fsync the directory."""
+    disk_full_point("publish", path)
     fsync_file(tmp)
     crash_point("commit.before_rename")
     os.replace(tmp, path)

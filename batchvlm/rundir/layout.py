@@ -1,6 +1,7 @@
 """The run directory's layout: every path of a run, named here and nowhere else.
 
-    <run>/config.yaml              the config that started the run
+    <run>/.batchvlm                the marker: this folder is a batchvlm run's, written first
+          config.yaml              the config that started the run
           fingerprint.json         what the run's outputs depend on; another one is refused
           units.json               the plan: inputs, the parameters that cut them, the work units
           lineage.json             a requeue run: where each record came from
@@ -9,8 +10,8 @@
           ids/<unit>.<claim>.parquet         (id, row, kind) of every record of that unit, by hash bucket
           manifest/<unit>.json     the unit's commit: counts, the files above, their sizes and sha256
           dedup/<bucket>.json      a bucket of the duplicate pass committed; <bucket>.parquet its later occurrences
-          ranks/attempt.json       the current attempt; ranks/<attempt>/ its rank progress, and claims/ (the
-                                   claim and heartbeat files of rundir.claims)
+          ranks/claims/            the claims of every attempt on units and buckets, and their holders'
+                                   heartbeats (rundir.claims); ranks/<attempt>/ one launch's rank progress
           report/index.html        the failure report's page
           _SUCCESS                 written last, once every unit and bucket is committed: the run's totals
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchvlm.rundir.durable import TMP_MARK
+
 DATA, QUARANTINE, IDS = "data", "quarantine", "ids"
 """The kinds of shard a unit writes, each in the folder of its name."""
 SHARD_KINDS = (DATA, QUARANTINE, IDS)
@@ -32,6 +35,10 @@ class RunLayout:
     root: Path
 
     # -- the run's own files ----------------------------------------------------------------------
+    @property
+    def marker(self) -> Path:
+        return self.root / ".batchvlm"
+
     @property
     def config(self) -> Path:
         return self.root / "config.yaml"
@@ -75,6 +82,26 @@ class RunLayout:
         """The file of one kind that one claim on a unit writes (a claim's token keeps two holders apart)."""
         return self.folder(kind) / f"{unit_id}.{token}.parquet"
 
+    def manifest_draft(self, unit_id: str, token: str) -> Path:
+        """The name a claim's manifest is written under before it is published as the unit's (durable.temporary_name
+        of this)."""
+        return self.manifests / f"{unit_id}.json.{token}"
+
+    def claim_of(self, path: Path) -> tuple[str, str] | None:
+        """(unit, claim token) of a file that a claim writes in the unit folders: a shard, a shard or manifest on its
+        way to being published; None for any other name, which batchvlm never writes there."""
+        name = path.name
+        if TMP_MARK in name:
+            name = name.removeprefix(".").split(TMP_MARK)[0]
+        parts = name.rsplit(".", 2)
+        if len(parts) != 3:
+            return None
+        if path.parent == self.manifests:
+            unit, json_suffix, token = parts
+            return (unit, token) if json_suffix == "json" else None
+        unit, token, suffix = parts
+        return (unit, token) if suffix == "parquet" and path.parent in self.unit_folders() else None
+
     def unit_folders(self) -> list[Path]:
         """The folders a unit's commit writes into."""
         return [self.folder(kind) for kind in SHARD_KINDS] + [self.manifests]
@@ -108,14 +135,11 @@ class RunLayout:
         return self.root / "ranks"
 
     @property
-    def attempt_token(self) -> Path:
-        return self.ranks / "attempt.json"
+    def claims(self) -> Path:
+        return self.ranks / "claims"
 
     def attempt(self, name: str) -> Path:
         return self.ranks / name
-
-    def claims(self, attempt: str) -> Path:
-        return self.attempt(attempt) / "claims"
 
     def rank_file(self, attempt: str, rank: int, kind: str) -> Path:
         return self.attempt(attempt) / f"rank-{rank:05d}.{kind}.json"

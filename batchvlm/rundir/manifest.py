@@ -14,12 +14,16 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from batchvlm.rundir.durable import TMP_MARK
+from batchvlm.rundir.durable import TMP_MARK, sha256_file
 from batchvlm.rundir.layout import DATA, IDS, QUARANTINE, RunLayout
 
 
 class ManifestError(ValueError):
     """A manifest that does not read as one: the message names the file and what is wrong."""
+
+
+class DamagedFile(RuntimeError):
+    """A file a manifest lists is missing, or not what the manifest recorded: the message names it."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,27 @@ def listed_shards(layout: RunLayout, kind: str = DATA) -> list[tuple[str, Path]]
             if (listing := manifest.shard(kind)) is not None]
 
 
+def checked_shards(layout: RunLayout, kind: str = DATA, checksums: bool = False) -> list[tuple[str, Path]]:
+    """listed_shards, each at the size its manifest recorded (and of its sha256, with `checksums`), else
+    DamagedFile: a reader never reads a committed file that changed since."""
+    found = []
+    for manifest in all_manifests(layout):
+        if (listing := manifest.shard(kind)) is None:
+            continue
+        path = layout.listed(listing.path)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise DamagedFile(f"{path} is missing; its manifest lists it (verify the run, or rerun it)") from None
+        if size != listing.bytes:
+            raise DamagedFile(f"{path} has {size} bytes, its manifest says {listing.bytes} (verify the run, or rerun "
+                              "it: the unit is redone)")
+        if checksums and sha256_file(path) != listing.sha256:
+            raise DamagedFile(f"{path} does not match its sha256 in the manifest")
+        found.append((manifest.unit, path))
+    return found
+
+
 def listed_files(manifests: Iterable[Manifest]) -> set[str]:
     return {listing.path for manifest in manifests for listing in manifest.files.values()}
 
@@ -131,14 +156,6 @@ def orphans(layout: RunLayout, manifests: Iterable[Manifest]) -> list[Path]:
         is_shard_folder = folder != layout.manifests
         found += [path for path in sorted(folder.iterdir())
                   if TMP_MARK in path.name or (is_shard_folder and layout.name_of(path) not in listed)]
-    return found
-
-
-def remove_orphans(layout: RunLayout) -> list[Path]:
-    """The orphans go: no reader trusts them, and their units are redone (or were committed by another holder)."""
-    found = orphans(layout, all_manifests(layout))
-    for path in found:
-        path.unlink(missing_ok=True)
     return found
 
 

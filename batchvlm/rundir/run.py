@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-import shutil
 
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import transformers
 from omegaconf import OmegaConf
 
 import batchvlm
-from batchvlm.config import ConfigError, JobConfig
+from batchvlm.config import TINY, ConfigError, JobConfig, differences
 from batchvlm.faults import crash_point
 from batchvlm.format.hf_features import SIZE_KEY, features_key
 from batchvlm.pipeline.preprocess import merged_stats
@@ -41,6 +40,19 @@ def config_digest(checkpoint: Path) -> str:
     return hashlib.sha256(file.read_bytes()).hexdigest() if file.exists() else ""
 
 
+def check_ours(layout: RunLayout) -> None:
+    """The run directory is new or a batchvlm run's (its marker): the job never writes, nor cleans up, in a folder
+    of someone else's files."""
+    if not layout.root.exists() or layout.marker.exists():
+        return
+    if layout.fingerprint.exists() and layout.plan.exists():
+        return  # a run written before the marker: reopening it writes one
+    if found := sorted(path.name for path in layout.root.iterdir()):
+        raise ConfigError(f"{layout.root} is not empty and not a batchvlm run directory (it holds "
+                          f"{', '.join(found[:5])}{', ...' if len(found) > 5 else ''}); give the run an empty or new "
+                          "folder: another run_name=... or output.root=...")
+
+
 class RunDir:
     def __init__(self, layout: RunLayout, job: JobConfig, family, encoder, ranks):
         self.layout = layout
@@ -49,6 +61,7 @@ class RunDir:
         self.family = family
         fingerprint = {
             **family.fingerprint(),
+            "checkpoint": "tiny" if job.model.path == TINY else "local",  # the demo's tiny one is never a real model
             "model_config_sha256": config_digest(family.checkpoint),
             "weights_sha256": weights_digest(encoder),
             "hidden_size": encoder.hidden_size,
@@ -71,8 +84,10 @@ class RunDir:
         self._check_fingerprint()
 
     def _claim(self) -> None:
-        """Rank 0 writes the fingerprint and the starting config of a new run directory."""
+        """Rank 0 writes the marker, the fingerprint and the starting config of a new run directory."""
         self._check_fingerprint()
+        if not self.layout.marker.exists():
+            durable_write_json(self.layout.marker, {"batchvlm": batchvlm.__version__, "run": self.path.name})
         if not self.layout.fingerprint.exists():
             durable_write_json(self.layout.fingerprint, self.fingerprint)
         if not self.layout.config.exists():  # the config that started the run; restarts log theirs
@@ -83,7 +98,7 @@ class RunDir:
         existing = self.layout.fingerprint
         if existing.exists() and (previous := json.loads(existing.read_text())) != self.fingerprint:
             raise ConfigError(f"{self.path} was written with another fingerprint "
-                              f"({_differences(previous, self.fingerprint)}); "
+                              f"({differences(previous, self.fingerprint)}); "
                               "use another run_name=... for a new run, or delete the directory")
 
     def schema_metadata(self, hidden_sizes: dict[str, int]) -> dict[str, str]:
@@ -120,23 +135,10 @@ class RunDir:
             # images redone on the CPU path, by check, and the parity sample, from every unit's manifest
             **merged_stats([manifest.preprocess for manifest in manifests]),
             "host": platform.node(),
+            "checkpoint": self.fingerprint["checkpoint"],
+            "family": self.family.name,
         }
         if summary["complete"] and not self.layout.success.exists():
             crash_point("finish.before_success")
             durable_write_json(self.layout.success, summary)
-            shutil.rmtree(self.layout.ranks, ignore_errors=True)  # per-attempt rank state, no longer needed
         return summary
-
-
-def _differences(old: dict, new: dict, prefix: str = "") -> str:
-    keys = sorted(set(old) | set(new))
-    diffs = []
-    for key in keys:
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            inner = _differences(a, b, f"{prefix}{key}.")
-            if inner:
-                diffs.append(inner)
-        elif a != b:
-            diffs.append(f"{prefix}{key}: {a!r} -> {b!r}")
-    return "; ".join(diffs)

@@ -165,7 +165,7 @@ class RunSink:
                             quarantined=state.shards[QUARANTINE].rows, checks=dict(sorted(state.checks.items())),
                             files=files, rank=self.rank, claim=state.claim.token, **merged_stats(state.preprocess))
         path = self.layout.manifest(unit.unit_id)
-        tmp = temporary_name(path)
+        tmp = temporary_name(self.layout.manifest_draft(unit.unit_id, state.claim.token))
         tmp.write_text(json_text(manifest.to_json()))
         if not publish_exclusive(tmp, path):
             for listing in files.values():

@@ -1,8 +1,9 @@
 """The unit plan: made once by rank 0 from the inputs' metadata, read by every rank of every restart.
 
-`units.json` holds the inputs (name, location, size), the parameters that cut them, the units and
-the number of hash partitions of the duplicate pass. A restart lists the inputs again (O(files))
-and refuses a plan whose inputs or parameters changed; it never reads a footer or an image twice.
+The plan holds the inputs (name, location, size, identity), every setting that decides which rows are read and
+what they mean, the units and the number of hash partitions of the duplicate pass. A restart lists the inputs
+again (O(files)) and refuses a plan whose inputs or settings changed, naming the difference; it never reads a
+footer or an image twice.
 Ranks claim units dynamically (rundir.claims), the largest first, so the run ends on small units.
 """
 
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from batchvlm.config import ConfigError, DatasetConfig
+from batchvlm.config import ConfigError, JobConfig, differences
 from batchvlm.records import InputFile, WorkUnit
 from batchvlm.rundir.durable import durable_write_json
 from batchvlm.rundir.layout import RunLayout
@@ -50,9 +52,16 @@ class Plan:
         return sorted(self.units, key=lambda u: (-u.nbytes, -(u.num_rows or 0), u.unit_id))
 
 
-def plan_params(cfg: DatasetConfig) -> dict:
-    """What cuts the inputs into units: a plan made with other values is another plan."""
-    return {"kind": cfg.kind, "unit_records": cfg.unit_records, "unit_bytes": cfg.unit_bytes, "limit": cfg.limit}
+READ_ELSEWHERE = {"dataset": ("path", "storage_options")}
+"""Settings that say where the inputs are, not what is read from them: the inputs' own identities stand for them."""
+
+
+def reading_settings(job: JobConfig) -> dict:
+    """Every setting that changes which rows a run reads or what they mean: the dataset's columns and rules, and the
+    decode limits. A resume under other values would give a run whose units read different records."""
+    dataset = {key: value for key, value in dataclasses.asdict(job.dataset).items()
+               if key not in READ_ELSEWHERE["dataset"]}
+    return {"dataset": dataset, "decode": dataclasses.asdict(job.decode)}
 
 
 def _buckets(units: list[WorkUnit], configured: int | None) -> int:
@@ -62,34 +71,39 @@ def _buckets(units: list[WorkUnit], configured: int | None) -> int:
     return max(1, math.ceil(records / IDS_PER_BUCKET))
 
 
-def make_plan(layout: RunLayout, source: Plannable, cfg: DatasetConfig, dedup_buckets: int | None) -> Plan:
-    """Rank 0: the run's plan, read back (after checking the inputs did not change) or made and written."""
-    path = layout.plan
-    inputs = list(source.inputs.values())
-    if path.exists():
+def make_plan(layout: RunLayout, source: Plannable, job: JobConfig) -> tuple[Plan, bool]:
+    """Rank 0: the run's plan, read back after checking that the inputs and the reading settings did not change, or
+    made from the inputs' metadata (True: new, to be written once the run directory is the job's, `write_plan`)."""
+    inputs, settings = list(source.inputs.values()), reading_settings(job)
+    if layout.plan.exists():
         plan = read_plan(layout)
-        _check_same_inputs(path, plan, inputs, plan_params(cfg))
-        return plan
+        _check_same_inputs(layout.plan, plan, inputs, settings)
+        return plan, False
     units = source.plan()
     if not units:
-        raise ConfigError(f"dataset.path={cfg.path!r}: the inputs hold no rows")
-    plan = Plan(inputs, plan_params(cfg), units, _buckets(units, dedup_buckets))
-    durable_write_json(path, {"inputs": [asdict(i) for i in inputs], "params": plan.params,
-                              "dedup_buckets": plan.dedup_buckets, "units": [asdict(u) for u in units]})
-    return plan
+        raise ConfigError(f"dataset.path={job.dataset.path!r}: the inputs hold no rows")
+    return Plan(inputs, settings, units, _buckets(units, job.runtime.dedup_buckets)), True
 
 
-def _check_same_inputs(path: Path, plan: Plan, inputs: list[InputFile], params: dict) -> None:
-    changed = [f"{key}: {plan.params.get(key)!r} -> {value!r}" for key, value in params.items()
-               if plan.params.get(key) != value]
+def write_plan(layout: RunLayout, plan: Plan) -> None:
+    durable_write_json(layout.plan, {"inputs": [asdict(i) for i in plan.inputs], "params": plan.params,
+                                     "dedup_buckets": plan.dedup_buckets, "units": [asdict(u) for u in plan.units]})
+
+
+def _check_same_inputs(path: Path, plan: Plan, inputs: list[InputFile], settings: dict) -> None:
+    changed = [differences(plan.params, settings)] if plan.params != settings else []
     before, now = {i.name: i for i in plan.inputs}, {i.name: i for i in inputs}
     changed += [f"input {name} is gone" for name in before.keys() - now.keys()]
     changed += [f"input {now[name].location} is new" for name in now.keys() - before.keys()]
-    changed += [f"input {now[name].location} changed size ({before[name].size} -> {now[name].size} bytes)"
-                for name in before.keys() & now.keys() if before[name].size != now[name].size]
+    changed += [f"input {now[name].location} changed ({differences(_identity(before[name]), _identity(now[name]))})"
+                for name in before.keys() & now.keys() if _identity(before[name]) != _identity(now[name])]
     if changed:
-        raise ConfigError(f"{path} was planned from other inputs ({'; '.join(sorted(changed)[:5])}); "
-                          "use another run_name=... for a new run")
+        raise ConfigError(f"{path} was planned from other inputs or settings ({'; '.join(sorted(changed)[:5])}); "
+                          "give the same inputs and settings to resume, or another run_name=... for a new run")
+
+
+def _identity(item: InputFile) -> dict:
+    return {"size": item.size, **item.identity}
 
 
 def read_plan(layout: RunLayout) -> Plan:

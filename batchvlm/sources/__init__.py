@@ -20,6 +20,7 @@ import re
 from collections.abc import Iterator
 
 import fsspec
+import pyarrow as pa
 
 from batchvlm.checks import failure
 from batchvlm.config import ConfigError, DatasetConfig
@@ -33,8 +34,9 @@ KINDS = {"demo": "parquet", "parquet": "parquet", "webdataset": "webdataset", "d
 class Source:
     """A kind of input: list the inputs, plan their units from metadata, read a unit's records."""
 
-    def __init__(self, cfg: DatasetConfig, inputs: list[InputFile] | None = None):
+    def __init__(self, cfg: DatasetConfig, inputs: list[InputFile] | None = None, max_bytes: int | None = None):
         self.cfg = cfg
+        self.max_bytes = max_bytes  # decode.max_bytes: what a stream source does not read into memory at all
         self.inputs = {item.name: item for item in (inputs if inputs is not None else self.list_inputs())}
 
     def list_inputs(self) -> list[InputFile]:
@@ -56,10 +58,10 @@ class Source:
         raise NotImplementedError
 
 
-def make_source(cfg: DatasetConfig, inputs: list[InputFile] | None = None) -> Source:
+def make_source(cfg: DatasetConfig, inputs: list[InputFile] | None = None, max_bytes: int | None = None) -> Source:
     """The source of `dataset.kind`; with `inputs` (a plan's), nothing is listed again."""
     module = importlib.import_module(f"batchvlm.sources.{KINDS[cfg.kind]}")
-    return module.SOURCE(cfg, inputs)
+    return module.SOURCE(cfg, inputs, max_bytes)
 
 
 # -- files ---------------------------------------------------------------------------------------
@@ -82,7 +84,23 @@ def list_files(pattern: str, suffixes: tuple[str, ...], storage_options: dict) -
         raise ConfigError(f"dataset.path={pattern!r} matches no {' or '.join(suffixes)} file")
     locations = {path: (path if _is_local(fs) else fs.unstrip_protocol(path)) for path in found}
     common = posixpath.commonpath([posixpath.dirname(path) for path in found])
-    return [InputFile(stable_name(path, common), locations[path], found[path].get("size")) for path in sorted(found)]
+    return [InputFile(stable_name(path, common), locations[path], found[path].get("size"), file_identity(found[path]))
+            for path in sorted(found)]
+
+
+IDENTITY_KEYS = {"mtime": ("mtime", "LastModified", "last_modified", "updated"), "etag": ("ETag", "etag", "md5Hash"),
+                 "version": ("VersionId", "version_id", "generation")}
+"""Where fsspec's file systems report when a file changed and which version it is (local, s3, gcs, ...)."""
+
+
+def file_identity(info: dict) -> dict:
+    """The fields of a listing that change when a file is replaced, even by one of the same size."""
+    found = {}
+    for ours, theirs in IDENTITY_KEYS.items():
+        value = next((info[key] for key in theirs if info.get(key) is not None), None)
+        if value is not None:
+            found[ours] = str(value)
+    return found
 
 
 def glob_pattern(path: str) -> bool:
@@ -105,6 +123,41 @@ def open_input(location: str, storage_options: dict, **options):
     """A binary file object for an input, local or remote; `options` go to the file (e.g. block_size)."""
     fs, path = file_system(location, storage_options)
     return fs.open(path, "rb", **options)
+
+
+# -- column types ----------------------------------------------------------------------------------------
+def _texts(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
+
+
+def _image(kind: pa.DataType) -> bool:
+    """Bytes, a path, or an HF Image struct of them."""
+    if pa.types.is_struct(kind):
+        return any(kind.field(i).name in ("bytes", "path") for i in range(kind.num_fields))
+    return pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or _texts(kind)
+
+
+def _images(kind: pa.DataType) -> bool:
+    """One image, or a list of them."""
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return _image(kind.value_type)
+    return _image(kind)
+
+
+COLUMN_TYPES = {"id_column": (lambda kind: _texts(kind) or pa.types.is_integer(kind), "a string or an integer"),
+                "text_column": (_texts, "a string"), "status_column": (_texts, "a string"),
+                "images_column": (_images, "image bytes, a path or an HF Image struct, or a list of them")}
+"""What each column the config names may hold: a value of any other type would mean something else or nothing."""
+
+
+def check_column_types(schema: pa.Schema, cfg: DatasetConfig, where: str) -> None:
+    """The columns the config names are of a type batchvlm reads as the config means them (ConfigError naming the
+    key, the column and its type, before any row is read)."""
+    for key, (accepts, wanted) in COLUMN_TYPES.items():
+        column = getattr(cfg, key)
+        if column is not None and column in schema.names and not accepts(schema.field(column).type):
+            raise ConfigError(f"dataset.{key}={column!r} is of type {schema.field(column).type} in {where}; "
+                              f"it must hold {wanted}")
 
 
 # -- rows to records -------------------------------------------------------------------------------
@@ -166,6 +219,8 @@ def image_ref(image, base: str, cfg: DatasetConfig) -> ImageRef:
     if isinstance(image, dict):
         if image.get("bytes") is not None:
             return ImageRef(data=image["bytes"], path=image.get("path"))
+        if image.get("size") is not None:  # a member a stream source did not read: decode.too_many_bytes
+            return ImageRef(path=image["path"], size=image["size"])
         image = image.get("path")
     if isinstance(image, (bytes, bytearray)):
         return ImageRef(data=bytes(image))
@@ -174,7 +229,7 @@ def image_ref(image, base: str, cfg: DatasetConfig) -> ImageRef:
             return ImageRef(path=image, storage_options=cfg.storage_options if cfg.fetch_urls else None)
         root = cfg.image_root or base
         path = image if os.path.isabs(image) else posixpath.join(root, image)
-        return ImageRef(path=path, storage_options=cfg.storage_options if "://" in path else None)
+        return ImageRef(path=path, storage_options=cfg.storage_options if "://" in path else None, root=root)
     return ImageRef(data=b"")
 
 

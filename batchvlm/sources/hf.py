@@ -13,7 +13,7 @@ import datasets
 
 from batchvlm.config import ConfigError
 from batchvlm.records import InputFile, SourceRecord, WorkUnit
-from batchvlm.sources import Source, cut_units, record_from_row, stable_name
+from batchvlm.sources import Source, check_column_types, cut_units, record_from_row, stable_name
 
 datasets.disable_progress_bars()  # the job's own progress covers the reading
 
@@ -40,7 +40,19 @@ class HFSource(Source):
         if self.cfg.kind != "hub" and not os.path.exists(self.cfg.path):
             raise ConfigError(f"dataset.path={self.cfg.path!r} does not exist")
         return [InputFile(stable_name(os.path.abspath(self.cfg.path) if self.cfg.kind != "hub" else self.cfg.path, ""),
-                          self.cfg.path)]
+                          self.cfg.path, identity=self._identity())]
+
+    def _identity(self) -> dict:
+        """The dataset's own fingerprint and rows (a streamed one: its shards, and its files where they are local),
+        so that a dataset appended to or rebuilt is not taken for the one a run was planned from."""
+        if not self.streaming:
+            return {"fingerprint": self.dataset._fingerprint, "rows": len(self.dataset)}
+        identity = {"shards": self.dataset.num_shards}
+        if os.path.isdir(self.cfg.path):
+            files = [os.path.join(folder, name) for folder, _, names in os.walk(self.cfg.path) for name in names]
+            identity.update(files=len(files), bytes=sum(os.path.getsize(f) for f in files),
+                            mtime=str(max((os.path.getmtime(f) for f in files), default=0)))
+        return identity
 
     @cached_property
     def dataset(self):
@@ -64,6 +76,8 @@ class HFSource(Source):
         for key, column in required.items():
             if column not in columns:
                 raise ConfigError(f"{key}={column!r} is not a column of {self.cfg.path} (columns: {', '.join(columns)})")
+        if dataset.features is not None:
+            check_column_types(dataset.features.arrow_schema, self.cfg, self.cfg.path)
 
     @property
     def streaming(self) -> bool:

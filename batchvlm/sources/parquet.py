@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 
 from batchvlm.config import ConfigError
 from batchvlm.records import InputFile, SourceRecord, WorkUnit
-from batchvlm.sources import Source, cut_units, list_files, open_input, parent_of, record_from_row
+from batchvlm.sources import (Source, check_column_types, cut_units, list_files, open_input, parent_of,
+                              record_from_row)
 
 FOOTER_BLOCK = 1 << 16
 """Read size for footers of remote files: fsspec's default blocks (MBs) would fetch data pages too."""
@@ -46,6 +47,7 @@ class ParquetSource(Source):
         for key, column in wanted.items():
             if column not in names:
                 raise ConfigError(f"{key}={column!r} is not a column of {item.location} (columns: {', '.join(names)})")
+        check_column_types(file.schema_arrow, self.cfg, item.location)
         return list(dict.fromkeys([*wanted.values(), *(["error_message"] if "error_message" in names else [])]))
 
     def plan(self) -> list[WorkUnit]:

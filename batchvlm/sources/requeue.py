@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from batchvlm.config import ConfigError, DatasetConfig, JobConfig
 from batchvlm.records import WorkUnit
 from batchvlm.rundir.durable import durable_write_json, read_json
-from batchvlm.rundir.layout import QUARANTINE, RunLayout
+from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import listed_shards
 from batchvlm.sources import Source, make_source
 
@@ -61,6 +61,15 @@ def quarantined_records(run_dir: Path, checks: list[str] | None) -> list[Quarant
         for batch in pq.ParquetFile(shard).iter_batches(columns=["id", "source", "row", "check", "stage"]):
             records += [Quarantined(**row) for row in batch.to_pylist() if checks is None or row["check"] in checks]
     return records
+
+
+def written_ids(run_dir: Path) -> set[str]:
+    """The ids a run holds in its data shards (its first occurrences, and the later ones the readers leave out)."""
+    ids = set()
+    for _, shard in listed_shards(RunLayout(run_dir), DATA):
+        for batch in pq.ParquetFile(shard).iter_batches(columns=["id"]):
+            ids.update(batch.column("id").to_pylist())
+    return ids
 
 
 def _index_by_id(source: Source) -> dict[str, tuple[str, int]]:
@@ -116,10 +125,16 @@ class RequeueSource(Source):
         self.base = make_source(cfg)
         super().__init__(cfg, list(self.base.inputs.values()))
         self.from_run, self.checks = run_dir.resolve(), checks
-        wanted = quarantined_records(run_dir, checks)
-        if not wanted:
+        quarantined = quarantined_records(run_dir, checks)
+        if not quarantined:
             raise ConfigError(f"nothing to requeue: {run_dir} has no quarantined records"
                               + (f" under check={','.join(checks)}" if checks else ""))
+        held = written_ids(run_dir)  # a record whose id the run already wrote would be written twice
+        self.not_requeued = [record for record in quarantined if record.id in held]
+        wanted = [record for record in quarantined if record.id not in held]
+        if not wanted:
+            raise ConfigError(f"nothing to requeue: the id of each of the {len(quarantined)} quarantined records of "
+                              f"{run_dir} is already written in its data (a later occurrence of the id)")
         self.found, self.not_found = locate(self.base, wanted)
         if not self.found:
             raise ConfigError(f"none of the {len(wanted)} quarantined records of {run_dir} is in the current dataset "
@@ -154,6 +169,8 @@ class RequeueSource(Source):
                           "source": self.inputs[located.input].location, "row": located.row,
                           "matched_by": located.matched_by} for located in self.found],
             "not_found": [asdict(record) for record in self.not_found],
+            "not_requeued": [{**asdict(record), "reason": "the run already holds this id in its data"}
+                             for record in self.not_requeued],
         }
 
 

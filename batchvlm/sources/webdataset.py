@@ -7,7 +7,9 @@ of its file name, WebDataset's `__key__`); its parts are named by the rest (`jpg
 `__key__` or a field of the sample's `.json`, as is `dataset.status_column`.
 
 A tar shard is one unit: its sample count is only known once it is read, so planning costs one
-listing of the shards.
+listing of the shards. A member over decode.max_bytes (by the size its header declares) is never read into
+memory; a malformed sample (its .json not an object, no part the config names) and a truncated shard's tail
+are quarantined under source.* checks, and the rest of the shard commits.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import json
 import posixpath
 import tarfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+from batchvlm.checks import CheckFailed, failure
 from batchvlm.records import InputFile, SourceRecord, WorkUnit
 from batchvlm.sources import Source, list_files, open_input, parent_of, record_from_row
 
@@ -30,19 +34,40 @@ def split_name(member: str) -> tuple[str, str]:
     return posixpath.join(folder, stem), part.lower()
 
 
-def samples(handle) -> Iterator[dict[str, bytes | str]]:
-    """Each sample of a tar stream as {__key__: key, part: bytes}; members are never seeked back to."""
+@dataclass(frozen=True)
+class Unread:
+    """A member the reader skipped: its declared size is over decode.max_bytes."""
+
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Truncated:
+    """Where a shard stopped being readable."""
+
+    error: str
+
+
+def samples(handle, max_bytes: int | None, image_parts: tuple[str, ...] = ()) -> Iterator[dict]:
+    """Each sample of a tar stream as {__key__: key, part: bytes or Unread}, members never seeked back to; an image
+    part over `max_bytes` is not read; a shard that stops being readable ends with a Truncated."""
     sample: dict = {}
-    with tarfile.open(fileobj=handle, mode="r|*") as tar:
-        for member in tar:
-            if not member.isfile():
-                continue
-            key, part = split_name(member.name)
-            if sample and sample[KEY] != key:
-                yield sample
-                sample = {}
-            sample[KEY] = key
-            sample[part] = tar.extractfile(member).read()
+    try:
+        with tarfile.open(fileobj=handle, mode="r|*") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                key, part = split_name(member.name)
+                if sample and sample[KEY] != key:
+                    yield sample
+                    sample = {}
+                sample[KEY] = key
+                too_big = max_bytes is not None and member.size > max_bytes and part in image_parts
+                sample[part] = Unread(member.name, member.size) if too_big else tar.extractfile(member).read()
+    except (tarfile.TarError, EOFError, OSError) as error:
+        yield Truncated(f"{type(error).__name__}: {error}")
+        return
     if sample:
         yield sample
 
@@ -54,24 +79,48 @@ class WebDatasetSource(Source):
     def plan(self) -> list[WorkUnit]:
         return [WorkUnit(f"{item.name}-all", item.name, 0, None, item.size or 0) for item in self.inputs.values()]
 
-    def _row(self, sample: dict) -> dict:
-        """The sample as a row: its parts, the fields of its `.json`, the first image part present."""
-        meta = json.loads(sample["json"]) if "json" in sample else {}
-        row = {**meta, **{part: value for part, value in sample.items() if part != "json"}}
+    def _row(self, sample: dict, location: str) -> dict:
+        """The sample as a row: its parts, the fields of its `.json`, the first image part present (raises
+        CheckFailed for a sample that is not one)."""
+        meta = _metadata(sample)
         parts = self.cfg.images_column.split(";")
-        row[self.cfg.images_column] = next((sample[part] for part in parts if part in sample), None)
+        if not any(part in sample for part in [*parts, self.cfg.text_column, "json"]):
+            raise CheckFailed("source.unrecognised_sample", f"the sample has none of the parts the config names "
+                              f"({';'.join(parts)}, {self.cfg.text_column}, json)",
+                              expected=", ".join([*parts, self.cfg.text_column, "json"]),
+                              observed=", ".join(sorted(k for k in sample if k != KEY)))
+        row = {**meta, **{part: value for part, value in sample.items() if part != "json"}}
+        image = next((sample[part] for part in parts if part in sample), None)
+        row[self.cfg.images_column] = ({"bytes": None, "path": f"{location}#{image.name}", "size": image.size}
+                                       if isinstance(image, Unread) else image)
         text = sample.get(self.cfg.text_column, meta.get(self.cfg.text_column))
         row[self.cfg.text_column] = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
         return row
 
     def _records(self, item: InputFile, unit_id: str, rows: set[int] | None) -> Iterator[SourceRecord]:
         with open_input(item.location, self.cfg.storage_options) as handle:
-            for index, sample in enumerate(samples(handle)):
+            image_parts = tuple(self.cfg.images_column.split(";"))
+            for index, sample in enumerate(samples(handle, self.max_bytes, image_parts)):
                 if index >= (self.cfg.limit or float("inf")):
                     return
                 if rows is None or index in rows:
-                    yield record_from_row(self.cfg, self._row(sample), unit_id, item.location, index, index,
-                                          parent_of(item.location))
+                    yield self._record(sample, item, unit_id, index)
+
+    def _record(self, sample: dict | Truncated, item: InputFile, unit_id: str, index: int) -> SourceRecord:
+        """A sample as a record; a malformed one, or a shard's unreadable tail, as a record that failed its check."""
+        if isinstance(sample, Truncated):
+            return self._failed(f"{item.name}#{index}", item, unit_id, index, failure(
+                "source.truncated", f"the shard is not readable after {index} samples ({sample.error}); its tail "
+                "is lost", expected="a complete tar", observed=sample.error))
+        try:
+            row = self._row(sample, item.location)
+        except CheckFailed as failed:
+            return self._failed(sample[KEY], item, unit_id, index, failed.to_failure())
+        return record_from_row(self.cfg, row, unit_id, item.location, index, index, parent_of(item.location))
+
+    def _failed(self, record_id: str, item: InputFile, unit_id: str, index: int, why) -> SourceRecord:
+        return SourceRecord(id=record_id, unit_id=unit_id, source=item.location, row=index, text="", images=[],
+                            seq=index, failure=why)
 
     def records(self, unit: WorkUnit) -> Iterator[SourceRecord]:
         return self._records(self.inputs[unit.source], unit.unit_id, None)
@@ -82,6 +131,22 @@ class WebDatasetSource(Source):
     def all_ids(self, name: str) -> Iterator[tuple[int, str | None]]:
         for record in self._records(self.inputs[name], name, None):
             yield record.row, record.id
+
+
+def _metadata(sample: dict) -> dict:
+    """The fields of the sample's `.json` (raises CheckFailed where it is not a JSON object)."""
+    if "json" not in sample:
+        return {}
+    raw = sample["json"]
+    try:
+        meta = json.loads(raw) if isinstance(raw, bytes) else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckFailed("source.bad_metadata", f"the sample's .json is not JSON ({error})", expected="a JSON object",
+                          observed=repr(raw[:80])) from None
+    if not isinstance(meta, dict):
+        raise CheckFailed("source.bad_metadata", "the sample's .json is not a JSON object", expected="a JSON object",
+                          observed=type(meta).__name__)
+    return meta
 
 
 SOURCE = WebDatasetSource

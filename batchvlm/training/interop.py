@@ -16,9 +16,9 @@ import torch
 
 from batchvlm.format.schema import EXTRA_OUTPUTS
 from batchvlm.format.hf_features import EMBED_ID_PREFIX, embedding_layouts, features_key_of
-from batchvlm.rundir.layout import RunLayout
-from batchvlm.rundir.manifest import listed_shards
-from batchvlm.training.reader import RecordTensors
+from batchvlm.rundir.dedup import duplicate_rows
+from batchvlm.rundir.layout import DATA, RunLayout
+from batchvlm.training.reader import RecordTensors, trusted_shards
 from batchvlm.format.schema import IMAGE
 
 
@@ -27,12 +27,14 @@ def mm_token_type_ids(token_tags: torch.Tensor) -> torch.Tensor:
     return (token_tags == IMAGE).long()
 
 
-def load_run_dataset(run_dir: str | Path, **kwargs):
-    """`datasets.load_dataset("parquet", split="train")` over the run's committed shards only: never a glob of
-    data/, which may hold the files of an attempt that did not commit. `kwargs` go to `load_dataset`."""
+def load_run_dataset(run_dir: str | Path, allow_unfinished: bool = False, checksums: bool = False, **kwargs):
+    """`datasets.load_dataset("parquet", split="train")` over the run's committed shards only (never a glob of
+    data/, which may hold the files of an attempt that did not commit), each checked against its manifest, without
+    the later occurrences of an id: the records `read_run` and the loader give. `kwargs` go to `load_dataset`."""
     import datasets
 
-    shards = [shard for _, shard in listed_shards(RunLayout(Path(run_dir)))]
+    units, excluded = trusted_shards(run_dir, allow_unfinished, checksums)
+    shards = [shard for _, shard in units]
     if not shards:
         raise ValueError(f"{run_dir} has no committed shards")
     schema = pq.read_schema(shards[0])
@@ -41,7 +43,16 @@ def load_run_dataset(run_dir: str | Path, **kwargs):
         # the same features, from batchvlm's own keys.
         kwargs["features"] = datasets.Features.from_arrow_schema(
             schema.with_metadata({**schema.metadata, b"huggingface": features_key_of(schema)}))
-    return datasets.load_dataset("parquet", data_files=[str(path) for path in shards], split="train", **kwargs)
+    dataset = datasets.load_dataset("parquet", data_files=[str(path) for path in shards], split="train", **kwargs)
+    return _without_later_occurrences(dataset, RunLayout(Path(run_dir))) if excluded else dataset
+
+
+def _without_later_occurrences(dataset, layout: RunLayout):
+    """Rows are told apart by their input and row; the duplicate pass lists the later occurrences by both."""
+    later = {(duplicate["source"], duplicate["row"]) for duplicate in duplicate_rows(layout)
+             if duplicate["kind"] == DATA}
+    return dataset.filter(lambda sources, rows: [(s, r) not in later for s, r in zip(sources, rows)], batched=True,
+                          input_columns=["source", "row"])
 
 
 class DatasetRows:

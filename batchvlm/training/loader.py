@@ -23,17 +23,10 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from batchvlm.rundir.dedup import excluded_rows
-from batchvlm.rundir.layout import RunLayout
-from batchvlm.rundir.manifest import listed_shards
-from batchvlm.training.reader import RecordArrays, ShardColumns, read_tensor_columns
+from batchvlm.training.reader import RecordArrays, ShardColumns, read_tensor_columns, trusted_shards
 from batchvlm.training.packing import PackedBatch, PackingError, first_fit_decreasing, pack_arrays
 
 RecordRef = tuple[int, int]  # (shard index, row)
-
-
-class RunNotFinished(RuntimeError):
-    """The run is not finished: its units may still change, so training on it is refused unless asked for."""
 
 
 @dataclass(frozen=True)
@@ -69,11 +62,7 @@ class RunIndex:
 
     @classmethod
     def of(cls, run_dir: str | Path, allow_unfinished: bool = False) -> RunIndex:
-        layout = RunLayout(Path(run_dir))
-        if not layout.success.exists() and not allow_unfinished:
-            raise RunNotFinished(f"{run_dir} has no {layout.name_of(layout.success)}: the run is unfinished or still "
-                                 "running; finish it, or pass allow_unfinished=True to train on its committed units")
-        units, excluded = listed_shards(layout), excluded_rows(layout)
+        units, excluded = trusted_shards(run_dir, allow_unfinished)
         tables = [pq.read_table(path, columns=["input_ids", "row"]) for _, path in units]
         lengths = [pc.list_value_length(table.column("input_ids")).to_numpy().astype(np.int64) for table in tables]
         kept = [np.flatnonzero(~np.isin(table.column("row").to_numpy(), list(excluded.get(unit, ()))))

@@ -14,8 +14,8 @@ import torch
 
 from batchvlm.format.schema import EMBED_DTYPES
 from batchvlm.rundir.dedup import excluded_rows
-from batchvlm.rundir.layout import RunLayout
-from batchvlm.rundir.manifest import listed_shards
+from batchvlm.rundir.layout import DATA, RunLayout
+from batchvlm.rundir.manifest import checked_shards
 from batchvlm.format.schema import EXTRA_OUTPUTS
 from batchvlm.format.hf_features import SIZE_KEY
 
@@ -216,9 +216,25 @@ def read_shard(path: str | Path, skip_rows: set[int] = frozenset()) -> Iterator[
         yield from (record for row, record in zip(rows, table_tensors(table)) if row not in skip_rows)
 
 
-def read_run(run_dir: str | Path) -> Iterator[RecordTensors]:
-    """Every committed record, leaving out the later occurrences of an id that the duplicate pass listed."""
+class RunNotFinished(RuntimeError):
+    """The run is not finished: its units may still change, so reading it is refused unless asked for."""
+
+
+def trusted_shards(run_dir: str | Path, allow_unfinished: bool = False,
+                   checksums: bool = False) -> tuple[list[tuple[str, Path]], dict[str, set[int]]]:
+    """What every reader reads of a run: (unit, shard) of the data shards the manifests list, each checked against
+    its manifest (its size; its sha256 with `checksums`), and per unit the rows that are later occurrences of an id.
+    A run that is not finished is refused unless `allow_unfinished`."""
     layout = RunLayout(Path(run_dir))
-    excluded = excluded_rows(layout)
-    for unit, shard in listed_shards(layout):
+    if not layout.success.exists() and not allow_unfinished:
+        raise RunNotFinished(f"{run_dir} has no {layout.name_of(layout.success)}: the run is unfinished or still "
+                             "running; finish it, or pass allow_unfinished=True to read its committed units")
+    return checked_shards(layout, DATA, checksums), excluded_rows(layout)
+
+
+def read_run(run_dir: str | Path, allow_unfinished: bool = False, checksums: bool = False) -> Iterator[RecordTensors]:
+    """Every committed record of a finished run (an unfinished one with `allow_unfinished`), leaving out the later
+    occurrences of an id that the duplicate pass listed; each shard checked against its manifest first."""
+    shards, excluded = trusted_shards(run_dir, allow_unfinished, checksums)
+    for unit, shard in shards:
         yield from read_shard(shard, excluded.get(unit, frozenset()))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 import io
 
 import numpy as np
@@ -199,3 +201,49 @@ def test_failures_cross_the_process_boundary_intact():
         assert caught.value.check == "decode.unreadable" and caught.value.image_index == 2
     finally:
         decoder.close()
+
+
+# -- reads: confined to the image root, regular files only, sized before any byte is read -----------------------------
+def refused(ref: ImageRef, cfg: DecodeConfig = DecodeConfig(), isolation: str = "process") -> str:
+    decoder = Decoder(dataclasses.replace(cfg, isolation=isolation, timeout_s=5))
+    try:
+        with pytest.raises(CheckFailed) as caught:
+            decoder(ref, 0)
+    finally:
+        decoder.close()
+    return caught.value.check
+
+
+@pytest.mark.parametrize("isolation", ["process", "none"])
+def test_a_path_outside_the_image_root_is_never_opened_whether_or_not_it_exists(tmp_path, isolation):
+    root = tmp_path / "images"
+    root.mkdir()
+    (tmp_path / "private.png").write_bytes(png_bytes(7))
+    (root / "link.png").symlink_to(tmp_path / "private.png")
+    for path in ("/etc/passwd", str(tmp_path / "private.png"), str(root / ".." / "private.png"), str(root / "link.png"),
+                 "/no/such/file.png"):
+        assert refused(ImageRef(path=path, root=str(root)), isolation=isolation) == "decode.path_outside_root", path
+
+
+def test_an_image_under_its_root_decodes_and_a_missing_one_is_named(tmp_path):
+    (tmp_path / "a.png").write_bytes(png_bytes(7))
+    decoder = Decoder(DecodeConfig())
+    try:
+        assert decoder(ImageRef(path=str(tmp_path / "a.png"), root=str(tmp_path)), 0).height == 8
+    finally:
+        decoder.close()
+    assert refused(ImageRef(path=str(tmp_path / "b.png"), root=str(tmp_path))) == "decode.missing_file"
+
+
+def test_a_fifo_is_refused_at_once_and_never_hangs_the_job(tmp_path):
+    os.mkfifo(tmp_path / "pipe.png")
+    assert refused(ImageRef(path=str(tmp_path / "pipe.png"), root=str(tmp_path))) == "decode.not_a_file"
+
+
+def test_a_huge_sparse_file_is_refused_by_its_size_before_a_byte_is_read(tmp_path):
+    sparse = tmp_path / "sparse.png"
+    with open(sparse, "wb") as handle:
+        handle.truncate(3 * 1024**3)  # 3 GB that take no disk: reading it would take 3 GB of memory
+    ref = ImageRef(path=str(sparse), root=str(tmp_path))
+    assert refused(ref, isolation="none") == "decode.too_many_bytes"
+    assert refused(ImageRef(data=b"x" * 65), DecodeConfig(max_bytes=64)) == "decode.too_many_bytes"

@@ -16,6 +16,7 @@ from skimage import data
 from batchvlm.rundir.dedup import duplicate_rows
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.training.reader import read_run
+from batchvlm.training.interop import load_run_dataset
 from batchvlm.training.loader import RunIndex, epoch_order
 from batchvlm.review.report import build_report
 from batchvlm.rundir.verify import verify_run
@@ -77,6 +78,16 @@ def test_duplicates_across_two_files_and_two_ranks_keep_the_first_occurrence(tmp
     assert verify_run(run_dir) == []
     index = RunIndex.of(run_dir)  # the training loader reads what read_run reads
     assert len(epoch_order(index, seed=0, epoch=0, buffer=4)) == len(kept) == 9
+    loaded = load_run_dataset(run_dir, cache_dir=str(tmp_path / "cache"))  # and so does `datasets`
+    assert sorted(loaded["id"]) == sorted(kept)
+    assert {(row["id"], row["source"].rsplit("/", 1)[-1]) for row in loaded.select_columns(["id", "source"])} >= {
+        ("shared", "a.parquet"), ("twice", "a.parquet")}
+
+    requeue = subprocess.run([sys.executable, str(REPO / "jobs" / "embed.py"), f"output.root={tmp_path}",
+                              "dataset=parquet", f"dataset.path={tmp_path}/*.parquet", f"requeue_from={run_dir}",
+                              "runtime.num_workers=0"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert requeue.returncode == 2  # its one quarantined record is a later occurrence of an id the run holds
+    assert "nothing to requeue" in requeue.stderr and "already written in its data" in requeue.stderr
     report = build_report(run_dir, thumbnails=False)
     assert report.by_check["source.duplicate_id"] == 3 and report.written == 9
     assert sorted(card.row["id"] for card in report.cards["source.duplicate_id"]) == ["inside", "shared", "twice"]

@@ -1,5 +1,5 @@
-"""Manifests: read in one place, refused with the file's name when they are not one; the orphan rule; the run's
-totals with the later occurrences of an id moved to the quarantined."""
+"""Manifests: read in one place, refused with the file's name when they are not one; what no manifest lists; the
+run's totals with the later occurrences of an id moved to the quarantined."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from batchvlm.rundir.layout import DATA, IDS, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import (Listing, Manifest, ManifestError, RunTotals, all_manifests, listed_shards,
-                                      orphans, read_manifest, remove_orphans)
+                                      orphans, read_manifest)
 
 
 def manifest(unit: str, written: int, quarantined: int, checks: dict | None = None) -> Manifest:
@@ -55,8 +55,6 @@ def test_orphans_are_temporary_files_and_shards_no_manifest_lists(tmp_path):
         path.parent.mkdir(exist_ok=True)
         path.write_text("x")
     assert sorted(orphans(layout, all_manifests(layout))) == sorted([unlisted, temporary])
-    assert sorted(remove_orphans(layout)) == sorted([unlisted, temporary])
-    assert not unlisted.exists() and elsewhere.exists() and layout.shard(DATA, "u", "a0").exists()
 
 
 def test_totals_move_the_later_occurrences_in_data_to_the_quarantined():

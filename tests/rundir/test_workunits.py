@@ -1,16 +1,20 @@
-"""The unit plan: made once from the inputs' metadata, read back by every restart, refused when the inputs or the
-parameters that cut them changed."""
+"""The unit plan: made once from the inputs' metadata, read back by every restart, refused when an input (its size,
+its identity) or a setting that decides which rows are read and what they mean changed."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
+import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchvlm.config import ConfigError, DatasetConfig
+from batchvlm.config import ConfigError, DatasetConfig, DecodeConfig, JobConfig
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.records import WorkUnit
-from batchvlm.rundir.workunits import Plan, make_plan, read_plan
+from batchvlm.rundir.workunits import Plan, make_plan, read_plan, write_plan
 from batchvlm.sources import make_source
 
 
@@ -21,9 +25,13 @@ def write_rows(path, count: int, group: int) -> None:
 
 
 def plan_of(folder, run_dir, **dataset):
-    cfg = DatasetConfig(kind="parquet", path=str(folder / "*.parquet"), **dataset)
-    run_dir.mkdir(exist_ok=True)  # the run directory exists before the plan (rundir.run)
-    return make_plan(RunLayout(run_dir), make_source(cfg), cfg, dedup_buckets=None)
+    """The plan of a run over the folder's Parquet files, written where it is new, as the job does."""
+    job = JobConfig(dataset=DatasetConfig(kind="parquet", path=str(folder / "*.parquet"), **dataset))
+    run_dir.mkdir(exist_ok=True)
+    plan, new = make_plan(RunLayout(run_dir), make_source(job.dataset), job)
+    if new:
+        write_plan(RunLayout(run_dir), plan)
+    return plan
 
 
 def test_the_plan_is_made_once_and_read_back_as_it_was(tmp_path):
@@ -43,8 +51,52 @@ def test_units_are_claimed_largest_first():
 def test_a_restart_over_changed_inputs_or_other_cuts_is_refused_naming_them(tmp_path):
     write_rows(tmp_path / "a.parquet", 10, 5)
     plan_of(tmp_path, tmp_path / "run", unit_records=5)
-    with pytest.raises(ConfigError, match=r"unit_records: 5 -> 4.*run_name="):
+    with pytest.raises(ConfigError, match=r"dataset.unit_records: 5 -> 4.*run_name="):
         plan_of(tmp_path, tmp_path / "run", unit_records=4)
     write_rows(tmp_path / "a.parquet", 12, 5)
-    with pytest.raises(ConfigError, match=r"a\.parquet changed size"):
+    with pytest.raises(ConfigError, match=r"a\.parquet changed \(.*size: \d+ -> \d+"):
         plan_of(tmp_path, tmp_path / "run", unit_records=5)
+
+
+def test_an_input_replaced_by_another_of_the_same_size_is_refused(tmp_path):
+    write_rows(tmp_path / "a.parquet", 10, 5)
+    plan_of(tmp_path, tmp_path / "run")
+    data = bytearray((tmp_path / "a.parquet").read_bytes())
+    data[-20] ^= 1  # another file, byte for byte as long
+    (tmp_path / "a.parquet").write_bytes(bytes(data))
+    os.utime(tmp_path / "a.parquet", (1_000_000_000, 1_000_000_000))  # even where the clock would not tell
+    with pytest.raises(ConfigError, match=r"a\.parquet changed \(mtime: "):
+        plan_of(tmp_path, tmp_path / "run")
+
+
+@pytest.mark.parametrize("setting", [{"text_column": "images"}, {"id_column": "text"}, {"require_images": True},
+                                     {"placeholder": "<img>"}])
+def test_a_resume_with_other_reading_settings_is_refused_naming_them(tmp_path, setting):
+    write_rows(tmp_path / "a.parquet", 10, 5)
+    plan_of(tmp_path, tmp_path / "run")
+    (key,) = setting
+    with pytest.raises(ConfigError, match=rf"dataset\.{key}: "):
+        plan_of(tmp_path, tmp_path / "run", **setting)
+
+
+def test_a_resume_with_other_decode_limits_is_refused_naming_them(tmp_path):
+    write_rows(tmp_path / "a.parquet", 10, 5)
+    cfg = DatasetConfig(kind="parquet", path=str(tmp_path / "*.parquet"))
+    layout = RunLayout(tmp_path)
+    write_plan(layout, make_plan(layout, make_source(cfg), JobConfig(dataset=cfg))[0])
+    with pytest.raises(ConfigError, match=r"decode\.max_pixels: 50000000 -> 1000"):
+        make_plan(layout, make_source(cfg), JobConfig(dataset=cfg, decode=DecodeConfig(max_pixels=1000)))
+
+
+def test_a_saved_dataset_with_rows_appended_is_refused(tmp_path):
+    rows = {"id": ["a", "b"], "images": [[b"x"], [b"y"]], "text": ["t", "t"]}
+    datasets.Dataset.from_dict(rows).save_to_disk(tmp_path / "ds")
+    job = JobConfig(dataset=DatasetConfig(kind="disk", path=str(tmp_path / "ds")))
+    layout = RunLayout(tmp_path)
+    write_plan(layout, make_plan(layout, make_source(job.dataset), job)[0])
+    more = {key: values * 2 for key, values in rows.items()}
+    datasets.Dataset.from_dict(more).save_to_disk(tmp_path / "ds2")
+    shutil.rmtree(tmp_path / "ds")
+    (tmp_path / "ds2").rename(tmp_path / "ds")
+    with pytest.raises(ConfigError, match=r"rows: 2 -> 4"):
+        make_plan(layout, make_source(job.dataset), job)

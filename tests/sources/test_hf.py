@@ -8,7 +8,7 @@ import datasets
 from PIL import Image
 from test_sources import FEATURES, PHOTOS, _columns, _table
 
-from batchvlm.config import DatasetConfig
+from batchvlm.config import DatasetConfig, DecodeConfig
 from batchvlm.pipeline.decode import read_bytes
 from batchvlm.sources import make_source
 
@@ -35,7 +35,7 @@ def test_imagefolder_with_metadata_reads_captions_and_ids(tmp_path):
     source = make_source(DatasetConfig(kind="imagefolder", path=str(folder), images_column="image"))
     records = [r for unit in source.plan() for r in source.records(unit)]
     assert sorted(r.id for r in records) == ["img-cat", "img-coins", "img-cup"]
-    assert all(len(r.images) == 1 and read_bytes(r.images[0], 0)[:4] == b"\x89PNG" for r in records)
+    assert all(len(r.images) == 1 and read_bytes(r.images[0], DecodeConfig(), 0)[:4] == b"\x89PNG" for r in records)
 
 
 def test_a_streamed_dataset_is_one_unit_per_shard_and_copies_nothing(tmp_path, monkeypatch):

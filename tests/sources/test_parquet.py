@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import datasets
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from test_sources import FEATURES, _columns, _table
@@ -59,3 +62,21 @@ def test_a_file_that_is_not_parquet_is_a_config_error_naming_the_key_and_file(tm
     (tmp_path / "notes.parquet").write_text("not parquet at all")
     with pytest.raises(ConfigError, match=r"dataset.path: .*notes.parquet is not a readable Parquet file"):
         make_source(DatasetConfig(kind="parquet", path=str(tmp_path / "notes.parquet"))).plan()
+
+
+@pytest.mark.parametrize("column,values,key", [("text", [1, 2], "dataset.text_column='text' is of type int64"),
+                                               ("id", [1.5, 2.5], "dataset.id_column='id' is of type double"),
+                                               ("images", [[1, 2], [3]], "dataset.images_column='images' is of type")])
+def test_a_column_of_another_type_than_the_config_means_is_refused_at_start_naming_it(tmp_path, column, values, key):
+    rows = {"id": ["a", "b"], "images": [[b"png"], [b"png"]], "text": ["<image> x", "<image> y"], column: values}
+    pq.write_table(pa.table(rows), tmp_path / "typed.parquet")
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        make_source(DatasetConfig(kind="parquet", path=str(tmp_path / "typed.parquet"))).plan()
+
+
+def test_bare_bytes_paths_and_integer_ids_are_columns_batchvlm_reads(tmp_path):
+    pq.write_table(pa.table({"id": [1, 2], "images": [b"png", b"png"], "text": ["<image> x", None]}),
+                   tmp_path / "plain.parquet")
+    source = make_source(DatasetConfig(kind="parquet", path=str(tmp_path / "plain.parquet")))
+    records = [record for unit in source.plan() for record in source.records(unit)]
+    assert [(r.id, r.images[0].data, r.text) for r in records] == [("1", b"png", "<image> x"), ("2", b"png", "")]

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 
 import datasets
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 from skimage import data
 
-from batchvlm.config import ConfigError, DatasetConfig
+from batchvlm.config import ConfigError, DatasetConfig, DecodeConfig
 from batchvlm.pipeline.decode import read_bytes
 from batchvlm.sources import make_source
 from conftest import run_embed
@@ -68,9 +71,33 @@ def test_an_image_given_as_a_url_is_refused_by_name_unless_fetching_is_allowed(t
     url = photo.as_uri()  # file:///...: fsspec reads it like any remote URL, with no network
     refused = image_ref(url, str(tmp_path), DatasetConfig(kind="parquet", path="x"))
     with pytest.raises(CheckFailed, match="given as a URL .*dataset.fetch_urls=true") as caught:
-        read_bytes(refused, 0)
+        read_bytes(refused, DecodeConfig(), 0)
     assert caught.value.check == "decode.missing_file"
     allowed = image_ref(url, str(tmp_path), DatasetConfig(kind="parquet", path="x", fetch_urls=True))
-    assert read_bytes(allowed, 0) == photo.read_bytes()
+    assert read_bytes(allowed, DecodeConfig(), 0) == photo.read_bytes()
     relative = image_ref("cat.jpg", str(tmp_path), DatasetConfig(kind="parquet", path="x"))
     assert relative.path == str(photo)  # resolved against the input's folder, not mangled
+
+
+@pytest.mark.slow
+def test_a_dataset_naming_files_outside_its_folder_gets_them_quarantined_unread_and_never_shown(tmp_path):
+    from conftest import REPO
+
+    dataset = tmp_path / "dataset"
+    (dataset / "images").mkdir(parents=True)
+    (dataset / "images" / "cat.jpg").write_bytes(jpeg(PHOTOS["cat"]))
+    (tmp_path / "private.jpg").write_bytes(jpeg(PHOTOS["cup"]))
+    pq.write_table(pa.table({"id": ["cat", "passwd", "escape"], "text": ["<image> a cat"] * 3,
+                             "images": [["images/cat.jpg"], ["/etc/passwd"], ["../private.jpg"]]}),
+                   dataset / "train.parquet")
+    result = run_embed(f"output.root={tmp_path}", "run_name=confined", "dataset=parquet",
+                       f"dataset.path={dataset / 'train.parquet'}", "checks.max_quarantine_fraction=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "confined"
+    quarantined = {r["id"]: r["check"] for p in (run / "quarantine").glob("*.parquet") for r in pq.read_table(p).to_pylist()}
+    assert quarantined == {"passwd": "decode.path_outside_root", "escape": "decode.path_outside_root"}
+    report = subprocess.run([sys.executable, str(REPO / "jobs" / "report.py"), f"run_dir={run}"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr[-3000:]
+    page = (run / "report" / "index.html").read_text()
+    assert "data:image/jpeg;base64" not in page and "outside the image root" in page

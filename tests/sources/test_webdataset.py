@@ -110,3 +110,58 @@ def test_webdataset_and_s3_inputs_give_the_rows_of_the_parquet_copy(tmp_path, s3
     assert outputs["s3"] == outputs["parquet"]
     units = json.loads((tmp_path / "out" / "s3" / "units.json").read_text())["units"]
     assert [(u["start"], u["stop"]) for u in units] == [(0, 2), (2, 4), (4, 5)]  # from the footer's row groups
+
+
+# -- malformed shards: quarantined with their evidence, the rest of the shard read ------------------------------------
+def _add(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(payload)
+    tar.addfile(info, io.BytesIO(payload))
+
+
+def _malformed_shard(path) -> None:
+    photo = _jpeg(PHOTOS["000000"])
+    with tarfile.open(path, "w") as tar:
+        _add(tar, "good.jpg", photo)
+        _add(tar, "good.txt", b"<image> a cat")
+        _add(tar, "notjson.jpg", photo)
+        _add(tar, "notjson.json", b"{not json")
+        _add(tar, "alist.jpg", photo)
+        _add(tar, "alist.json", b"[1, 2]")
+        _add(tar, "strange.xyz", b"who knows")
+        _add(tar, "huge.jpg", photo * 40)
+        _add(tar, "last.jpg", photo)
+        _add(tar, "last.txt", b"<image> the last whole sample")
+    whole = path.read_bytes()
+    path.write_bytes(whole[:whole.index(b"last.txt") - 1000])  # cut inside the last sample's image
+
+
+def test_a_malformed_shard_quarantines_each_bad_sample_and_its_lost_tail_and_reads_the_rest(tmp_path):
+    from batchvlm.config import DatasetConfig
+    from batchvlm.sources import make_source
+
+    _malformed_shard(tmp_path / "bad.tar")
+    cfg = DatasetConfig(kind="webdataset", path=str(tmp_path / "bad.tar"), id_column="__key__", images_column="jpg",
+                        text_column="txt")
+    source = make_source(cfg, max_bytes=len(_jpeg(PHOTOS["000000"])) * 10)
+    (unit,) = source.plan()
+    records = list(source.records(unit))
+    assert [(r.id, r.failure.check if r.failure else None) for r in records] == [
+        ("good", None), ("notjson", "source.bad_metadata"), ("alist", "source.bad_metadata"),
+        ("strange", "source.unrecognised_sample"), ("huge", None), (f"{unit.source}#5", "source.truncated")]
+    huge = records[4].images[0]
+    assert huge.data is None and huge.size > source.max_bytes  # never read into memory
+    assert "is not readable after 5 samples" in records[-1].failure.message
+
+
+def test_the_job_over_a_malformed_shard_commits_it_with_the_bad_samples_quarantined(tmp_path):
+    _malformed_shard(tmp_path / "bad.tar")
+    result = run_embed(f"output.root={tmp_path}", "run_name=bad", "dataset=webdataset",
+                       f"dataset.path={tmp_path / 'bad.tar'}", "dataset.images_column=jpg", "dataset.text_column=txt",
+                       f"decode.max_bytes={len(_jpeg(PHOTOS['000000'])) * 10}", "checks.max_quarantine_fraction=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    quarantined = {row["id"]: row["check"] for row in pq.read_table(next((tmp_path / "bad" / "quarantine").glob(
+        "*.parquet"))).to_pylist()}
+    assert sorted(quarantined.values()) == ["decode.too_many_bytes", "source.bad_metadata", "source.bad_metadata",
+                                            "source.truncated", "source.unrecognised_sample"]
+    assert [record.id for record in read_run(tmp_path / "bad")] == ["good"]

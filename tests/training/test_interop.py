@@ -3,19 +3,24 @@ and vLLM take."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 
 import datasets
 import pyarrow.parquet as pq
 import pytest
-from conftest import committed_shards
 import torch
+from conftest import committed_shards
 from transformers import Qwen2VLForConditionalGeneration
 
 from batchvlm.config import ModelConfig
 from batchvlm.families import load_family
+from batchvlm.rundir.durable import sha256_file
+from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.manifest import all_manifests
+from batchvlm.training import DatasetRows, load_run_dataset, mm_token_type_ids, vllm_qwen2_vl_image_input
 from batchvlm.training.reader import read_run
-from batchvlm.training import (DatasetRows, load_run_dataset, mm_token_type_ids, vllm_qwen2_vl_image_input)
 
 
 @pytest.mark.slow
@@ -48,6 +53,15 @@ def assert_rows_are_the_runs_records(dataset, records) -> None:
     assert len(read) == len(records)
     for ours, record in zip(read, records):
         assert_same_record(ours, record)
+
+
+def relist(run_dir, shard) -> None:
+    """The manifest listing a rewritten shard says the shard's new size and sha256."""
+    layout = RunLayout(run_dir)
+    for manifest in all_manifests(layout):
+        files = {kind: dataclasses.replace(listing, bytes=shard.stat().st_size, sha256=sha256_file(shard))
+                 if layout.listed(listing.path) == shard else listing for kind, listing in manifest.files.items()}
+        layout.manifest(manifest.unit).write_text(json.dumps(dataclasses.replace(manifest, files=files).to_json()))
 
 
 def without_datasets_key(metadata: dict[bytes, bytes]) -> dict[bytes, bytes]:
@@ -119,6 +133,7 @@ def test_a_run_written_before_the_datasets_key_loads_with_its_layouts_from_batch
     for shard in committed_shards(legacy):
         table = pq.read_table(shard)
         pq.write_table(table.replace_schema_metadata(without_datasets_key(table.schema.metadata)), shard)
+        relist(legacy, shard)  # the job of then listed its files as it wrote them
     dataset = load_run_dataset(legacy, cache_dir=str(tmp_path / "cache"))
     rows = DatasetRows.from_dataset(dataset)
     expected = {record.id: record for record in read_run(siglip_run)}

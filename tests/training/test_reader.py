@@ -1,14 +1,16 @@
 """The reader turns rows back into tensors: bf16 bit for bit, no copy, spans aligned with embeddings, only from
-the shards a manifest lists."""
+the shards a manifest lists, of a finished run, each what its manifest says."""
 
 from __future__ import annotations
 
 
+import shutil
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import committed_shards
 import torch
+from conftest import committed_shards
 
 from batchvlm.format.schema import DATA_SCHEMA
 from batchvlm.pipeline.assemble import embed_bytes
@@ -77,3 +79,51 @@ def test_a_table_in_several_chunks_gives_the_tensors_of_each_chunk(qwen_run):
         assert whole.id == alone.id
         for name in ("input_ids", "image_embeds", "image_spans", "token_tags", "position_ids"):
             assert torch.equal(getattr(whole, name), getattr(alone, name)), name
+
+
+# -- every reader reads the same records, of a finished run, from files that are what their manifests say ------------
+def damaged_copy(run, tmp_path, damage) -> tuple:
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    shard = committed_shards(copy)[0]
+    data = bytearray(shard.read_bytes())
+    shard.write_bytes(damage(data))
+    return copy, shard
+
+
+@pytest.mark.slow
+def test_an_unfinished_run_is_read_only_when_asked(demo_run, tmp_path):
+    from batchvlm.training import PackedLoader, RunNotFinished, load_run_dataset
+
+    copy = tmp_path / "copy"
+    shutil.copytree(demo_run, copy)
+    (copy / "_SUCCESS").unlink()
+    for read in (lambda: list(read_run(copy)), lambda: load_run_dataset(copy), lambda: PackedLoader(copy)):
+        with pytest.raises(RunNotFinished, match="allow_unfinished=True"):
+            read()
+    assert len(list(read_run(copy, allow_unfinished=True))) == len(list(read_run(demo_run)))
+
+
+@pytest.mark.slow
+def test_a_shard_that_changed_size_is_refused_by_every_reader_naming_it(demo_run, tmp_path):
+    from batchvlm.rundir.manifest import DamagedFile
+    from batchvlm.training import PackedLoader, load_run_dataset
+
+    copy, shard = damaged_copy(demo_run, tmp_path, lambda data: bytes(data[:-100]))
+    for read in (lambda: list(read_run(copy)), lambda: load_run_dataset(copy), lambda: PackedLoader(copy)):
+        with pytest.raises(DamagedFile, match=shard.name):
+            read()
+
+
+@pytest.mark.slow
+def test_a_flipped_bit_is_caught_by_the_readers_when_asked_to_check_checksums(demo_run, tmp_path):
+    from batchvlm.rundir.manifest import DamagedFile
+
+    def flip(data: bytearray) -> bytes:
+        data[len(data) // 2] ^= 0x10  # inside the embeddings' pages: same size, other values
+        return bytes(data)
+
+    copy, shard = damaged_copy(demo_run, tmp_path, flip)
+    assert len(list(read_run(copy))) == 18  # a size check alone cannot see it
+    with pytest.raises(DamagedFile, match=f"{shard.name} does not match its sha256"):
+        list(read_run(copy, checksums=True))

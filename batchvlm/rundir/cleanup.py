@@ -1,0 +1,75 @@
+"""Keeping a run directory true to its manifests: units whose files are not whole are uncommitted (and so redone), and
+what dead claims left is removed. Nothing else is ever deleted.
+
+A file is removed only when all of these hold: it lies in a unit folder, no manifest lists it, its name is one
+batchvlm writes for a unit of this run's plan (`<unit>.<claim token>.parquet`, or such a file or a manifest on its
+way to being published), and the claim that wrote it is dead (rundir.claims: fenced, and its holder's lease expired).
+A live holder's files, a second job's, and anything the job did not name itself stay.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from batchvlm.rundir.claims import Claims
+from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.manifest import Manifest, ManifestError, all_manifests, committed_units, orphans, read_manifest
+
+log = logging.getLogger("batchvlm")
+
+
+def not_whole(layout: RunLayout, manifest: Manifest) -> str | None:
+    """Why a committed unit is not whole (a listed file missing, or not at its recorded size), or None."""
+    for listing in manifest.files.values():
+        path = layout.listed(listing.path)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return f"{listing.path} is missing"
+        if size != listing.bytes:
+            return f"{listing.path} has {size} bytes, its manifest says {listing.bytes}"
+    return None
+
+
+def uncommit_broken(layout: RunLayout) -> list[str]:
+    """Units whose manifest is unreadable or whose files are not whole lose their commit, to be redone; the duplicate
+    pass's results, made from their ids, go with them. The units uncommitted."""
+    broken = []
+    for unit in sorted(committed_units(layout)):
+        path = layout.manifest(unit)
+        try:
+            why = not_whole(layout, read_manifest(path))
+        except ManifestError as error:
+            why = str(error)
+        if why is not None:
+            log.warning("unit %s is not whole (%s): its commit is withdrawn and the unit is redone", unit, why)
+            path.unlink(missing_ok=True)
+            broken.append(unit)
+    if broken:
+        for result in layout.committed_buckets():
+            layout.bucket_duplicates(int(result.stem)).unlink(missing_ok=True)
+            result.unlink(missing_ok=True)
+    return broken
+
+
+def stale_files(layout: RunLayout, unit_ids: set[str], claims: Claims) -> list[Path]:
+    """The files of dead claims on this plan's units that no manifest lists (see the module's rule)."""
+    manifests = all_manifests(layout)
+    committed_by = {manifest.unit: manifest.claim for manifest in manifests}
+    found = []
+    for path in orphans(layout, manifests):
+        written_by = layout.claim_of(path)
+        if written_by is None or written_by[0] not in unit_ids:
+            continue  # a name batchvlm does not write for this run: never touched
+        unit, token = written_by
+        if claims.dead(unit, token, committed_by.get(unit)):
+            found.append(path)
+    return found
+
+
+def remove_stale(layout: RunLayout, unit_ids: set[str], claims: Claims) -> list[Path]:
+    found = stale_files(layout, unit_ids, claims)
+    for path in found:
+        path.unlink(missing_ok=True)
+    return found
