@@ -10,13 +10,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue
+from typing import TYPE_CHECKING, Any
 
 from batchvlm.checks import CATALOGUE
+
+if TYPE_CHECKING:  # Hydra and OmegaConf are the jobs' (imported where the jobs use them): the library runs without
+    from omegaconf import DictConfig
+
+
+FLASH_ATTENTION = "flash_attention_2"
 
 
 class ConfigError(ValueError):
@@ -142,7 +144,7 @@ class ModelConfig:
     tokenizer_path: str | None = None
     """Tokenizer folder when it is not the checkpoint's own."""
     dtype: str = "float32"
-    """Compute dtype of the tower: float32 | bfloat16 | float16."""
+    """Compute dtype of the tower: float32 | bfloat16 | float16 (flash_attention_2 needs one of the last two)."""
     device: str = "auto"
     """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
     attn_implementation: str = "sdpa"
@@ -166,7 +168,11 @@ class ModelConfig:
         one_of("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         one_of("model.embedding", self.embedding, ("auto", "projector", "tower", "both"))
         one_of("model.framing", self.framing, ("k3", "plain"))
-        one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
+        one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", FLASH_ATTENTION))
+        if self.attn_implementation == FLASH_ATTENTION and self.dtype == "float32":
+            raise ConfigError(f"model.attn_implementation={FLASH_ATTENTION} runs in float16 or bfloat16 only, and "
+                              "model.dtype=float32: set model.dtype=bfloat16 (or float16), or "
+                              "model.attn_implementation=sdpa")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"model.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
@@ -364,6 +370,9 @@ def register_schemas() -> None:
     The groups need no entries of their own: JobConfig types every group's node, so each YAML merged onto
     it is checked key by key. A `schema` option per group would also show in `--help` and tab completion,
     and `model=schema` would run with the dataclass defaults."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import MISSING, OmegaConf
+
     OmegaConf.register_new_resolver("batchvlm.default_run_name", default_run_name, replace=True)
     schema = OmegaConf.structured(JobConfig)
     # A job names its checkpoint: merged onto a default, a model YAML's `path: ???` would leave the default standing.
@@ -373,6 +382,8 @@ def register_schemas() -> None:
 
 def required_path(cfg: DictConfig, key: str, usage: str) -> Path:
     """A `???` key that the user gives on the command line: a ConfigError that shows how, not a traceback."""
+    from omegaconf import OmegaConf
+
     if OmegaConf.is_missing(cfg, key):
         raise ConfigError(f"{key} is required: {usage}")
     return Path(cfg[key])
@@ -393,6 +404,9 @@ def _reject_unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> No
 def to_job_config(cfg: DictConfig) -> JobConfig:
     """Turn the composed config into validated objects; ConfigError names the offending key."""
     _reject_unknown_keys(cfg, JobConfig)
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue
+
     try:
         job = OmegaConf.to_object(cfg)
     except MissingMandatoryValue as error:
