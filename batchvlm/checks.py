@@ -33,6 +33,9 @@ CATALOGUE: dict[str, Check] = {
               "two rows that a reader cannot tell apart", "deduplicate the dataset or choose a unique dataset.id_column"),
         Check("source.download_failed", "the row's dataset.status_column is `success` (img2dataset)",
               "a failed download written as a text-only row", "re-download the image, or drop the row"),
+        Check("source.malformed_row", "a JSON Lines line or JSON array element is a JSON object",
+              "a broken line taking the whole unit down, or read as an empty record",
+              "fix the line (its byte offset is the quarantined row)"),
         Check("source.missing_image", "with dataset.require_images, the row has at least one image",
               "an image-text dataset row with its image missing, written as text only",
               "fix the row, or set dataset.require_images=false for a dataset with text-only rows"),
@@ -72,9 +75,27 @@ CATALOGUE: dict[str, Check] = {
               "re-encode the file or raise decode.timeout_s"),
         Check("decode.missing_file", "an image given as a path exists and can be read",
               "dangling paths in the dataset", "fix the path or the dataset root"),
-        Check("text.placeholder_count", "placeholders in the text == images of the record",
+        Check("text.placeholder_count", "placeholders in the text (a conversation: in all its turns, `<image>` "
+              "placeholders or `{type: image}` blocks) == images of the record",
               "an image with no place in the sequence, or a placeholder with no image",
               "fix the text, or set dataset.missing_placeholder=prepend for image-first datasets"),
+        Check("text.roles", "a conversation's roles are system, user, assistant or tool (llava: human, gpt, system), "
+              "in order: system only first, then user first; an assistant turn follows a user or tool turn, a tool "
+              "turn an assistant or tool turn, a user turn anything but a user turn",
+              "turns a chat template renders into a sequence no trainer would build, or silently renders wrong",
+              "fix the record's turns (or the roles' names)"),
+        Check("text.chat_template", "the chat template renders the conversation, with one image token per image "
+              "and every turn's text verbatim",
+              "a template that raises on the record, drops an image (Qwen3-VL renders none in assistant or system "
+              "turns) or rewrites a turn, so its labels could not be placed",
+              "fix the record, or give a template that renders it with model.chat_template"),
+        Check("text.too_long", "the record's tokens <= text.max_tokens (after text.overflow=drop_turns dropped "
+              "whole trailing turns, never part of an image)",
+              "a trainer cutting the sequence inside an image span, or dropping it silently",
+              "raise text.max_tokens, set text.overflow=drop_turns, or split the conversation"),
+        Check("text.no_trained_tokens", "a conversation has at least one trained token (text.train_on)",
+              "a record that costs a training step and teaches nothing (no assistant turn, or only empty ones)",
+              "fix the record, or choose text.train_on=all"),
         Check("text.image_span_count", "runs of image tokens found in input_ids (non-circular) == images",
               "adjacent images merging into one span, so the trainer splits embeddings at the wrong place",
               "use a framed prompt contract (model.framing=k3) or separate the placeholders with text"),
@@ -104,6 +125,10 @@ CATALOGUE: dict[str, Check] = {
               "an exception or out-of-memory inside the tower", "lower preprocess.token_budget or check the image"),
         Check("assemble.token_tags", "token_tags cover the whole sequence: len(token_tags) == len(input_ids)",
               "tags that misalign every token after the gap", "a layout bug: report it"),
+        Check("assemble.loss_mask", "the loss mask covers the sequence, lies on no image token, and (text.train_on "
+              "assistant or last_assistant) only on the tokens of assistant turns",
+              "a trainer learning to predict the prompt, the system text or image placeholders",
+              "a layout bug: report it"),
         Check("assemble.embed_bytes", "embedding bytes == n_tokens * hidden * sizeof(dtype)",
               "a row whose embeddings cannot be reshaped to [n_tokens, hidden]", "a sink bug: report it"),
     ]
@@ -114,7 +139,7 @@ class CheckFailed(Exception):
     """Raised when a record breaks an invariant. Carries the check, the stage and both sides."""
 
     def __init__(self, check: str, message: str, expected: object = "", observed: object = "",
-                 image_index: int | None = None):
+                 image_index: int | None = None, turn_index: int | None = None):
         if check not in CATALOGUE:
             raise KeyError(f"unknown check {check!r}; add it to batchvlm.checks.CATALOGUE")
         super().__init__(f"[{check}] {message}")
@@ -124,20 +149,23 @@ class CheckFailed(Exception):
         self.expected = str(expected)
         self.observed = str(observed)
         self.image_index = image_index
+        self.turn_index = turn_index
         self.record = None  # set where a batch-level stage knows which record an image belongs to
 
     def __reduce__(self):  # crosses process boundaries (decode sandbox, DataLoader workers)
-        return (type(self), (self.check, self.message, self.expected, self.observed, self.image_index))
+        return (type(self), (self.check, self.message, self.expected, self.observed, self.image_index,
+                             self.turn_index))
 
     def to_failure(self) -> Failure:
         return Failure(check=self.check, stage=self.stage, message=self.message, expected=self.expected,
-                       observed=self.observed, exception_type=type(self).__name__, image_index=self.image_index)
+                       observed=self.observed, exception_type=type(self).__name__, image_index=self.image_index,
+                       turn_index=self.turn_index)
 
 
 def require(condition: bool, check: str, message: str, expected: object = "", observed: object = "",
-            image_index: int | None = None) -> None:
+            image_index: int | None = None, turn_index: int | None = None) -> None:
     if not condition:
-        raise CheckFailed(check, message, expected, observed, image_index)
+        raise CheckFailed(check, message, expected, observed, image_index, turn_index)
 
 
 def failure(check: str, message: str, expected: object = "", observed: object = "") -> Failure:

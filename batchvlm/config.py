@@ -10,13 +10,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue
+from typing import TYPE_CHECKING, Any
 
 from batchvlm.checks import CATALOGUE
+
+if TYPE_CHECKING:  # Hydra and OmegaConf are the jobs' (imported where the jobs use them): the library runs without
+    from omegaconf import DictConfig
+
+
+FLASH_ATTENTION = "flash_attention_2"
 
 
 class ConfigError(ValueError):
@@ -37,16 +39,29 @@ def positive(key: str, value: int | float) -> None:
         raise ConfigError(f"{key}={value!r} must be > 0")
 
 
+FORMATS = ("text", "llava", "messages", "cauldron")
+"""dataset.format: what a record's text column holds."""
+
+
 @dataclass
 class DatasetConfig:
     kind: str = "demo"
-    """demo | parquet | webdataset (tar shards) | disk (save_to_disk) | imagefolder | hub (a `datasets` hub
-    dataset or local dataset folder, streamed)."""
+    """demo | parquet | webdataset (tar shards) | json (JSON arrays or JSON Lines files) | disk (save_to_disk) |
+    imagefolder | hub (a `datasets` hub dataset or local dataset folder, streamed)."""
     path: Any = None
-    """parquet / webdataset: a file, folder, glob or brace pattern (`shards/{00000..19999}.tar`, as img2dataset and
-    webdataset name shard lists; quote it on the command line), or a list of them; local or an fsspec URL (s3://,
+    """parquet / webdataset / json: a file, folder, glob or brace pattern (`shards/{00000..19999}.tar`, as img2dataset
+    and webdataset name shard lists; quote it on the command line), or a list of them; local or an fsspec URL (s3://,
     gs://, hf://, file://). disk: a `save_to_disk` folder; imagefolder: the data dir; hub: the dataset's name or
     folder."""
+    format: str = "text"
+    """What a record's text column holds: text (one string with a placeholder per image) | llava (LLaVA, ShareGPT4V,
+    OneVision, Cambrian: `conversations` of {from, value}, `<image>` placeholders) | messages (HF / TRL: `messages`
+    of {role, content}, content a string or {type: image} / {type: text, text} blocks) | cauldron (The Cauldron:
+    `texts` of {user, assistant}, the images before the first user turn). dataset.text_column names the column."""
+    image_first: bool = False
+    """llava: move a turn's lone placeholder to the front of its turn, followed by a newline, as LLaVA's own trainer
+    does (which changes the text the model sees); off, every image stays exactly where the text puts it (Qwen's
+    finetune scripts)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options of the input file system (e.g. {endpoint_url: ..., anon: true} for s3://)."""
     split: str = "train"
@@ -79,7 +94,10 @@ class DatasetConfig:
     """Read only the first N rows of each input file (for smoke runs)."""
 
     def __post_init__(self) -> None:
-        one_of("dataset.kind", self.kind, ("demo", "parquet", "webdataset", "disk", "imagefolder", "hub"))
+        one_of("dataset.kind", self.kind, ("demo", "parquet", "webdataset", "json", "disk", "imagefolder", "hub"))
+        one_of("dataset.format", self.format, FORMATS)
+        if self.image_first and self.format != "llava":
+            raise ConfigError(f"dataset.image_first=true applies to dataset.format=llava, not {self.format}")
         one_of("dataset.missing_placeholder", self.missing_placeholder, ("prepend", "quarantine"))
         positive("dataset.unit_records", self.unit_records)
         positive("dataset.unit_bytes", self.unit_bytes)
@@ -98,6 +116,33 @@ class DatasetConfig:
 
 
 @dataclass
+class TextConfig:
+    train_on: str = "auto"
+    """Which tokens a trainer learns to predict (the stored loss_mask): assistant (the content and end-of-turn token of
+    every assistant turn) | last_assistant (of the last one only) | all (every token but image tokens) | auto
+    (assistant for a conversation; all for dataset.format=text, which has no turns)."""
+    max_tokens: int | None = None
+    """Tokens per record at most (the trainer's context length); null: no limit. A longer record is quarantined under
+    text.too_long, or loses whole trailing turns (text.overflow)."""
+    overflow: str = "quarantine"
+    """A record over text.max_tokens: quarantine (text.too_long) | drop_turns (a conversation keeps its longest prefix
+    of whole turns that ends with an assistant turn and fits; never part of an image; the row records how many
+    turns it lost)."""
+
+    def __post_init__(self) -> None:
+        one_of("text.train_on", self.train_on, ("auto", "assistant", "last_assistant", "all"))
+        one_of("text.overflow", self.overflow, ("quarantine", "drop_turns"))
+        if self.max_tokens is not None:
+            positive("text.max_tokens", self.max_tokens)
+        if self.overflow == "drop_turns" and self.max_tokens is None:
+            raise ConfigError("text.overflow=drop_turns needs text.max_tokens")
+
+    def trained(self, format: str) -> str:
+        """text.train_on resolved for a dataset format: auto trains assistant turns, or everything in plain text."""
+        return ("all" if format == "text" else "assistant") if self.train_on == "auto" else self.train_on
+
+
+@dataclass
 class ModelConfig:
     family: str = "kimi_k25"
     """Encoder family module under batchvlm/families/."""
@@ -107,7 +152,7 @@ class ModelConfig:
     tokenizer_path: str | None = None
     """Tokenizer folder when it is not the checkpoint's own."""
     dtype: str = "float32"
-    """Compute dtype of the tower: float32 | bfloat16 | float16."""
+    """Compute dtype of the tower: float32 | bfloat16 | float16 (flash_attention_2 needs one of the last two)."""
     device: str = "auto"
     """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
     attn_implementation: str = "sdpa"
@@ -119,6 +164,9 @@ class ModelConfig:
     """kimi_k25 prompt contract: k3 (begin/content/end frame around each image's tokens) | plain (bare repeats, K2.5).
     Other families have one contract each and ignore it."""
     trust_remote_code: bool = False
+    chat_template: str | None = None
+    """A Jinja chat template file rendering conversations in place of the tokenizer's own (dataset.format other than
+    text); each image must render as the family's single image token."""
     processor: dict[str, Any] = field(default_factory=dict)
     """Overrides of the checkpoint's processor parameters (family-specific keys, validated by the family)."""
 
@@ -128,9 +176,15 @@ class ModelConfig:
         one_of("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         one_of("model.embedding", self.embedding, ("auto", "projector", "tower", "both"))
         one_of("model.framing", self.framing, ("k3", "plain"))
-        one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
+        one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", FLASH_ATTENTION))
+        if self.attn_implementation == FLASH_ATTENTION and self.dtype == "float32":
+            raise ConfigError(f"model.attn_implementation={FLASH_ATTENTION} runs in float16 or bfloat16 only, and "
+                              "model.dtype=float32: set model.dtype=bfloat16 (or float16), or "
+                              "model.attn_implementation=sdpa")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"model.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ConfigError(f"model.chat_template={self.chat_template!r} is not a file")
 
 
 @dataclass
@@ -266,6 +320,7 @@ class JobConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    text: TextConfig = field(default_factory=TextConfig)
     requeue_from: str | None = None
     """A run directory whose quarantined records alone are re-run, re-read from the current dataset with
     the current config; the default run_name is then `<that run's name>-requeue`."""
@@ -276,6 +331,11 @@ class JobConfig:
         if not self.run_name or "/" in self.run_name or self.run_name in (".", ".."):
             raise ConfigError(f"run_name={self.run_name!r} must be a plain folder name")
         self.check = _check_names(self.check)
+        if self.dataset.format == "text" and self.text.trained("text") != "all":
+            raise ConfigError(f"text.train_on={self.text.train_on}: dataset.format=text has no turns; its records "
+                              "train on every token (text.train_on=all or auto)")
+        if self.dataset.format == "text" and self.text.overflow == "drop_turns":
+            raise ConfigError("text.overflow=drop_turns: dataset.format=text has no turns to drop; use quarantine")
         if self.check is not None and self.requeue_from is None:
             raise ConfigError("check=... selects quarantined records to requeue; it needs requeue_from=<run dir>")
 
@@ -338,6 +398,9 @@ def register_schemas() -> None:
     The groups need no entries of their own: JobConfig types every group's node, so each YAML merged onto
     it is checked key by key. A `schema` option per group would also show in `--help` and tab completion,
     and `model=schema` would run with the dataclass defaults."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import MISSING, OmegaConf
+
     OmegaConf.register_new_resolver("batchvlm.default_run_name", default_run_name, replace=True)
     for name, node in (("embed_schema", JobConfig), ("estimate_schema", EstimateConfig)):
         schema = OmegaConf.structured(node)
@@ -348,6 +411,8 @@ def register_schemas() -> None:
 
 def required_path(cfg: DictConfig, key: str, usage: str) -> Path:
     """A `???` key that the user gives on the command line: a ConfigError that shows how, not a traceback."""
+    from omegaconf import OmegaConf
+
     if OmegaConf.is_missing(cfg, key):
         raise ConfigError(f"{key} is required: {usage}")
     return Path(cfg[key])
@@ -368,6 +433,9 @@ def _reject_unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> No
 def to_job_config(cfg: DictConfig, schema: type = JobConfig) -> JobConfig:
     """Turn the composed config into validated objects; ConfigError names the offending key."""
     _reject_unknown_keys(cfg, schema)
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue
+
     try:
         job = OmegaConf.to_object(cfg)
     except MissingMandatoryValue as error:

@@ -17,7 +17,7 @@ import numpy as np
 
 from batchvlm.config import ConfigError
 
-DEMO_VERSION = "v1"
+DEMO_VERSION = "v2"  # v2: the tiny tokenizers carry chat tokens and templates
 
 
 def home() -> Path:

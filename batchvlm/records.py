@@ -49,16 +49,38 @@ class ImageRef:
     size: int | None = None  # the bytes the source declares, where it knows them before reading (a tar member)
 
 
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles a conversation's turns may have (HF / TRL `messages`); other formats' roles are mapped onto them."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One message of a conversation: its role, and its content in order: text pieces, and None where an image sits
+    (the k-th None of the conversation takes the record's k-th image)."""
+
+    role: str
+    content: tuple[str | None, ...]
+
+    @property
+    def num_images(self) -> int:
+        return sum(part is None for part in self.content)
+
+    def text(self, placeholder: str) -> str:
+        """The turn's text with `placeholder` where each image sits (what a quarantine row and the report show)."""
+        return "".join(placeholder if part is None else part for part in self.content)
+
+
 @dataclass
 class SourceRecord:
     id: str | None
     unit_id: str
     source: str
     row: int
-    text: str
+    text: str  # format=text: the text; a conversation: its turns as JSON, images as the placeholder
     images: list[ImageRef]
     seq: int = 0  # position within its unit: shards list records in this order
     failure: "Failure | None" = None  # a source.* check this record failed as it was read
+    turns: list[Turn] | None = None  # a conversation (dataset.format other than text)
 
 
 @dataclass
@@ -124,6 +146,26 @@ class TokenLayout:
     token_tags: list[int]
     position_ids: np.ndarray | None = None  # [3, seq] M-RoPE positions, for families that use them
     rope_delta: int | None = None  # max position + 1 - seq: where decoding continues
+    chat: "ChatLayout | None" = None  # a conversation: which tokens are trained, where each turn lies
+
+
+@dataclass
+class TurnSpan:
+    """Where a rendered turn lies in the expanded sequence: tokens [start, end), its end-of-turn token last."""
+
+    role: str
+    start: int
+    end: int
+
+
+@dataclass
+class ChatLayout:
+    """What a conversation adds to its token layout: the trained tokens, the turns kept, and how many trailing turns
+    text.overflow=drop_turns left out."""
+
+    loss_mask: list[int]  # per token: 1 trained, 0 not
+    turns: list[TurnSpan]
+    dropped_turns: int = 0
 
 
 @dataclass
@@ -176,6 +218,7 @@ class Failure:
     observed: str
     exception_type: str
     image_index: int | None = None
+    turn_index: int | None = None  # a conversation: the turn the failure is about (e.g. where max_tokens falls)
 
 
 @dataclass
@@ -216,5 +259,8 @@ class PixelBatch:
     """Images of several records packed along the row axis, in the layout the tower takes."""
 
     pixel_values: torch.Tensor
-    grid_thw: torch.Tensor  # [num_images, 3] int64
+    grid_thw: torch.Tensor  # [num_images, 3] int64, on the host
     records: list[PreparedRecord] = field(default_factory=list)
+    finite: torch.Tensor | None = None
+    """Per image, on the pixels' device and not yet read: every value written and finite (preprocessing's check,
+    read back with the tower's outputs); None where preprocessing read it already."""

@@ -133,6 +133,22 @@ def committed_shards(run_dir, kind: str = "data") -> list[Path]:
     return [shard for _, shard in listed_shards(RunLayout(Path(run_dir)), kind)]
 
 
+def relist(run_dir, shard) -> None:
+    """The manifest listing a rewritten shard says the shard's new size and sha256 (as if the job wrote it so)."""
+    import dataclasses
+    import json
+
+    from batchvlm.rundir.durable import sha256_file
+    from batchvlm.rundir.layout import RunLayout
+    from batchvlm.rundir.manifest import all_manifests
+
+    layout = RunLayout(Path(run_dir))
+    for manifest in all_manifests(layout):
+        files = {kind: dataclasses.replace(listing, bytes=Path(shard).stat().st_size, sha256=sha256_file(shard))
+                 if layout.listed(listing.path) == Path(shard) else listing for kind, listing in manifest.files.items()}
+        layout.manifest(manifest.unit).write_text(json.dumps(dataclasses.replace(manifest, files=files).to_json()))
+
+
 @pytest.fixture(scope="session")
 def qwen_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("outputs")
@@ -155,3 +171,86 @@ def siglip_run(tmp_path_factory) -> Path:
     result = run_embed(f"output.root={root}", "run_name=siglip", "model=siglip2_tiny", "dataset.limit=6")
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "siglip"
+
+
+# -- Qwen2-VL's real vocabulary (tests/qwen_vocab.py) ---------------------------------------------------------------
+@pytest.fixture(scope="session")
+def qwen_real_checkpoint(tmp_path_factory) -> Path:
+    """A Qwen2-VL checkpoint folder with the real tokenizer (built once per session: ~10 s) and an LLM over its
+    vocabulary; the tiny demo checkpoint's tower."""
+    import qwen_vocab
+    from batchvlm.families import tiny_checkpoint
+
+    folder = tmp_path_factory.mktemp("qwen2_vl_real_vocab")
+    qwen_vocab.write_checkpoint(folder, tiny_checkpoint("qwen2_vl"))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen_real(qwen_real_checkpoint):
+    """The qwen2_vl family over that checkpoint, as `model.path` loads it."""
+    from batchvlm.config import ModelConfig
+    from batchvlm.families import load_family
+
+    return load_family(ModelConfig(family="qwen2_vl", path=str(qwen_real_checkpoint)))
+
+
+LLAVA_ANSWER = ("It is a photograph, and here is a long description of it: "
+                + "the colours, the light, the shapes. " * 12)
+
+
+def llava_records() -> list[dict]:
+    """LLaVA records over image files: multi-turn and multi-image, text only, one longer than the run's
+    text.max_tokens (it loses whole trailing turns), one whose roles are out of order (quarantined)."""
+    return [
+        {"id": "two_photos", "image": ["img/cat.png", "img/coffee.jpg"], "conversations": [
+            {"from": "human", "value": "Compare <image> with\n<image> -- which is older (1999 or 2024)?"},
+            {"from": "gpt", "value": "The first:  from 1999."},
+            {"from": "human", "value": "And the cup?"},
+            {"from": "gpt", "value": "2024, café-style."}]},
+        {"id": "text_only", "conversations": [{"from": "human", "value": "What is 12+30?"},
+                                              {"from": "gpt", "value": "42."}]},
+        {"id": "long", "image": "img/rocket.jpg", "conversations": [
+            {"from": "human", "value": "<image>\nDescribe it."}, {"from": "gpt", "value": "A rocket. " + LLAVA_ANSWER},
+            {"from": "human", "value": "More?"}, {"from": "gpt", "value": LLAVA_ANSWER},
+            {"from": "human", "value": "Even more?"}, {"from": "gpt", "value": LLAVA_ANSWER}]},
+        {"id": "answer_first", "image": "img/cat.png", "conversations": [
+            {"from": "gpt", "value": "<image> I speak first."}, {"from": "human", "value": "Why?"}]},
+    ]
+
+
+LLAVA_MAX_TOKENS = 400
+
+
+def write_llava_dataset(folder: Path) -> Path:
+    """The records as LLaVA ships them: one JSON array, image paths relative to the images' root."""
+    import json
+
+    from PIL import Image
+    from skimage import data
+
+    (folder / "img").mkdir(parents=True)
+    for name, pixels in (("cat.png", data.chelsea()[::3, ::3]), ("coffee.jpg", data.coffee()[::4, ::4]),
+                         ("rocket.jpg", data.rocket()[::4, ::4])):
+        Image.fromarray(pixels).save(folder / "img" / name)
+    (folder / "llava.json").write_text(json.dumps(llava_records(), indent=1, ensure_ascii=False))
+    return folder / "llava.json"
+
+
+@pytest.fixture(scope="session")
+def llava_dataset(tmp_path_factory) -> Path:
+    return write_llava_dataset(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="session")
+def llava_run(tmp_path_factory, qwen_real_checkpoint, llava_dataset) -> Path:
+    """The job on LLaVA records with Qwen2-VL's real vocabulary, its stored embeddings in fp32 from the HF processor's
+    pixels (so the training oracle compares the stored output alone)."""
+    root = tmp_path_factory.mktemp("outputs")
+    path = llava_dataset
+    result = run_embed(f"output.root={root}", "run_name=llava", "dataset=llava", f"dataset.path={path}",
+                       "model=qwen2_vl_tiny", f"model.path={qwen_real_checkpoint}", "output.embed_dtype=float32",
+                       "preprocess.backend=reference", f"text.max_tokens={LLAVA_MAX_TOKENS}",
+                       "text.overflow=drop_turns")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "llava"

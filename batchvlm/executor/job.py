@@ -27,10 +27,11 @@ from batchvlm.executor.distributed import Coordinator, Ranks, init_ranks
 from batchvlm.executor.overlap import Streams
 from batchvlm.executor.progress import Progress
 from batchvlm.executor.rows import Assembler, rows
-from batchvlm.executor.tally import JobAborted, Tally
+from batchvlm.executor.tally import JobAborted, QuarantineOverLimit, Tally, check_run_totals
 from batchvlm.executor.worker import PreparedStream, prepared_units
 from batchvlm.families import Family, load_family, resolve_checkpoint
 from batchvlm.format.schema import EMBED_DTYPES
+from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.jpeg import JpegBatchDecoder, resolve_jpeg_decode
 from batchvlm.pipeline.preprocess import PreprocessGuard, make_preprocessor, resolve_backend
@@ -45,7 +46,7 @@ from batchvlm.rundir.workunits import Plan, make_plan, read_plan, write_plan
 from batchvlm.sources import Source, make_source
 from batchvlm.sources.requeue import RequeueSource, requeue_source, write_lineage
 
-__all__ = ["JobAborted", "Terminated", "run_job", "summarize"]
+__all__ = ["JobAborted", "QuarantineOverLimit", "Terminated", "run_job", "summarize"]
 
 log = logging.getLogger("batchvlm")
 
@@ -84,6 +85,7 @@ class Parts:
     stage: Device
     assembler: Assembler
     requeue: RequeueSource | None
+    chat: ChatRenderer | None  # a conversation format's chat template renderer
     draft: Draft | None  # rank 0's
 
 
@@ -93,6 +95,7 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
     The plan comes before the run directory is written: a config that does not fit its inputs (a column that is not
     there, a glob that matches nothing, a changed input) is refused with nothing left behind."""
     family = load_family(job.model)
+    chat = ChatRenderer.of(family, job.text, job.dataset.format)
     requeue = requeue_source(job, layout.root) if job.requeue_from else None
     draft = None
     if ranks.is_main:
@@ -102,11 +105,13 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
     encoder = family.load_encoder(device, EMBED_DTYPES[job.model.dtype])
     run = RunDir(layout, job, family, encoder, ranks)
     embed_dtype = EMBED_DTYPES[job.output.embed_dtype]
+    overlap = job.runtime.overlap
     stage = Device(make_preprocessor(job.preprocess.backend, family, device, job.preprocess.background), encoder,
                    PreprocessGuard.from_config(job.preprocess, family, job.preprocess.background), embed_dtype,
-                   Streams(device) if job.runtime.overlap else None, _jpeg_decoder(job, device))
-    assembler = Assembler(embed_dtype, encoder.hidden_sizes, job.output.quarantine_bytes_cap, run.fingerprint_digest)
-    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue, draft)
+                   overlap, Streams(device, overlap), _jpeg_decoder(job, device))
+    assembler = Assembler(embed_dtype, encoder.hidden_sizes, job.output.quarantine_bytes_cap, run.fingerprint_digest,
+                          job.text.trained(job.dataset.format), job.dataset.placeholder)
+    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue, chat, draft)
 
 
 def _jpeg_decoder(job: JobConfig, device: torch.device) -> JpegBatchDecoder | None:
@@ -211,7 +216,7 @@ class Job:
     def embed_claimed(self, source: Source, todo: list[WorkUnit], claims: Claims, sink: RunSink, shown) -> None:
         """One pass of the workers over the units left: the chain from claimed units to committed shards."""
         runtime, parts = self.job.runtime, self.parts
-        stream = PreparedStream(source, todo, parts.family, self.job, claims, self.layout)
+        stream = PreparedStream(source, todo, parts.family, self.job, claims, self.layout, parts.chat)
         prepared = prepared_units(stream, runtime.num_workers, runtime.prefetch)  # workers fork before the writer
         writer = SinkWriter(sink, runtime.writer_queue)
         batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
@@ -271,11 +276,16 @@ def rank_job(job: JobConfig, run_dir: Path) -> Job:
 
 
 def run_job(job: JobConfig, run_dir: Path) -> dict | None:
+    """Rank 0's summary of the run (None on the other ranks); QuarantineOverLimit where the run, complete, quarantined
+    more than checks.max_quarantine_fraction of its records, however few."""
     runner = rank_job(job, run_dir)
     try:
-        return runner.run_all()
+        summary = runner.run_all()
     finally:
         runner.ranks.close()
+    if summary is not None:
+        check_run_totals(summary, job.checks)
+    return summary
 
 
 def summarize(summary: dict) -> str:

@@ -25,6 +25,8 @@ class Assembler:
     hidden_sizes: dict[str, int]
     quarantine_bytes_cap: int
     fingerprint: str
+    train_on: str = "all"  # text.train_on, resolved: what assemble.loss_mask allows
+    placeholder: str = "<image>"  # how a quarantined conversation's images show in its turns
 
     def rows(self, outcomes: list[EncodedRecord | QuarantinedRecord]) -> list[OutputRow]:
         data, quarantined = [], []
@@ -34,7 +36,7 @@ class Assembler:
                 continue
             try:
                 data.append(OutputRow(outcome.prepared.source, DATA,
-                                      data_row(outcome, self.embed_dtype, self.hidden_sizes),
+                                      data_row(outcome, self.embed_dtype, self.hidden_sizes, self.train_on),
                                       outcome.prepared.preprocess.counts()))
             except CheckFailed as failure:
                 quarantined.append(QuarantinedRecord(outcome.prepared.source, failure.to_failure(),
@@ -43,7 +45,8 @@ class Assembler:
 
     def _quarantine_row(self, item: QuarantinedRecord) -> OutputRow:
         log.warning("quarantined %s [%s] %s", item.source.id, item.failure.check, item.failure.message)
-        return OutputRow(item.source, QUARANTINE, quarantine_row(item, self.quarantine_bytes_cap, self.fingerprint),
+        return OutputRow(item.source, QUARANTINE, quarantine_row(item, self.quarantine_bytes_cap, self.fingerprint,
+                                                                 self.placeholder),
                          item.preprocess.counts())
 
 

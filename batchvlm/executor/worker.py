@@ -13,28 +13,42 @@ from torch.utils.data import DataLoader, IterableDataset
 from batchvlm.checks import CheckFailed, failure
 from batchvlm.config import JobConfig
 from batchvlm.faults import crash_point
+from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
-from batchvlm.pipeline.tokens import attach_positions, build_layout, place_images
-from batchvlm.records import PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd, UnitStart, WorkUnit
+from batchvlm.pipeline.tokens import attach_positions, build_layout, place_images, require_fits
+from batchvlm.records import PreparedRecord, QuarantinedRecord, SourceRecord, Turn, UnitEnd, UnitStart, WorkUnit
 from batchvlm.rundir.claims import Claims
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.sources import Source
+from batchvlm.sources.conversations import place_conversation_images
 
 
-def prepare(record: SourceRecord, family, job: JobConfig, decoder: Decoder) -> PreparedRecord | QuarantinedRecord:
+def prepare(record: SourceRecord, family, job: JobConfig, decoder: Decoder,
+            chat: ChatRenderer | None = None) -> PreparedRecord | QuarantinedRecord:
     try:
-        text = place_images(record.text, job.dataset.placeholder, len(record.images),
-                            job.dataset.missing_placeholder)
+        if chat is None:
+            content = place_images(record.text, job.dataset.placeholder, len(record.images),
+                                   job.dataset.missing_placeholder)
+        else:
+            content = place_conversation_images(record.turns, len(record.images), job.dataset.missing_placeholder)
         images = [decoder(ref, index) for index, ref in enumerate(record.images)]
-        return plan_and_lay_out(record, text, images, family, job)
+        return plan_and_lay_out(record, content, images, family, job, chat)
     except CheckFailed as failed:
         return QuarantinedRecord(record, failed.to_failure())
 
 
-def plan_and_lay_out(record: SourceRecord, text: str, images: list, family, job: JobConfig) -> PreparedRecord:
-    """The plan of each decoded image and the record's token layout (raises CheckFailed)."""
+def plan_and_lay_out(record: SourceRecord, content: str | list[Turn], images: list, family, job: JobConfig,
+                     chat: ChatRenderer | None = None) -> PreparedRecord:
+    """The plan of each decoded image and the record's token layout: of a text, or of a conversation's turns rendered
+    with its chat template (raises CheckFailed)."""
     plans = [family.plan(image.height, image.width) for image in images]
-    layout = build_layout(text, job.dataset.placeholder, plans, family)
+    if chat is None:
+        layout = build_layout(content, job.dataset.placeholder, plans, family)
+        require_fits(layout, job.text.max_tokens)
+    else:
+        layout = chat.lay_out(content, plans)
+        kept = len(layout.image_spans)  # the images of turns that text.overflow=drop_turns left out are not embedded
+        images, plans = images[:kept], plans[:kept]
     attach_positions(layout, plans, family)
     return PreparedRecord(source=record, images=images, plans=plans, layout=layout)
 
@@ -59,8 +73,8 @@ class PreparedStream(IterableDataset):
     records prepared, and the end marker. Units committed meanwhile are skipped."""
 
     def __init__(self, source: Source, units: list[WorkUnit], family, job: JobConfig, claims: Claims,
-                 layout: RunLayout):
-        self.source, self.units, self.family, self.job = source, units, family, job
+                 layout: RunLayout, chat: ChatRenderer | None = None):
+        self.source, self.units, self.family, self.job, self.chat = source, units, family, job, chat
         self.claims, self.layout = claims, layout
         self.decoder = Decoder(job.decode)
 
@@ -84,7 +98,7 @@ class PreparedStream(IterableDataset):
             for record in self.source.records(unit):
                 crash_point("decode")
                 count += 1
-                yield checked_id(record, unit, seen) or prepare(record, self.family, self.job, self.decoder)
+                yield checked_id(record, unit, seen) or prepare(record, self.family, self.job, self.decoder, self.chat)
             yield UnitEnd(unit, count)
 
 

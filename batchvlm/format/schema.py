@@ -19,6 +19,8 @@ EXTRA_OUTPUTS = {
 EMBED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 _SIZE = pa.list_(pa.int32(), 2)
+TURN = pa.struct([("role", pa.string()), ("start", pa.int32()), ("end", pa.int32())])
+"""A rendered turn's tokens [start, end) in input_ids, its end-of-turn token last."""
 
 DATA_SCHEMA = pa.schema([
     ("id", pa.string()),
@@ -28,6 +30,12 @@ DATA_SCHEMA = pa.schema([
     ("input_ids", pa.list_(pa.int32())),
     ("image_spans", pa.list_(pa.struct([("start", pa.int32()), ("length", pa.int32())]))),
     ("token_tags", pa.list_(pa.int8())),
+    ("num_tokens", pa.int32()),
+    # A conversation's (null for dataset.format=text): which tokens are trained, where each turn lies, how many
+    # trailing turns text.overflow=drop_turns left out.
+    ("loss_mask", pa.list_(pa.int8())),
+    ("turns", pa.list_(TURN)),
+    ("dropped_turns", pa.int32()),
     ("grid_thw", pa.list_(pa.list_(pa.int32(), 3))),
     ("original_size", pa.list_(_SIZE)),
     ("resized_size", pa.list_(_SIZE)),
@@ -58,5 +66,9 @@ QUARANTINE_SCHEMA = pa.schema([
     ("image_bytes", pa.list_(pa.large_binary())),
     ("image_paths", pa.list_(pa.string())),
     ("text", pa.string()),
+    # A conversation's turns as read (null for dataset.format=text), images as the placeholder, and the turn the
+    # failure is about (text.too_long: the first turn past text.max_tokens).
+    ("turns", pa.list_(pa.struct([("role", pa.string()), ("text", pa.string())]))),
+    ("turn_index", pa.int32()),
     ("fingerprint", pa.string()),
 ])

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from batchvlm.checks import require
-from batchvlm.format.schema import EXTRA_OUTPUTS
-from batchvlm.records import EncodedRecord, QuarantinedRecord, SourceRecord
+from batchvlm.format.schema import EXTRA_OUTPUTS, IMAGE
+from batchvlm.records import ChatLayout, EncodedRecord, QuarantinedRecord, SourceRecord, TokenLayout
 
 
 def embed_bytes(embeds: list[torch.Tensor], dtype: torch.dtype, hidden_size: int) -> bytes:
@@ -21,12 +22,36 @@ def embed_bytes(embeds: list[torch.Tensor], dtype: torch.dtype, hidden_size: int
     return data
 
 
-def data_row(encoded: EncodedRecord, dtype: torch.dtype, hidden_sizes: dict[str, int]) -> dict:
+def checked_chat(layout: TokenLayout, train_on: str | None) -> ChatLayout | None:
+    """assemble.loss_mask: a conversation's mask covers the sequence, lies on no image token, and (but for train_on=all)
+    only on the tokens of assistant turns."""
+    chat = layout.chat
+    if chat is None:
+        return None
+    mask = np.asarray(chat.loss_mask, dtype=bool)
+    require(len(mask) == len(layout.input_ids), "assemble.loss_mask", "the loss mask must cover the full sequence",
+            expected=len(layout.input_ids), observed=len(mask))
+    on_images = int((mask & (np.asarray(layout.token_tags) == IMAGE)).sum())
+    require(on_images == 0, "assemble.loss_mask", f"{on_images} image token(s) are trained", expected=0,
+            observed=on_images)
+    if train_on != "all":
+        assistant = np.zeros(len(mask), dtype=bool)
+        for turn in chat.turns:
+            assistant[turn.start:turn.end] |= turn.role == "assistant"
+        outside = int((mask & ~assistant).sum())
+        require(outside == 0, "assemble.loss_mask", f"{outside} trained token(s) lie outside every assistant turn",
+                expected=0, observed=outside)
+    return chat
+
+
+def data_row(encoded: EncodedRecord, dtype: torch.dtype, hidden_sizes: dict[str, int],
+             train_on: str | None = None) -> dict:
     record = encoded.prepared
     layout = record.layout
     require(len(layout.token_tags) == len(layout.input_ids), "assemble.token_tags",
             "token_tags must cover the full sequence", expected=len(layout.input_ids),
             observed=len(layout.token_tags))
+    chat = checked_chat(layout, train_on)
     plans = record.plans
     return {
         "id": record.source.id,
@@ -36,6 +61,10 @@ def data_row(encoded: EncodedRecord, dtype: torch.dtype, hidden_sizes: dict[str,
         "input_ids": layout.input_ids,
         "image_spans": [{"start": start, "length": length} for start, length in layout.image_spans],
         "token_tags": layout.token_tags,
+        "num_tokens": len(layout.input_ids),
+        "loss_mask": chat.loss_mask if chat else None,
+        "turns": [{"role": t.role, "start": t.start, "end": t.end} for t in chat.turns] if chat else None,
+        "dropped_turns": chat.dropped_turns if chat else None,
         "grid_thw": [list(plan.grid_thw) for plan in plans],
         "original_size": [list(plan.original) for plan in plans],
         "resized_size": [list(plan.resized) for plan in plans],
@@ -50,7 +79,7 @@ def data_row(encoded: EncodedRecord, dtype: torch.dtype, hidden_sizes: dict[str,
     }
 
 
-def quarantine_row(item: QuarantinedRecord, bytes_cap: int, fingerprint: str) -> dict:
+def quarantine_row(item: QuarantinedRecord, bytes_cap: int, fingerprint: str, placeholder: str = "<image>") -> dict:
     source: SourceRecord = item.source
     failure = item.failure
     return {
@@ -69,5 +98,8 @@ def quarantine_row(item: QuarantinedRecord, bytes_cap: int, fingerprint: str) ->
                         for ref in source.images],
         "image_paths": [ref.path for ref in source.images],
         "text": source.text,
+        "turns": [{"role": turn.role, "text": turn.text(placeholder)} for turn in source.turns]
+        if source.turns is not None else None,
+        "turn_index": failure.turn_index,
         "fingerprint": fingerprint,
     }

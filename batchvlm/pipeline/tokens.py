@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from batchvlm.checks import require
+from batchvlm.checks import CheckFailed, require
 from batchvlm.format.schema import TEXT
 from batchvlm.records import ImagePlan, TokenLayout
 
 
-def find_spans(input_ids: list[int], token_id: int) -> list[tuple[int, int]]:
+def find_spans(input_ids: list[int] | np.ndarray, token_id: int) -> list[tuple[int, int]]:
     """Maximal runs of `token_id` as (start, length), detected without wrap-around.
 
     The mask is padded with False on both sides before differencing, so a sequence that starts and
@@ -51,15 +51,29 @@ def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family) ->
             image_ids, image_tags = family.expand_image(plans[index])
             input_ids += image_ids
             tags += image_tags
+    return TokenLayout(input_ids=input_ids, image_spans=checked_spans(input_ids, plans, family), token_tags=tags)
+
+
+def checked_spans(input_ids: list[int] | np.ndarray, plans: list[ImagePlan], family) -> list[tuple[int, int]]:
+    """The image spans found again in the ids, one per image, each as long as its plan says."""
     spans = find_spans(input_ids, family.image_token_id)
-    require(len(spans) == len(plans), "text.image_span_count",
-            f"Expected one image span per image: {len(plans)} image(s), {len(spans)} span(s) of image tokens",
-            expected=len(plans), observed=len(spans))
+    # Messages are formatted only for a failure: this runs on every record.
+    if len(spans) != len(plans):
+        raise CheckFailed("text.image_span_count", f"Expected one image span per image: {len(plans)} image(s), "
+                          f"{len(spans)} span(s) of image tokens", expected=len(plans), observed=len(spans))
     for index, ((_, length), plan) in enumerate(zip(spans, plans)):
-        require(length == plan.num_tokens, "text.span_length",
-                f"span of image {index} has {length} tokens, its plan has {plan.num_tokens}",
-                expected=plan.num_tokens, observed=length, image_index=index)
-    return TokenLayout(input_ids=input_ids, image_spans=spans, token_tags=tags)
+        if length != plan.num_tokens:
+            raise CheckFailed("text.span_length", f"span of image {index} has {length} tokens, its plan has "
+                              f"{plan.num_tokens}", expected=plan.num_tokens, observed=length, image_index=index)
+    return spans
+
+
+def require_fits(layout: TokenLayout, max_tokens: int | None) -> None:
+    """text.too_long for a plain text: it has no turns to drop."""
+    if max_tokens is not None:
+        require(len(layout.input_ids) <= max_tokens, "text.too_long", f"{len(layout.input_ids)} tokens, more than "
+                f"text.max_tokens={max_tokens}", expected=f"<= {max_tokens} tokens",
+                observed=f"{len(layout.input_ids)} tokens")
 
 
 def attach_positions(layout: TokenLayout, plans: list[ImagePlan], family) -> None:

@@ -100,6 +100,21 @@ def written_distributions(layout: RunLayout) -> list[Distribution]:
             Distribution("aspect ratio (width / height)", "images", aspects, log_bins=True)]
 
 
+def dropped_turns(layout: RunLayout) -> tuple[int, int]:
+    """(records, turns): the conversations text.overflow=drop_turns cut to fewer whole turns, and the turns they lost,
+    over the committed data shards (none in a run of plain texts, or written before the column was)."""
+    records = turns = 0
+    for _, shard in listed_shards(layout, DATA):
+        file = pq.ParquetFile(shard)
+        if "dropped_turns" not in file.schema_arrow.names:
+            continue
+        for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=["dropped_turns"]):
+            counts = pc.fill_null(batch.column(0), 0)
+            records += pc.sum(pc.greater(counts, 0).cast(pa.int64())).as_py() or 0
+            turns += pc.sum(counts).as_py() or 0
+    return records, turns
+
+
 def value_counts(values: pa.Array) -> dict:
     """Distinct value -> how often it occurs, for one Arrow column."""
     return {item["values"].as_py(): item["counts"].as_py() for item in pc.value_counts(values)}

@@ -46,6 +46,9 @@ figcaption{font-size:12px;color:var(--mute)}.id{margin:0;font-size:16px;word-bre
 pre{margin:0;white-space:pre-wrap;word-break:break-word;background:var(--bg);padding:6px;border-radius:4px;font-size:12px}
 mark{background:#ffe08a;border-radius:2px}h4.plain{text-transform:none}.more{color:var(--mute);font-style:italic;margin:6px 0 14px}
 [hidden]{display:none!important}
+.turn{display:grid;grid-template-columns:90px 1fr;gap:8px;margin:4px 0}.badge.role{background:#e6eefb;color:#24508f}
+.turn[data-role=assistant] .badge.role{background:#e5f4ea;color:var(--ok)}
+.cut{color:var(--bad);font-weight:600;margin:6px 0}
 .hists{display:grid;grid-template-columns:repeat(auto-fit,minmax(340px,1fr));gap:16px}
 .hist{margin:0;background:#fff;border:1px solid var(--line);border-radius:8px;padding:10px 12px}
 .hist h3{margin:0;font-size:15px}.hist div{display:grid;grid-template-columns:130px 1fr 60px;gap:8px;align-items:center}
@@ -125,9 +128,12 @@ def _tables(report: Report) -> str:
 
 def _written_data(report: Report) -> str:
     figures = "".join(_histogram(distribution) for distribution in report.written_data)
+    records, turns = report.cut_conversations
+    cut = (f'<p class="cut">{records:,} conversations cut to whole turns (text.overflow=drop_turns): {turns:,} '
+           "trailing turns left out</p>") if records else ""
     return ('<section id="written-data"><h2>Written data</h2><p class="path">Committed records, for choosing '
             'training settings (token budget, sequence length, resize limits).</p>'
-            f'<div class="hists">{figures}</div></section>')
+            f'{cut}<div class="hists">{figures}</div></section>')
 
 
 def _histogram(distribution: Distribution) -> str:
@@ -193,7 +199,6 @@ def _card(card: Card, placeholder: str, was_check: str | None) -> str:
     thumbnails = "".join(_thumbnail(card, i) for i in range(len(card.thumbnails)))
     if images == 0:
         thumbnails = '<div class="placeholder">text only: no image</div>'
-    text = row["text"] or ""
     return (f'<article class="card" data-check="{escape(row["check"])}" data-stage="{escape(row["stage"])}" '
             f'data-search="{escape(searchable.lower())}">'
             f'<div class="thumbs">{thumbnails}</div>'
@@ -204,8 +209,28 @@ def _card(card: Card, placeholder: str, was_check: str | None) -> str:
             f'{_failed_image(row)}{_was(was_check)}</p><p class="message">{escape(row["message"])}</p>'
             f'<div class="eo"><div><h4>expected</h4><pre>{escape(row["expected"])}</pre></div>'
             f'<div><h4>observed</h4><pre>{escape(row["observed"])}</pre></div></div>'
-            f'<h4 class="plain">text: {text.count(placeholder)} × {escape(placeholder)} for {images} image(s)</h4>'
-            f"<pre>{_highlight(text, placeholder)}</pre></div></article>")
+            f"{_text(row, placeholder, images)}</div></article>")
+
+
+def _text(row: dict, placeholder: str, images: int) -> str:
+    """A plain text with its placeholders marked, or a conversation turn by turn: each role, and where the failure is
+    (text.too_long: the turn where text.max_tokens is reached, the cut)."""
+    turns = row.get("turns")
+    if turns is None:
+        text = row["text"] or ""
+        return (f'<h4 class="plain">text: {text.count(placeholder)} × {escape(placeholder)} for {images} image(s)</h4>'
+                f"<pre>{_highlight(text, placeholder)}</pre>")
+    shown = sum(turn["text"].count(placeholder) for turn in turns)
+    items = []
+    for index, turn in enumerate(turns):
+        if index == row.get("turn_index"):
+            mark = ("✂ text.max_tokens is reached in this turn: the conversation would be cut here"
+                    if row["check"] == "text.too_long" else "▶ the failure is about this turn")
+            items.append(f'<p class="cut">{mark}</p>')
+        items.append(f'<div class="turn" data-role="{escape(turn["role"])}"><span class="badge role">'
+                     f'{escape(turn["role"])}</span><pre>{_highlight(turn["text"], placeholder)}</pre></div>')
+    return (f'<h4 class="plain">conversation: {len(turns)} turn(s), {shown} × {escape(placeholder)} for {images} '
+            f'image(s)</h4><div class="turns">{"".join(items)}</div>')
 
 
 def _was(check: str | None) -> str:

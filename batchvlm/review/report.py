@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from batchvlm.config import DecodeConfig, ModelConfig
 from batchvlm.format.schema import QUARANTINE_SCHEMA
 from batchvlm.pipeline.preprocess import merged_stats
-from batchvlm.review.distributions import Distribution, value_counts, written_distributions
+from batchvlm.review.distributions import Distribution, dropped_turns, value_counts, written_distributions
 from batchvlm.review.thumbnails import Thumbnail, Thumbnailer
 from batchvlm.rundir.dedup import committed_results, duplicate_rows
 from batchvlm.rundir.durable import read_json
@@ -82,6 +82,7 @@ class Report:
     was_check: dict[str, str] = field(default_factory=dict)  # requeue run: id -> the check it failed before
     placeholder: str = "<image>"
     written_data: list[Distribution] = field(default_factory=list)
+    cut_conversations: tuple[int, int] = (0, 0)  # records written with trailing turns dropped, and the turns
 
     def cards_not_shown(self, check: str) -> int:
         return self.by_check[check] - len(self.cards.get(check, []))
@@ -111,6 +112,7 @@ def build_report(run_dir: Path, max_cards_per_check: int = 50, thumbnails: bool 
         _scan_shard(report, shard)
     _scan_duplicates(report, layout)
     report.written_data = written_distributions(layout)
+    report.cut_conversations = dropped_turns(layout)
     if thumbnails:
         _attach_thumbnails(report, config)
     if (lineage := read_lineage(layout)) is not None:
@@ -133,8 +135,10 @@ def _run_config(layout: RunLayout) -> dict:
 
 def _scan_shard(report: Report, shard: Path) -> None:
     """Count one shard batch by batch, and keep the rows that still fit under their check's card cap."""
-    offset = 0
-    for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=ROW_COLUMNS):
+    offset, file = 0, pq.ParquetFile(shard)
+    # A run written before a column was added (a conversation's turns) reports without it.
+    columns = [name for name in ROW_COLUMNS if name in file.schema_arrow.names]
+    for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=columns):
         report.quarantined += batch.num_rows
         for counter, column in ((report.by_check, "check"), (report.by_stage, "stage"), (report.by_source, "source")):
             counter.update(value_counts(batch.column(column)))
@@ -245,6 +249,9 @@ def summary_text(report: Report) -> str:
     lines += [f"  {count:>8}  [{check}] {message}" for (check, message), count in
               report.messages.most_common(TOP_MESSAGES)]
     lines += _written_data_lines(report.written_data)
+    if report.cut_conversations[0]:
+        lines.append(f"  conversations cut to whole turns (text.overflow=drop_turns): {report.cut_conversations[0]:,} "
+                     f"records, {report.cut_conversations[1]:,} trailing turns left out")
     if report.requeue is not None:
         outcome = report.requeue
         lines.append(f"requeued from {outcome.requeue_from}: "

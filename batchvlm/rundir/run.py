@@ -20,6 +20,7 @@ import batchvlm
 from batchvlm.config import TINY, ConfigError, JobConfig, differences
 from batchvlm.faults import crash_point
 from batchvlm.format.hf_features import SIZE_KEY, features_key
+from batchvlm.pipeline.chat import text_fingerprint
 from batchvlm.pipeline.preprocess import merged_stats
 from batchvlm.rundir.dedup import bucket_results
 from batchvlm.rundir.durable import durable_write, durable_write_json, read_json
@@ -71,6 +72,7 @@ class RunDir:
             "jpeg_decode": job.decode.jpeg,  # resolved: nvJPEG's pixels are not libjpeg-turbo's
             "background": job.preprocess.background,
             "placeholder": job.dataset.placeholder,
+            **text_fingerprint(job, family),
             "versions": {"batchvlm": batchvlm.__version__, "transformers": transformers.__version__,
                          "torch": torch.__version__},
         }

@@ -22,12 +22,13 @@ from collections.abc import Iterator
 import fsspec
 import pyarrow as pa
 
-from batchvlm.checks import failure
+from batchvlm.checks import CheckFailed, failure
 from batchvlm.config import ConfigError, DatasetConfig
 from batchvlm.records import Failure, ImageRef, InputFile, SourceRecord, WorkUnit
+from batchvlm.sources.conversations import read_turns, turns_text
 
-KINDS = {"demo": "parquet", "parquet": "parquet", "webdataset": "webdataset", "disk": "hf", "imagefolder": "hf",
-         "hub": "hf"}
+KINDS = {"demo": "parquet", "parquet": "parquet", "webdataset": "webdataset", "json": "jsonl", "disk": "hf",
+         "imagefolder": "hf", "hub": "hf"}
 """dataset.kind -> the module under batchvlm/sources/ that reads it."""
 
 
@@ -185,16 +186,26 @@ def _images(kind: pa.DataType) -> bool:
     return _image(kind)
 
 
+def _turns(kind: pa.DataType) -> bool:
+    """A list of turn structs, or the list as a JSON string."""
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return pa.types.is_struct(kind.value_type)
+    return _texts(kind)
+
+
 COLUMN_TYPES = {"id_column": (lambda kind: _texts(kind) or pa.types.is_integer(kind), "a string or an integer"),
                 "text_column": (_texts, "a string"), "status_column": (_texts, "a string"),
                 "images_column": (_images, "image bytes, a path or an HF Image struct, or a list of them")}
 """What each column the config names may hold: a value of any other type would mean something else or nothing."""
+TURNS_COLUMN = (_turns, "a list of turns (structs) or a JSON string of one")
+"""The text column of a conversation format (dataset.format other than text)."""
 
 
 def check_column_types(schema: pa.Schema, cfg: DatasetConfig, where: str) -> None:
     """The columns the config names are of a type batchvlm reads as the config means them (ConfigError naming the
     key, the column and its type, before any row is read)."""
-    for key, (accepts, wanted) in COLUMN_TYPES.items():
+    kinds = COLUMN_TYPES if cfg.format == "text" else {**COLUMN_TYPES, "text_column": TURNS_COLUMN}
+    for key, (accepts, wanted) in kinds.items():
         column = getattr(cfg, key)
         if column is not None and column in schema.names and not accepts(schema.field(column).type):
             raise ConfigError(f"dataset.{key}={column!r} is of type {schema.field(column).type} in {where}; "
@@ -238,6 +249,13 @@ def record_from_row(cfg: DatasetConfig, row: dict, unit_id: str, source: str, in
                           unit_id=unit_id, source=source, row=index, text=row.get(cfg.text_column) or "",
                           images=[image_ref(image, base, cfg) for image in images], seq=seq)
     record.failure = source_failure(cfg, row, record)
+    if cfg.format != "text" and record.failure is None:
+        try:
+            record.turns = read_turns(cfg.format, row.get(cfg.text_column), cfg.placeholder, len(images),
+                                      cfg.image_first, cfg.text_column)
+            record.text = turns_text(record.turns, cfg.placeholder)
+        except CheckFailed as failed:
+            record.text, record.failure = str(row.get(cfg.text_column)), failed.to_failure()
     return record
 
 

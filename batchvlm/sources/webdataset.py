@@ -90,7 +90,8 @@ class WebDatasetSource(Source):
                               expected=", ".join([*parts, self.cfg.text_column, "json"]),
                               observed=", ".join(sorted(k for k in sample if k != KEY)))
         row = {**meta, **{part: value for part, value in sample.items() if part != "json"}}
-        image = next((sample[part] for part in parts if part in sample), None)
+        # An image part of the sample, else the .json's field of that name (paths, as LLaVA records give them)
+        image = next((sample[part] for part in parts if part in sample), meta.get(self.cfg.images_column))
         row[self.cfg.images_column] = ({"bytes": None, "path": f"{location}#{image.name}", "size": image.size}
                                        if isinstance(image, Unread) else image)
         text = sample.get(self.cfg.text_column, meta.get(self.cfg.text_column))

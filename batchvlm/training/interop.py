@@ -101,6 +101,7 @@ class DatasetRows:
             extras={name: self._embeddings(row[name], name) for name in EXTRA_OUTPUTS if row.get(name) is not None},
             position_ids=torch.tensor(positions, dtype=torch.int64) if positions is not None else None,
             rope_delta=row.get("rope_delta"),
+            loss_mask=torch.tensor(row["loss_mask"], dtype=torch.int8) if row.get("loss_mask") is not None else None,
         )
 
 

@@ -29,7 +29,8 @@ class PackingError(ValueError):
 class PackedBatch:
     ids: list[str]  # the records, in packed order
     input_ids: torch.Tensor  # [1, L] int64
-    labels: torch.Tensor  # [1, L] int64: -100 on image tokens and on each record's first token
+    labels: torch.Tensor  # [1, L] int64: -100 on each record's first token, and on the tokens its loss_mask does not
+    # train (a conversation), or on image tokens (a plain text)
     token_tags: torch.Tensor  # [1, L] int8: 0 text, 1 image token, 2 frame token
     document_ids: torch.Tensor  # [1, L] int64: index of the record each token belongs to
     position_ids: torch.Tensor  # [4, 1, L] (text row, then M-RoPE t, h, w) for Qwen, else [1, L]; restarted per record
@@ -102,7 +103,7 @@ def pack_arrays(records: list[RecordArrays], max_tokens: int) -> PackedBatch:
     image_embeds = embeds.pop("image_embeds")
     batch = PackedBatch(
         ids=[r.id for r in records], input_ids=torch.from_numpy(input_ids)[None],
-        labels=torch.from_numpy(_labels(input_ids, token_tags, cu_seqlens))[None],
+        labels=torch.from_numpy(_labels(input_ids, token_tags, cu_seqlens, records))[None],
         token_tags=torch.from_numpy(token_tags)[None],
         document_ids=torch.from_numpy(np.repeat(np.arange(len(records)), lengths))[None],
         position_ids=_position_ids(records, cu_seqlens), cu_seqlens=torch.from_numpy(cu_seqlens.astype(np.int32)),
@@ -114,10 +115,15 @@ def pack_arrays(records: list[RecordArrays], max_tokens: int) -> PackedBatch:
     return batch
 
 
-def _labels(input_ids: np.ndarray, token_tags: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
-    # A record's first token would otherwise be the target of the previous record's last token.
-    labels = input_ids.copy()
-    labels[token_tags == IMAGE] = IGNORE_INDEX
+def _labels(input_ids: np.ndarray, token_tags: np.ndarray, cu_seqlens: np.ndarray,
+            records: list[RecordArrays]) -> np.ndarray:
+    """The targets: a conversation's trained tokens (its stored loss_mask), a plain text's every token but image
+    tokens. A record's first token would otherwise be the target of the previous record's last token."""
+    trained = token_tags != IMAGE
+    if any(r.loss_mask is not None for r in records):
+        trained = np.concatenate([r.loss_mask.astype(bool) if r.loss_mask is not None else r.token_tags != IMAGE
+                                  for r in records])
+    labels = np.where(trained, input_ids, IGNORE_INDEX)
     labels[cu_seqlens[:-1]] = IGNORE_INDEX
     return labels
 

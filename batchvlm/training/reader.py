@@ -31,6 +31,7 @@ class RecordTensors:
     extras: dict[str, torch.Tensor]  # tower_embeds / deepstack_embeds [n_tokens, h], pooled_embeds [n_images, h]
     position_ids: torch.Tensor | None  # [3, seq] int64 M-RoPE positions (Qwen), else None
     rope_delta: int | None
+    loss_mask: torch.Tensor | None = None  # [seq] int8, 1 where trained: a conversation's; None for a plain text
 
     def image_token_positions(self) -> torch.Tensor:
         """Sequence positions of the image tokens, in the order of the rows of image_embeds."""
@@ -85,6 +86,7 @@ class RecordArrays:
     embeds: dict[str, np.ndarray]  # image_embeds and the extras present: [rows, hidden], their bits (_BITS)
     embed_dtype: torch.dtype
     rope_delta: int | None
+    loss_mask: np.ndarray | None = None  # [seq] int8, or None
 
     def tensors(self) -> RecordTensors:
         embeds = {name: tensor_of(rows, self.embed_dtype) for name, rows in self.embeds.items()}
@@ -95,7 +97,8 @@ class RecordArrays:
             image_spans=torch.from_numpy(self.image_spans.astype(np.int64)),
             token_tags=torch.from_numpy(self.token_tags.copy()), extras=embeds,
             position_ids=torch.from_numpy(self.position_ids.astype(np.int64)) if self.position_ids is not None else None,
-            rope_delta=self.rope_delta)
+            rope_delta=self.rope_delta,
+            loss_mask=torch.from_numpy(self.loss_mask.copy()) if self.loss_mask is not None else None)
 
 
 def record_arrays(record: RecordTensors) -> RecordArrays:
@@ -106,7 +109,8 @@ def record_arrays(record: RecordTensors) -> RecordArrays:
         image_spans=record.image_spans.numpy(force=True), grid_thw=record.grid_thw.numpy(force=True),
         position_ids=record.position_ids.numpy(force=True) if record.position_ids is not None else None,
         embeds={name: _as_bits(rows) for name, rows in embeds.items()}, embed_dtype=record.image_embeds.dtype,
-        rope_delta=record.rope_delta)
+        rope_delta=record.rope_delta,
+        loss_mask=record.loss_mask.numpy(force=True) if record.loss_mask is not None else None)
 
 
 def _one_array(column: pa.ChunkedArray) -> pa.Array:
@@ -161,6 +165,9 @@ class ShardColumns:
         self.positions = _flat_values(column("position_ids")) if "position_ids" in table.column_names else None
         self.has_positions = column("position_ids").is_valid().to_pylist() if self.positions is not None else None
         self.rope = column("rope_delta").to_pylist() if "rope_delta" in table.column_names else [None] * len(self.ids)
+        # Shards written before conversations have no loss_mask column; a plain text's row holds a null.
+        self.masks = _flat_values(column("loss_mask")) if "loss_mask" in table.column_names else None
+        self.has_mask = column("loss_mask").is_valid().to_pylist() if self.masks is not None else None
         self.embeds = {"image_embeds": (*_flat_embeddings(column("image_embeds"), element_size, hidden), None)}
         for name in EXTRA_OUTPUTS:
             if name in table.column_names and (size := _hidden_size(table.schema, name)) is not None:
@@ -176,16 +183,20 @@ class ShardColumns:
         if self.positions is not None and self.has_positions[i]:
             values, bounds = self.positions
             positions = values[bounds[i]:bounds[i + 1]].reshape(3, -1)
+        mask = None
+        if self.masks is not None and self.has_mask[i]:
+            values, bounds = self.masks
+            mask = values[bounds[i]:bounds[i + 1]]
         return RecordArrays(
             id=self.ids[i], input_ids=self.input_ids[tokens], token_tags=self.token_tags[tokens],
             image_spans=self.image_spans[images], grid_thw=self.grid_thw[grids], position_ids=positions,
             embeds={name: rows[bounds[i]:bounds[i + 1]] for name, (rows, bounds, valid) in self.embeds.items()
                     if valid is None or valid[i]},
-            embed_dtype=self.embed_dtype, rope_delta=self.rope[i])
+            embed_dtype=self.embed_dtype, rope_delta=self.rope[i], loss_mask=mask)
 
 
 TENSOR_COLUMNS = ("id", "input_ids", "image_embeds", "grid_thw", "image_spans", "token_tags", "position_ids",
-                  "rope_delta", *EXTRA_OUTPUTS)
+                  "rope_delta", "loss_mask", *EXTRA_OUTPUTS)
 """The columns ShardColumns reads; a reader that only wants tensors need not read the others."""
 
 

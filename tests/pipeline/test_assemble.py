@@ -31,3 +31,42 @@ def test_a_quarantine_row_keeps_small_images_and_only_the_path_of_large_ones():
     row = quarantine_row(item, bytes_cap=50, fingerprint="f")
     assert row["image_bytes"] == [b"x" * 10, None] and row["image_paths"] == [None, "big.jpg"]
     assert (row["check"], row["stage"], row["row"], row["unit"]) == ("decode.truncated", "decode", 7, "u")
+
+
+def chat_layout(mask: list[int]):
+    """user [0, 4) with an image token at 2, assistant [4, 7): tags and turns of a tiny conversation."""
+    from batchvlm.records import ChatLayout, TokenLayout, TurnSpan
+
+    return TokenLayout(input_ids=list(range(7)), image_spans=[(2, 1)], token_tags=[0, 2, 1, 2, 0, 0, 0],
+                       chat=ChatLayout(mask, [TurnSpan("user", 0, 4), TurnSpan("assistant", 4, 7)]))
+
+
+@pytest.mark.parametrize("mask,train_on,ok", [
+    ([0, 0, 0, 0, 1, 1, 1], "assistant", True),
+    ([0, 0, 1, 0, 1, 1, 1], "assistant", False),  # an image token trained
+    ([1, 0, 0, 0, 1, 1, 1], "assistant", False),  # a user token trained
+    ([1, 1, 0, 1, 1, 1, 1], "all", True),  # everything but the image
+    ([1, 1, 1, 1, 1, 1, 1], "all", False),
+    ([0, 0, 0, 1, 1, 1], "assistant", False),  # does not cover the sequence
+])
+def test_a_loss_mask_lies_only_on_assistant_tokens_and_never_on_an_image(mask, train_on, ok):
+    from batchvlm.pipeline.assemble import checked_chat
+
+    layout = chat_layout(mask)
+    if ok:
+        assert checked_chat(layout, train_on) is layout.chat
+        return
+    with pytest.raises(CheckFailed) as caught:
+        checked_chat(layout, train_on)
+    assert caught.value.check == "assemble.loss_mask"
+
+
+def test_a_quarantined_conversation_keeps_its_turns_and_the_turn_at_fault():
+    from batchvlm.records import Turn
+
+    source = SourceRecord("c1", "u", "a.json", 120, "[...]", [ImageRef(path="cat.png")],
+                          turns=[Turn("user", (None, " What?")), Turn("assistant", ("A cat.",))])
+    failed = CheckFailed("text.too_long", "too long", "<= 8 tokens", "20 tokens", turn_index=1).to_failure()
+    row = quarantine_row(QuarantinedRecord(source, failed), bytes_cap=10, fingerprint="f", placeholder="<img>")
+    assert row["turns"] == [{"role": "user", "text": "<img> What?"}, {"role": "assistant", "text": "A cat."}]
+    assert row["turn_index"] == 1

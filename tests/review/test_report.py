@@ -176,7 +176,10 @@ def _synthetic_run(run_dir: Path, shards: int, rows_per_shard: int, checks: list
             "observed": ["2"] * rows_per_shard, "exception_type": ["CheckFailed"] * rows_per_shard,
             "image_index": [0] * rows_per_shard, "image_bytes": [[png]] * rows_per_shard,
             "image_paths": [[None]] * rows_per_shard, "text": [f"<image> caption {i}" for i in rows],
+            "turns": [None] * rows_per_shard, "turn_index": [None] * rows_per_shard,
             "fingerprint": ["f"] * rows_per_shard}, schema=QUARANTINE_SCHEMA)
+        if shard % 2:  # written before conversations: no turns columns
+            table = table.drop_columns(["turns", "turn_index"])
         pq.write_table(table, run_dir / "quarantine" / f"{unit}.parquet")
         listing = Listing(f"quarantine/{unit}.parquet", rows_per_shard, 0, "")
         manifest = Manifest(unit, "input", rows.start, rows.stop, rows_per_shard, 0, rows_per_shard, {},
@@ -201,3 +204,13 @@ def test_report_of_100k_quarantined_rows_caps_cards_per_check_and_counts_every_r
     thumbnails = [t for cards in report.cards.values() for card in cards for t in card.thumbnails]
     assert sum(t.data_uri is not None for t in thumbnails) == 80  # the decode.timeout images are never decoded
     assert "fallbacks: 7\n" in summary_text(report) and "7  fell back on preprocess.grid_match" in summary_text(report)
+
+
+@pytest.mark.slow
+def test_the_report_of_a_conversation_run_shows_roles_and_counts_the_cut_conversations(llava_run):
+    report = build_report(llava_run, thumbnails=False)
+    (card,) = report.cards["text.roles"]
+    assert [turn["role"] for turn in card.row["turns"]] == ["assistant", "user"] and card.row["turn_index"] == 0
+    assert report.cut_conversations[0] == 1 and report.cut_conversations[1] >= 2
+    assert "conversations cut to whole turns (text.overflow=drop_turns): 1 records" in summary_text(report)
+    assert 'data-role="assistant"' in render(report)

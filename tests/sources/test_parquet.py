@@ -74,6 +74,20 @@ def test_a_column_of_another_type_than_the_config_means_is_refused_at_start_nami
         make_source(DatasetConfig(kind="parquet", path=str(tmp_path / "typed.parquet"))).plan()
 
 
+@pytest.mark.parametrize("turns,accepted", [([[{"from": "human", "value": "<image> x"}]], True),
+                                           (['[{"from": "human", "value": "<image> x"}]'], True),
+                                           ([[1, 2]], False), ([3], False)])
+def test_a_conversation_column_holds_turn_structs_or_their_json(tmp_path, turns, accepted):
+    pq.write_table(pa.table({"id": ["a"], "images": [[b"png"]], "conversations": turns}), tmp_path / "chat.parquet")
+    cfg = DatasetConfig(kind="parquet", format="llava", text_column="conversations",
+                        path=str(tmp_path / "chat.parquet"))
+    if accepted:
+        assert len(make_source(cfg).plan()) == 1
+    else:
+        with pytest.raises(ConfigError, match=r"dataset.text_column='conversations' is of type .* a list of turns"):
+            make_source(cfg).plan()
+
+
 def test_bare_bytes_paths_and_integer_ids_are_columns_batchvlm_reads(tmp_path):
     pq.write_table(pa.table({"id": [1, 2], "images": [b"png", b"png"], "text": ["<image> x", None]}),
                    tmp_path / "plain.parquet")

@@ -3,22 +3,17 @@ and vLLM take."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import shutil
 
 import datasets
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import committed_shards
+from conftest import committed_shards, relist
 from transformers import Qwen2VLForConditionalGeneration
 
 from batchvlm.config import ModelConfig
 from batchvlm.families import load_family
-from batchvlm.rundir.durable import sha256_file
-from batchvlm.rundir.layout import RunLayout
-from batchvlm.rundir.manifest import all_manifests
 from batchvlm.training import DatasetRows, load_run_dataset, mm_token_type_ids, vllm_qwen2_vl_image_input
 from batchvlm.training.reader import read_run
 
@@ -53,15 +48,6 @@ def assert_rows_are_the_runs_records(dataset, records) -> None:
     assert len(read) == len(records)
     for ours, record in zip(read, records):
         assert_same_record(ours, record)
-
-
-def relist(run_dir, shard) -> None:
-    """The manifest listing a rewritten shard says the shard's new size and sha256."""
-    layout = RunLayout(run_dir)
-    for manifest in all_manifests(layout):
-        files = {kind: dataclasses.replace(listing, bytes=shard.stat().st_size, sha256=sha256_file(shard))
-                 if layout.listed(listing.path) == shard else listing for kind, listing in manifest.files.items()}
-        layout.manifest(manifest.unit).write_text(json.dumps(dataclasses.replace(manifest, files=files).to_json()))
 
 
 def without_datasets_key(metadata: dict[bytes, bytes]) -> dict[bytes, bytes]:

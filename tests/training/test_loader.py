@@ -7,15 +7,16 @@ import shutil
 from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import REPO, committed_shards
+from conftest import REPO, committed_shards, relist
 
 from batchvlm.training.reader import read_run
 from batchvlm.training import (LoaderConfig, PackedLoader, RunNotFinished,
                                pack)
-from batchvlm.training.loader import READ_AHEAD, _OpenShards
+from batchvlm.training.loader import READ_AHEAD, RunIndex, _OpenShards
 
 SMALL = LoaderConfig(max_tokens=800, shuffle_buffer=4, pack_buffer=8, num_workers=0)
 
@@ -159,3 +160,22 @@ def test_only_the_shards_a_manifest_lists_are_read(qwen_run, records):
     finally:
         stray.unlink()
     assert sorted(read) == sorted(r.id for r in records)
+
+
+@pytest.mark.slow
+def test_start_up_reads_each_rows_token_count_not_its_ids(qwen_run, tmp_path):
+    """Opening a run costs O(shards): the few bytes of num_tokens a row, not the input_ids lists. Shards written
+    before the column was stored give their lists' lengths."""
+    copy = tmp_path / "run"
+    shutil.copytree(qwen_run, copy)
+    expected = RunIndex.of(qwen_run).lengths
+    first = committed_shards(copy)[0]
+    table = pq.read_table(first)
+    doubled = table.set_column(table.schema.get_field_index("num_tokens"), "num_tokens",
+                               pc.multiply(table.column("num_tokens"), 2))
+    pq.write_table(doubled, first)
+    relist(copy, first)
+    assert RunIndex.of(copy).lengths[0].tolist() == (expected[0] * 2).tolist()  # the column, not the lists
+    pq.write_table(table.drop_columns(["num_tokens"]), first)
+    relist(copy, first)
+    assert [lengths.tolist() for lengths in RunIndex.of(copy).lengths] == [lengths.tolist() for lengths in expected]

@@ -58,3 +58,18 @@ def test_a_batch_that_does_not_add_up_is_refused(records):
         check_packed(replace(batch, image_embeds=batch.image_embeds[1:]), 2048)
     with pytest.raises(PackingError, match="max_tokens"):
         pack(records[:3], max_tokens=batch.num_tokens - 1)
+
+
+@pytest.mark.slow
+def test_labels_follow_a_records_loss_mask_and_a_plain_texts_tags(records):
+    """A conversation's labels are its stored mask (-100 elsewhere and on its first token); a plain text beside it in
+    the same pack keeps today's rule (every token but image tokens)."""
+    text, other = [r for r in records if r.id in ("astronaut", "coffee")]
+    mask = torch.zeros(len(other.input_ids), dtype=torch.int8)
+    mask[-5:] = 1
+    batch = pack([text, replace(other, loss_mask=mask)], max_tokens=4096)
+    start = len(text.input_ids)
+    labels = batch.labels[0]
+    assert torch.equal(labels[1:start] == IGNORE_INDEX, text.token_tags[1:] == IMAGE)
+    assert torch.equal(labels[start:] != IGNORE_INDEX, mask.bool())
+    assert torch.equal(labels[-5:], other.input_ids[-5:])

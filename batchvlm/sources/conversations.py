@@ -1,0 +1,132 @@
+"""Conversation formats users bring, read into turns (records.Turn): shared/reference/conversations.md section 1.
+
+- llava (LLaVA, ShareGPT4V, OneVision, Cambrian): `conversations` of {from: human | gpt | system, value}, the
+  images in `image` (a path or a list of paths). The k-th placeholder of the conversation takes the k-th image and
+  stays exactly where it is in its turn's text, as Qwen's finetune scripts keep it (dataset.image_first moves a
+  lone one to the front of its turn, as LLaVA's own trainer does).
+- messages (HF / TRL, LLaMA-Factory's sharegpt): `messages` of {role, content}, content a string (placeholders in
+  it, LLaMA-Factory) or a list of {type: image} / {type: text, text} blocks, the images in `images`.
+- cauldron (The Cauldron): `texts` of {user, assistant}; the images go before the first user turn's text.
+
+A turns column may also hold its list as a JSON string. A conversation that names no image at all while the record
+has images gets them at the front of its first user turn under dataset.missing_placeholder=prepend (TRL's rule).
+"""
+
+from __future__ import annotations
+
+import json
+
+from batchvlm.checks import CheckFailed, require
+from batchvlm.records import Turn
+
+LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+IMAGE_BLOCKS = ("image", "image_url")
+
+
+def split_placeholders(text: str, placeholder: str) -> tuple[str | None, ...]:
+    """The text's pieces with None where each placeholder was; the text around them unchanged."""
+    pieces = text.split(placeholder)
+    parts: list[str | None] = [pieces[0]]
+    for piece in pieces[1:]:
+        parts += [None, piece]
+    return tuple(part for part in parts if part != "")
+
+
+def _image_first(parts: tuple[str | None, ...]) -> tuple[str | None, ...]:
+    """LLaVA's placement: a lone image taken out of its turn and put first, followed by a newline."""
+    if sum(part is None for part in parts) != 1:
+        return parts
+    text = "".join(part for part in parts if part is not None).strip()
+    return (None, "\n" + text)
+
+
+def _turn_list(value, column: str) -> list:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise CheckFailed("text.roles", f"the {column!r} column is not a list of turns: {error}",
+                              expected="a list of turns", observed="malformed JSON") from None
+    require(isinstance(value, (list, tuple)) and all(isinstance(turn, dict) for turn in value), "text.roles",
+            f"the {column!r} column is not a list of turns", expected="a list of turns",
+            observed=type(value).__name__)
+    return list(value)
+
+
+def _field(turn: dict, key: str, index: int):
+    require(key in turn, "text.roles", f"turn {index} has no {key!r} field (it has {', '.join(turn) or 'none'})",
+            expected=key, observed=", ".join(turn), turn_index=index)
+    return turn[key]
+
+
+def llava_turns(value, placeholder: str, image_first: bool = False, column: str = "conversations") -> list[Turn]:
+    turns = []
+    for index, turn in enumerate(_turn_list(value, column)):
+        speaker = _field(turn, "from", index)
+        parts = split_placeholders(str(_field(turn, "value", index) or ""), placeholder)
+        turns.append(Turn(LLAVA_ROLES.get(speaker, speaker), _image_first(parts) if image_first else parts))
+    return turns
+
+
+def _blocks(content: list, index: int) -> tuple[str | None, ...]:
+    parts: list[str | None] = []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in IMAGE_BLOCKS or (isinstance(block, dict) and kind is None and "image" in block):
+            parts.append(None)
+        elif kind == "text":
+            parts.append(block.get("text") or "")
+        else:
+            raise CheckFailed("text.placeholder_count", f"turn {index} has a content block of type {kind!r}: "
+                              "batchvlm takes text and image blocks", expected="text | image",
+                              observed=repr(kind), turn_index=index)
+    return tuple(part for part in parts if part != "")
+
+
+def messages_turns(value, placeholder: str, column: str = "messages") -> list[Turn]:
+    turns = []
+    for index, turn in enumerate(_turn_list(value, column)):
+        content = _field(turn, "content", index)
+        parts = _blocks(content, index) if isinstance(content, (list, tuple)) else \
+            split_placeholders(str(content or ""), placeholder)
+        turns.append(Turn(_field(turn, "role", index), parts))
+    return turns
+
+
+def cauldron_turns(value, num_images: int, column: str = "texts") -> list[Turn]:
+    turns = []
+    for index, pair in enumerate(_turn_list(value, column)):
+        user = str(_field(pair, "user", index) or "")
+        images = (None,) * num_images if index == 0 else ()
+        turns += [Turn("user", images + ((user,) if user else ())),
+                  Turn("assistant", (str(_field(pair, "assistant", index) or ""),))]
+    return turns
+
+
+def read_turns(format: str, value, placeholder: str, num_images: int, image_first: bool = False,
+               column: str = "") -> list[Turn]:
+    """The turns of a row's column in `format` (llava | messages | cauldron)."""
+    if format == "llava":
+        return llava_turns(value, placeholder, image_first, column)
+    if format == "messages":
+        return messages_turns(value, placeholder, column)
+    return cauldron_turns(value, num_images, column)
+
+
+def place_conversation_images(turns: list[Turn], num_images: int, missing_policy: str) -> list[Turn]:
+    """The turns with one image slot per image: as read, or (none at all, missing_placeholder=prepend) the images at
+    the front of the first user turn; else a text.placeholder_count failure."""
+    found = sum(turn.num_images for turn in turns)
+    first_user = next((i for i, turn in enumerate(turns) if turn.role == "user"), None)
+    if found == 0 and num_images and missing_policy == "prepend" and first_user is not None:
+        turn = turns[first_user]
+        turns = [*turns[:first_user], Turn(turn.role, (None,) * num_images + turn.content), *turns[first_user + 1:]]
+        found = num_images
+    require(found == num_images, "text.placeholder_count", f"Expected {num_images} image placeholder(s) across the "
+            f"conversation's turns, found {found}.", expected=num_images, observed=found)
+    return turns
+
+
+def turns_text(turns: list[Turn], placeholder: str) -> str:
+    """The turns as JSON, each image as the placeholder: a conversation's `text` in rows and reports."""
+    return json.dumps([{"role": turn.role, "content": turn.text(placeholder)} for turn in turns], ensure_ascii=False)

