@@ -48,9 +48,11 @@ class DatasetConfig:
     kind: str = "demo"
     """demo | parquet | webdataset (tar shards) | json (JSON arrays or JSON Lines files) | disk (save_to_disk) |
     imagefolder | hub (a `datasets` hub dataset or local dataset folder, streamed)."""
-    path: str | None = None
-    """parquet / webdataset / json: a file, folder or glob, local or an fsspec URL (s3://, gs://, hf://, file://);
-    disk: a `save_to_disk` folder; imagefolder: the data dir; hub: the dataset's name or folder."""
+    path: Any = None
+    """parquet / webdataset / json: a file, folder, glob or brace pattern (`shards/{00000..19999}.tar`, as img2dataset
+    and webdataset name shard lists; quote it on the command line), or a list of them; local or an fsspec URL (s3://,
+    gs://, hf://, file://). disk: a `save_to_disk` folder; imagefolder: the data dir; hub: the dataset's name or
+    folder."""
     format: str = "text"
     """What a record's text column holds: text (one string with a placeholder per image) | llava (LLaVA, ShareGPT4V,
     OneVision, Cambrian: `conversations` of {from, value}, `<image>` placeholders) | messages (HF / TRL: `messages`
@@ -101,6 +103,12 @@ class DatasetConfig:
         positive("dataset.unit_bytes", self.unit_bytes)
         if self.kind != "demo" and not self.path:
             raise ConfigError(f"dataset.path is required for dataset.kind={self.kind}")
+        if not (self.path is None or isinstance(self.path, str) or
+                (isinstance(self.path, list) and all(isinstance(p, str) for p in self.path))):
+            raise ConfigError(f"dataset.path={self.path!r} must be a path or a list of paths")
+        if isinstance(self.path, list) and self.kind in ("disk", "imagefolder", "hub"):
+            raise ConfigError(f"dataset.path: a list of paths is for files (parquet, webdataset); dataset.kind="
+                              f"{self.kind} reads one dataset")
         if not self.placeholder:
             raise ConfigError("dataset.placeholder must not be empty")
         if self.limit is not None:
@@ -332,6 +340,26 @@ class JobConfig:
             raise ConfigError("check=... selects quarantined records to requeue; it needs requeue_from=<run dir>")
 
 
+@dataclass
+class EstimateConfig(JobConfig):
+    """`batchvlm-estimate`: the embed job's config, and how to size it."""
+
+    records: int = 1000
+    """Records sampled from the inputs, spread over the work units; their images' headers are read, not decoded."""
+    images_per_s: float | None = None
+    """Images per second one device embeds (measured with `batchvlm-bench task=e2e`, or a sample run): with it, the
+    hours and the write bandwidth the job needs."""
+    devices: int = 1
+    """Devices the job runs on (GPUs over every node)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive("records", self.records)
+        positive("devices", self.devices)
+        if self.images_per_s is not None:
+            positive("images_per_s", self.images_per_s)
+
+
 def _check_names(value) -> list[str] | None:
     """`check=a,b` and `check=[a,b]` alike, each a name of the check catalogue."""
     if value is None:
@@ -374,10 +402,11 @@ def register_schemas() -> None:
     from omegaconf import MISSING, OmegaConf
 
     OmegaConf.register_new_resolver("batchvlm.default_run_name", default_run_name, replace=True)
-    schema = OmegaConf.structured(JobConfig)
-    # A job names its checkpoint: merged onto a default, a model YAML's `path: ???` would leave the default standing.
-    schema.model.path = MISSING
-    ConfigStore.instance().store(name="embed_schema", node=schema)
+    for name, node in (("embed_schema", JobConfig), ("estimate_schema", EstimateConfig)):
+        schema = OmegaConf.structured(node)
+        # A job names its checkpoint: merged onto a default, a model YAML's `path: ???` would leave it standing.
+        schema.model.path = MISSING
+        ConfigStore.instance().store(name=name, node=schema)
 
 
 def required_path(cfg: DictConfig, key: str, usage: str) -> Path:
@@ -401,9 +430,9 @@ def _reject_unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> No
             _reject_unknown_keys(node[key], factory, f"{prefix}{key}.")
 
 
-def to_job_config(cfg: DictConfig) -> JobConfig:
+def to_job_config(cfg: DictConfig, schema: type = JobConfig) -> JobConfig:
     """Turn the composed config into validated objects; ConfigError names the offending key."""
-    _reject_unknown_keys(cfg, JobConfig)
+    _reject_unknown_keys(cfg, schema)
     from omegaconf import OmegaConf
     from omegaconf.errors import MissingMandatoryValue
 
@@ -414,5 +443,5 @@ def to_job_config(cfg: DictConfig) -> JobConfig:
         hint = (" (a local checkpoint folder; model=<family>_tiny for the demo's tiny checkpoint)"
                 if key == "model.path" else "")
         raise ConfigError(f"{key} is required: give {key}=...{hint}") from None
-    assert isinstance(job, JobConfig)
+    assert isinstance(job, schema)
     return job

@@ -132,6 +132,11 @@ READ_AHEAD = 2
 """Shards a worker reads at once, ahead of the one it packs: with one, packing on 2 cores waited on the reads."""
 
 
+def resident_bytes(shard_bytes: float) -> float:
+    """A worker's memory for shards of this size: the one it packs from and the READ_AHEAD it reads meanwhile."""
+    return (1 + READ_AHEAD) * shard_bytes
+
+
 class _OpenShards:
     """Each shard read and converted once per worker and epoch, kept until the last of this worker's packs that needs it.
 
