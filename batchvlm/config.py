@@ -10,13 +10,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue
+from typing import TYPE_CHECKING, Any
 
 from batchvlm.checks import CATALOGUE
+
+if TYPE_CHECKING:  # Hydra and OmegaConf are the jobs' (imported where the jobs use them): the library runs without
+    from omegaconf import DictConfig
+
+
+FLASH_ATTENTION = "flash_attention_2"
 
 
 class ConfigError(ValueError):
@@ -46,9 +48,11 @@ class DatasetConfig:
     kind: str = "demo"
     """demo | parquet | webdataset (tar shards) | json (JSON arrays or JSON Lines files) | disk (save_to_disk) |
     imagefolder | hub (a `datasets` hub dataset or local dataset folder, streamed)."""
-    path: str | None = None
-    """parquet / webdataset / json: a file, folder or glob, local or an fsspec URL (s3://, gs://, hf://, file://);
-    disk: a `save_to_disk` folder; imagefolder: the data dir; hub: the dataset's name or folder."""
+    path: Any = None
+    """parquet / webdataset / json: a file, folder, glob or brace pattern (`shards/{00000..19999}.tar`, as img2dataset
+    and webdataset name shard lists; quote it on the command line), or a list of them; local or an fsspec URL (s3://,
+    gs://, hf://, file://). disk: a `save_to_disk` folder; imagefolder: the data dir; hub: the dataset's name or
+    folder."""
     format: str = "text"
     """What a record's text column holds: text (one string with a placeholder per image) | llava (LLaVA, ShareGPT4V,
     OneVision, Cambrian: `conversations` of {from, value}, `<image>` placeholders) | messages (HF / TRL: `messages`
@@ -99,6 +103,12 @@ class DatasetConfig:
         positive("dataset.unit_bytes", self.unit_bytes)
         if self.kind != "demo" and not self.path:
             raise ConfigError(f"dataset.path is required for dataset.kind={self.kind}")
+        if not (self.path is None or isinstance(self.path, str) or
+                (isinstance(self.path, list) and all(isinstance(p, str) for p in self.path))):
+            raise ConfigError(f"dataset.path={self.path!r} must be a path or a list of paths")
+        if isinstance(self.path, list) and self.kind in ("disk", "imagefolder", "hub"):
+            raise ConfigError(f"dataset.path: a list of paths is for files (parquet, webdataset); dataset.kind="
+                              f"{self.kind} reads one dataset")
         if not self.placeholder:
             raise ConfigError("dataset.placeholder must not be empty")
         if self.limit is not None:
@@ -142,7 +152,7 @@ class ModelConfig:
     tokenizer_path: str | None = None
     """Tokenizer folder when it is not the checkpoint's own."""
     dtype: str = "float32"
-    """Compute dtype of the tower: float32 | bfloat16 | float16."""
+    """Compute dtype of the tower: float32 | bfloat16 | float16 (flash_attention_2 needs one of the last two)."""
     device: str = "auto"
     """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
     attn_implementation: str = "sdpa"
@@ -166,7 +176,11 @@ class ModelConfig:
         one_of("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         one_of("model.embedding", self.embedding, ("auto", "projector", "tower", "both"))
         one_of("model.framing", self.framing, ("k3", "plain"))
-        one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", "flash_attention_2"))
+        one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", FLASH_ATTENTION))
+        if self.attn_implementation == FLASH_ATTENTION and self.dtype == "float32":
+            raise ConfigError(f"model.attn_implementation={FLASH_ATTENTION} runs in float16 or bfloat16 only, and "
+                              "model.dtype=float32: set model.dtype=bfloat16 (or float16), or "
+                              "model.attn_implementation=sdpa")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"model.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
@@ -337,6 +351,26 @@ class JobConfig:
             raise ConfigError("check=... selects quarantined records to requeue; it needs requeue_from=<run dir>")
 
 
+@dataclass
+class EstimateConfig(JobConfig):
+    """`batchvlm-estimate`: the embed job's config, and how to size it."""
+
+    records: int = 1000
+    """Records sampled from the inputs, spread over the work units; their images' headers are read, not decoded."""
+    images_per_s: float | None = None
+    """Images per second one device embeds (measured with `batchvlm-bench task=e2e`, or a sample run): with it, the
+    hours and the write bandwidth the job needs."""
+    devices: int = 1
+    """Devices the job runs on (GPUs over every node)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive("records", self.records)
+        positive("devices", self.devices)
+        if self.images_per_s is not None:
+            positive("images_per_s", self.images_per_s)
+
+
 def _check_names(value) -> list[str] | None:
     """`check=a,b` and `check=[a,b]` alike, each a name of the check catalogue."""
     if value is None:
@@ -375,15 +409,21 @@ def register_schemas() -> None:
     The groups need no entries of their own: JobConfig types every group's node, so each YAML merged onto
     it is checked key by key. A `schema` option per group would also show in `--help` and tab completion,
     and `model=schema` would run with the dataclass defaults."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import MISSING, OmegaConf
+
     OmegaConf.register_new_resolver("batchvlm.default_run_name", default_run_name, replace=True)
-    schema = OmegaConf.structured(JobConfig)
-    # A job names its checkpoint: merged onto a default, a model YAML's `path: ???` would leave the default standing.
-    schema.model.path = MISSING
-    ConfigStore.instance().store(name="embed_schema", node=schema)
+    for name, node in (("embed_schema", JobConfig), ("estimate_schema", EstimateConfig)):
+        schema = OmegaConf.structured(node)
+        # A job names its checkpoint: merged onto a default, a model YAML's `path: ???` would leave it standing.
+        schema.model.path = MISSING
+        ConfigStore.instance().store(name=name, node=schema)
 
 
 def required_path(cfg: DictConfig, key: str, usage: str) -> Path:
     """A `???` key that the user gives on the command line: a ConfigError that shows how, not a traceback."""
+    from omegaconf import OmegaConf
+
     if OmegaConf.is_missing(cfg, key):
         raise ConfigError(f"{key} is required: {usage}")
     return Path(cfg[key])
@@ -401,9 +441,12 @@ def _reject_unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> No
             _reject_unknown_keys(node[key], factory, f"{prefix}{key}.")
 
 
-def to_job_config(cfg: DictConfig) -> JobConfig:
+def to_job_config(cfg: DictConfig, schema: type = JobConfig) -> JobConfig:
     """Turn the composed config into validated objects; ConfigError names the offending key."""
-    _reject_unknown_keys(cfg, JobConfig)
+    _reject_unknown_keys(cfg, schema)
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue
+
     try:
         job = OmegaConf.to_object(cfg)
     except MissingMandatoryValue as error:
@@ -411,5 +454,5 @@ def to_job_config(cfg: DictConfig) -> JobConfig:
         hint = (" (a local checkpoint folder; model=<family>_tiny for the demo's tiny checkpoint)"
                 if key == "model.path" else "")
         raise ConfigError(f"{key} is required: give {key}=...{hint}") from None
-    assert isinstance(job, JobConfig)
+    assert isinstance(job, schema)
     return job

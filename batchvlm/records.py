@@ -259,5 +259,8 @@ class PixelBatch:
     """Images of several records packed along the row axis, in the layout the tower takes."""
 
     pixel_values: torch.Tensor
-    grid_thw: torch.Tensor  # [num_images, 3] int64
+    grid_thw: torch.Tensor  # [num_images, 3] int64, on the host
     records: list[PreparedRecord] = field(default_factory=list)
+    finite: torch.Tensor | None = None
+    """Per image, on the pixels' device and not yet read: every value written and finite (preprocessing's check,
+    read back with the tower's outputs); None where preprocessing read it already."""

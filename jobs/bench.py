@@ -1,8 +1,8 @@
-"""`python jobs/bench.py task=preprocess|scale|loader|e2e|claims`: measurements side by side in one run
-(batchvlm/bench/):
-triton vs torch vs the family's HF processor; start-up and memory as the dataset grows; the training loader vs a
-bare pyarrow scan of the same shards, and packing efficiency; the metadata operations of claiming per unit as the
-ranks grow."""
+"""`python jobs/bench.py task=preprocess|scale|loader|e2e|tower|jpeg|claims`: measurements side by side in one run
+(batchvlm/bench/): triton vs torch vs the family's HF processor; start-up and memory as the dataset grows; the training
+loader vs a bare pyarrow scan of the same shards, and packing efficiency; the job vs its tower; the tower's achieved
+TFLOP/s; the batched JPEG decode vs the safe path; the metadata operations of claiming per unit as the ranks grow.
+`dry_run=true` checks the config and imports the task, and runs nothing."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from batchvlm.bench.tasks import BenchConfig, bench_loader, bench_preprocess, format_loader, format_preprocess
-from batchvlm.bench.metadata import bench_claims, format_claims
+from batchvlm.bench.decoding import bench_jpeg, format_jpeg
 from batchvlm.bench.e2e import bench_e2e, format_e2e
+from batchvlm.bench.metadata import bench_claims, format_claims
 from batchvlm.bench.scale import bench_scale, format_scale
+from batchvlm.bench.tower import bench_tower, format_tower
 from batchvlm.config import ConfigError
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -28,11 +30,15 @@ ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
 def main(cfg: DictConfig) -> None:
     transformers.utils.logging.disable_progress_bar()
     tasks = {"preprocess": (bench_preprocess, format_preprocess), "loader": (bench_loader, format_loader),
-             "scale": (bench_scale, format_scale), "e2e": (bench_e2e, format_e2e),
-             "claims": (bench_claims, format_claims)}
+             "scale": (bench_scale, format_scale), "e2e": (bench_e2e, format_e2e), "tower": (bench_tower, format_tower),
+             "jpeg": (bench_jpeg, format_jpeg), "claims": (bench_claims, format_claims)}
     try:
         config = OmegaConf.to_object(cfg)
         run, report = tasks[config.task]
+        if config.dry_run:
+            print(f"dry run: task={config.task} ({run.__module__}.{run.__name__}) on device={config.device}, "
+                  f"records={config.records}, tower={config.tower}, dtype={config.dtype}: not run")
+            return
         result = run(config)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

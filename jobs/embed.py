@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from batchvlm.config import ConfigError, register_schemas, to_job_config
-from batchvlm.executor.job import JobAborted, Terminated, run_job, summarize
+from batchvlm.executor.job import JobAborted, QuarantineOverLimit, Terminated, run_job, summarize
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 register_schemas()
@@ -32,6 +32,8 @@ def main(cfg: DictConfig) -> None:
         summary = run_job(job, run_dir)
     except (ConfigError, JobAborted) as error:
         _remove_if_empty(run_dir, Path(hydra_config.job_logging.handlers.file.filename))
+        if isinstance(error, QuarantineOverLimit):  # the run finished: its summary, then why it failed
+            print(summarize(error.summary))
         _fail(str(error), 2)
     except Terminated:
         _fail("stopped by SIGTERM; the committed units are kept: rerun the same command to resume", 143)

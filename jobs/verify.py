@@ -8,7 +8,7 @@ import hydra
 from omegaconf import DictConfig
 
 from batchvlm.config import ConfigError, required_path
-from batchvlm.rundir.verify import verify_run
+from batchvlm.rundir.verify import run_counts, verify_run
 
 
 @hydra.main(config_path="pkg://batchvlm.conf", config_name="verify", version_base=None)
@@ -23,7 +23,7 @@ def main(cfg: DictConfig) -> None:
         print(f"FAIL {problem}")
     if problems:
         sys.exit(1)
-    print(f"OK {run_dir}: every unit committed, checksums and counts verified, no id twice")
+    print(f"OK {run_dir}: {run_counts(run_dir)}; every unit committed, checksums and counts verified, no id twice")
 
 
 if __name__ == "__main__":

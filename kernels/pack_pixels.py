@@ -26,7 +26,7 @@ import triton.language as tl
 
 from batchvlm.kernels.reference import BACKGROUNDS, CHESSBOARD_GRAY, CHESSBOARD_SQUARE, CHESSBOARD_WHITE
 from batchvlm.kernels.taps import filter_taps, max_taps
-from batchvlm.devices import to_device
+from batchvlm.devices import gather_to, launching_on
 from batchvlm.format.layouts import MERGE_WINDOW, RASTER_CHW, RASTER_HWC, PatchLayout
 
 BLOCK = 1024
@@ -176,11 +176,19 @@ def _device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 def pack_images(images: list[torch.Tensor], resized: list[tuple[int, int]], padded: list[tuple[int, int]],
                 layout: PatchLayout, resample: str, background: str, scale: torch.Tensor, bias: torch.Tensor,
                 device: torch.device) -> tuple[torch.Tensor, list[int]]:
-    """HWC uint8 images (RGB or RGBA, on the host) -> (packed rows [N, *layout.row_shape], rows per image).
+    """HWC uint8 images (RGB or RGBA, on the host or on `device`) -> (packed rows [N, *layout.row_shape], rows per
+    image).
 
     `resized` and `padded` are (height, width) per image; `scale` and `bias` the 3 per-channel
     normalization constants. Rows are in input order, each image's at its offset.
     """
+    with launching_on(device):  # Triton launches on the current CUDA device, which need not be the job's
+        return _pack_images(images, resized, padded, layout, resample, background, scale, bias, device)
+
+
+def _pack_images(images: list[torch.Tensor], resized: list[tuple[int, int]], padded: list[tuple[int, int]],
+                 layout: PatchLayout, resample: str, background: str, scale: torch.Tensor, bias: torch.Tensor,
+                 device: torch.device) -> tuple[torch.Tensor, list[int]]:
     p, m, tps = layout.patch_size, layout.merge_size if layout.kind == MERGE_WINDOW else 1, layout.temporal_patch_size
     sizes = [int(image.numel()) for image in images]
     source = np.cumsum([0] + sizes[:-1]).astype(np.int64)
@@ -189,11 +197,10 @@ def pack_images(images: list[torch.Tensor], resized: list[tuple[int, int]], padd
     stage = source.copy()  # images that keep their width are read in place
     stage[widened] = sum(sizes) + np.cumsum([0] + staged[:-1]).astype(np.int64)
     buffer = torch.empty(sum(sizes) + sum(staged), dtype=torch.uint8, device=device)
-    if any(image.is_cuda for image in images):  # some decoded on the device already (decode.jpeg=device)
-        torch.cat([to_device(image.reshape(-1), device) for image in images], out=buffer[:sum(sizes)])
-    elif images:
-        host = torch.cat([image.reshape(-1) for image in images])
-        buffer[:host.numel()].copy_(host.pin_memory() if device.type == "cuda" else host, non_blocking=True)
+    # Images decoded on the host gathered straight into one pinned staging block, reused batch after batch; those
+    # decoded on the device already (decode.jpeg=device) copied on the device.
+    if images:
+        gather_to(images, buffer[:sum(sizes)])
 
     if widened:
         h_start, h_weight, h_offset, h_taps = _axis_tables(

@@ -72,6 +72,14 @@ def test_bad_values_fail_naming_the_key(override, key):
         job(override)
 
 
+def test_flash_attention_in_fp32_is_refused_before_any_work_naming_both_keys():
+    """flash_attention_2 raises 'only fp16/bf16' on every batch in fp32: refused at load, as any setting that cannot
+    work (the tiny configs leave model.dtype at float32)."""
+    with pytest.raises(ConfigError, match=r"model\.attn_implementation=flash_attention_2 .* model\.dtype=float32"):
+        job("model.attn_implementation=flash_attention_2")
+    assert job("model.attn_implementation=flash_attention_2", "model.dtype=bfloat16").model.dtype == "bfloat16"
+
+
 def test_unknown_processor_parameter_is_refused():
     from batchvlm.config import ModelConfig
     from batchvlm.families import load_family
@@ -121,3 +129,23 @@ def test_a_conversation_format_on_a_checkpoint_without_a_chat_template_fails_bef
     with pytest.raises(ConfigError, match="model.chat_template"):
         run_job(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_library_below_the_jobs_imports_without_hydra_omegaconf_or_datasets():
+    """The schemas need neither; only the jobs load configs with them. So the kernels, the families and the stages
+    import on an image that lacks them (the GPU check's kernel tests run even when its wheels failed to install)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("hydra", "omegaconf", "datasets"):
+            raise ImportError(f"no {name} here")
+sys.meta_path.insert(0, Absent())
+import batchvlm.config, batchvlm.families.kimi_k25, batchvlm.families.qwen2_vl, batchvlm.families.siglip2
+import batchvlm.kernels.pack_pixels, batchvlm.pipeline.preprocess, batchvlm.pipeline.encode, batchvlm.pipeline.jpeg
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

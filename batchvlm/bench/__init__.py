@@ -1,5 +1,5 @@
-"""The benchmarks, measured side by side in one run: tasks.py (task=preprocess, task=loader), scale.py (task=scale),
-e2e.py (task=e2e)."""
+"""Measuring before and around a job: the benchmarks, measured side by side in one run (tasks.py: task=preprocess,
+task=loader; scale.py: task=scale; e2e.py: task=e2e), and estimate.py, a job sized from a sample of its input."""
 
 import sys
 

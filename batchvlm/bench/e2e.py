@@ -1,17 +1,18 @@
 """`python jobs/bench.py task=e2e`: where the job's time goes, measured side by side in one run.
 
-One dataset (`records` 512x384 JPEGs of real photos, one per record) and one checkpoint (the tiny
-Kimi demo tower, or a ViT-B-sized MoonViT with `tower=base`):
-- the whole job (`Job.run_all`, in this process, after model load) against the tower alone on the
-  same packed batches, preprocessed beforehand: the job should cost little more than its tower;
-- the sink (streamed shards, ids, manifest, under a claim) against a bare `pq.write_table` of the
-  same rows;
+One dataset (`records` real photos, one JPEG per record, of the common sizes in decoding.REAL_SIZES) cut into two work
+units per worker (`job_workers`), so that the workers decode side by side, and one checkpoint (the tiny Kimi demo
+tower, or a ViT-B-sized MoonViT with `tower=base`) in `dtype` (bf16 by default, as checkpoints ship):
+- the whole job (`Job.run_all`, in this process, after model load) against the tower alone on the same packed
+  batches, preprocessed beforehand and timed with the device synchronized: the job should cost little more than its
+  tower;
+- the job's host-device syncs per batch, counted through the device stage's seam (on CUDA with
+  torch.cuda.set_sync_debug_mode, so the implicit ones count too);
+- the sink (streamed shards, ids, manifest, under a claim) against a bare `pq.write_table` of the same rows;
 - each stage alone on the same records, in images/s: decode (in the isolated child), plan+layout,
   preprocess, tower, assemble, sink;
 - the job again with `runtime.overlap=false` (batch by batch) and with `decode.jpeg=device`;
-- the decode stage both ways on the same JPEGs: the safe path (in the isolated child, as the workers run it)
-  against torchvision's batched decode on the job's device (CUDA when present, else the CPU), in the same
-  groups as the packed batches, plus the worker's header check that routes a JPEG to it;
+- the decode stage both ways on the same JPEGs (decoding.decode_both_ways);
 - the text side of a conversation (render with the checkpoint's chat template + tokenize + expand + mask) on
   LLaVA-like multi-turn conversations with one image, on one core, at two lengths: conversations/s beside the decode
   stage's images/s, and turns/s at both lengths (a cost linear in the turns gives the same turns/s).
@@ -19,39 +20,32 @@ Kimi demo tower, or a ViT-B-sized MoonViT with `tower=base`):
 
 from __future__ import annotations
 
-import dataclasses
-import io
+import math
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
-from PIL import Image
 
-from batchvlm.config import (TINY, DatasetConfig, DecodeConfig, JobConfig, ModelConfig, OutputConfig, RuntimeConfig,
+from batchvlm.bench.decoding import REAL_SIZES, decode_both_ways, jpeg_of, photos, timed
+from batchvlm.bench.tower import tower_model
+from batchvlm.config import (DatasetConfig, DecodeConfig, JobConfig, ModelConfig, OutputConfig, RuntimeConfig,
                              TextConfig)
-from batchvlm.demo import DEMO_VERSION, build_once, home, photographs
 from batchvlm.executor.batching import TokenBudgetBatcher
 from batchvlm.executor.job import Parts, rank_job
 from batchvlm.executor.worker import plan_and_lay_out
-from batchvlm.families import kimi_k25
 from batchvlm.format.schema import DATA_SCHEMA
 from batchvlm.pipeline.assemble import data_row
 from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.encode import encode_batch
-from batchvlm.pipeline.jpeg import JpegBatchDecoder, deferred
 from batchvlm.pipeline.preprocess import preprocess_batch
-from batchvlm.records import ImageRef, OutputRow, PreparedRecord, SourceRecord, Turn, WorkUnit
+from batchvlm.records import ImageRef, OutputRow, SourceRecord, Turn, WorkUnit
 from batchvlm.rundir.claims import Claims
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.rundir.sink import RunSink
 
-SIZE = (384, 512)  # height, width
 SINK_ROWS = 2000
 WARM_UP_RECORDS = 4
 CONVERSATIONS = 400
@@ -66,100 +60,97 @@ ANSWERS = ["The image shows {n} objects on a table, lit from the left; the backg
 
 
 def photo_jpegs(count: int) -> list[bytes]:
-    data = photographs()
-    photos = [data.astronaut(), data.coffee(), data.chelsea(), data.rocket(), data.hubble_deep_field(),
-              data.retina()]
-    images = []
-    for index in range(count):
-        pixels = np.asarray(Image.fromarray(photos[index % len(photos)]).resize(SIZE[::-1]))
-        buffer = io.BytesIO()
-        Image.fromarray(np.roll(pixels, index, axis=1)).save(buffer, format="JPEG", quality=90)
-        images.append(buffer.getvalue())
-    return images
+    return [jpeg_of(pixels, "baseline 4:2:0") for pixels in photos(count, REAL_SIZES)]
 
 
 def write_dataset(folder: Path, images: list[bytes]) -> Path:
     path = folder / "photos.parquet"
     pq.write_table(pa.table({"id": [f"photo-{i:05d}" for i in range(len(images))], "images": [[b] for b in images],
-                             "text": ["<image> a photograph"] * len(images)}), path, row_group_size=256)
+                             "text": ["<image> a photograph"] * len(images)}), path, row_group_size=16)
     return path
 
 
-def job_config(path: Path, out: Path, model: ModelConfig, records: int, name: str = "e2e", overlap: bool = True,
-               jpeg: str = "safe", limit: int | None = None) -> JobConfig:
-    return JobConfig(run_name=name, dataset=DatasetConfig(kind="parquet", path=str(path), unit_records=records,
+def job_config(path: Path, out: Path, model: ModelConfig, unit_records: int, workers: int, name: str = "e2e",
+               overlap: bool = True, jpeg: str = "safe", limit: int | None = None) -> JobConfig:
+    return JobConfig(run_name=name, dataset=DatasetConfig(kind="parquet", path=str(path), unit_records=unit_records,
                                                           limit=limit),
                      model=model, output=OutputConfig(root=str(out)), decode=DecodeConfig(jpeg=jpeg),
-                     runtime=RuntimeConfig(progress=False, overlap=overlap))
+                     runtime=RuntimeConfig(progress=False, overlap=overlap, num_workers=workers))
 
 
 def run_whole(cfg: JobConfig, out: Path) -> tuple[Parts, float]:
-    """The job, in this process; its parts, and its images/s over every record (a ratio over quarantined records
-    would measure nothing, so there must be none)."""
+    """The job, in this process, its syncs counted; its parts, and its images/s over every record (a ratio over
+    quarantined records would measure nothing, so there must be none)."""
     job = rank_job(cfg, out / cfg.run_name)
-    summary = job.run_all()
+    with job.parts.stage.syncs.counting(job.parts.device):
+        summary = job.run_all()
     if summary["written"] != summary["records_in"]:
         raise RuntimeError(f"the e2e job {cfg.run_name} quarantined records: {summary['by_check']}")
     return job.parts, summary["records_per_s"]
 
 
-def timed(run) -> tuple[float, object]:
-    started = time.perf_counter()
-    result = run()
-    return time.perf_counter() - started, result
-
-
-def base_checkpoint() -> Path:
-    """The tiny Kimi checkpoint with a ViT-B-sized tower, built once: the tower must cost what a real one does."""
-    return build_once(home() / f"demo-{DEMO_VERSION}" / "kimi_k25_base", kimi_k25.write_base_checkpoint)
+def syncs_of(parts: Parts) -> dict:
+    syncs = parts.stage.syncs
+    return {"batches": syncs.batches, "waits": syncs.waits, "implicit": syncs.implicit, "per_batch": syncs.per_batch}
 
 
 def bench_e2e(config) -> dict:
-    """`config`: bench.BenchConfig (records, tower, device)."""
+    """`config`: bench.BenchConfig (records, tower, dtype, job_workers, device)."""
     out = Path(tempfile.mkdtemp(prefix="batchvlm-e2e-"))
     try:
         images = photo_jpegs(config.records)
         path = write_dataset(out, images)
-        model = ModelConfig(path=str(base_checkpoint()) if config.tower == "base" else TINY, device=config.device)
+        model = tower_model(config, embedding="auto")
+        units = math.ceil(config.records / (2 * config.job_workers))
+
+        def run(name: str, **settings) -> tuple[Parts, float]:
+            return run_whole(job_config(path, out, model, units, config.job_workers, name, **settings), out)
+
         # The first job in a process pays one-time costs (thread pools, kernel caches, imports): a short one first,
         # so that the three measured below differ only in their settings.
-        run_whole(job_config(path, out, model, config.records, "e2e-warm-up", limit=WARM_UP_RECORDS), out)
-        job, job_rate = run_whole(job_config(path, out, model, config.records), out)
-        _, batch_by_batch_rate = run_whole(job_config(path, out, model, config.records, "e2e-off", overlap=False), out)
-        _, device_decode_rate = run_whole(job_config(path, out, model, config.records, "e2e-jpeg", jpeg="device"), out)
+        run("e2e-warm-up", limit=WARM_UP_RECORDS)
+        job, job_rate = run("e2e")
+        off, batch_by_batch_rate = run("e2e-off", overlap=False)
+        _, device_decode_rate = run("e2e-jpeg", jpeg="device")
         stages, batches, rows = stage_rates(job, images)
         text_side = text_side_rates(job, [record.plans[0] for batch in batches for record in batch.records])
         stages["text (render+tokenize+expand+mask)"] = text_side[TEXT_TURNS[0]]
-        tower_s = sum(timed(lambda b=b: job.stage.encoder(b.pixel_values, b.grid_thw))[0] for b in batches)
+        tower_s = timed(lambda: [job.stage.encoder(b.pixel_values, b.grid_thw) for b in batches], job.device)[0]
         sink_s, bare_s = sink_against_bare_write(job, rows, out)
         stages["sink"] = 1 / sink_s
-        return {"records": config.records, "tower": config.tower, "device": str(job.device),
+        return {"records": config.records, "tower": config.tower, "dtype": config.dtype, "device": str(job.device),
+                "workers": config.job_workers, "units": math.ceil(config.records / units),
                 "job_images_per_s": job_rate, "tower_images_per_s": config.records / tower_s,
                 "batch_by_batch_images_per_s": batch_by_batch_rate, "device_decode_images_per_s": device_decode_rate,
+                "syncs": syncs_of(job), "batch_by_batch_syncs": syncs_of(off),
                 "sink_rows_per_s": 1 / sink_s, "bare_rows_per_s": 1 / bare_s,
-                "decode": decode_both_ways(job, images, [len(batch.records) for batch in batches]),
+                "decode": decode_both_ways(job.device, job.job.decode, images,
+                                           [len(batch.records) for batch in batches]),
                 "stages": stages, "text_side": text_side}
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
 
 def stage_rates(job: Parts, images: list[bytes]) -> tuple[dict, list, list]:
-    """Each stage alone on the same records, images/s; returns the packed batches and the assembled rows."""
+    """Each stage alone on the same records, images/s (the device synchronized around each); returns the packed
+    batches and the assembled rows."""
     records = [SourceRecord(f"photo-{i:05d}", "u", "bench", i, "<image> a photograph", [ImageRef(data=image)], seq=i)
                for i, image in enumerate(images)]
     decoder = Decoder(job.job.decode)
     try:
-        decode_s, decoded = timed(lambda: [decoder(record.images[0], 0) for record in records])
+        decode_s, decoded = timed(lambda: [decoder(record.images[0], 0) for record in records], job.device)
     finally:
         decoder.close()
     layout_s, prepared = timed(lambda: [plan_and_lay_out(record, record.text, [image], job.family, job.job)
-                                        for record, image in zip(records, decoded)])
+                                        for record, image in zip(records, decoded)], job.device)
     batcher = TokenBudgetBatcher(job.job.preprocess.token_budget, job.job.preprocess.max_images_per_batch)
     groups = [closed for record in prepared if (closed := batcher.add(record))] + [batcher.flush()]
-    preprocess_s, batches = timed(lambda: [preprocess_batch(group, job.stage.preprocessor) for group in groups])
+    preprocess_s, batches = timed(lambda: [preprocess_batch(group, job.stage.preprocessor) for group in groups],
+                                  job.device)
     dtype, sizes = job.assembler.embed_dtype, job.assembler.hidden_sizes
-    encode_s, encoded = timed(lambda: [e for batch in batches for e in encode_batch(job.stage.encoder, batch, dtype)])
-    assemble_s, rows = timed(lambda: [data_row(e, dtype, sizes) for e in encoded])
+    encode_s, encoded = timed(lambda: [e for batch in batches for e in encode_batch(job.stage.encoder, batch, dtype)],
+                              job.device)
+    assemble_s, rows = timed(lambda: [data_row(e, dtype, sizes) for e in encoded], job.device)
     count = len(images)
     return ({"decode": count / decode_s, "plan+layout": count / layout_s,
              "preprocess": count / preprocess_s, "tower+checks": count / encode_s, "assemble": count / assemble_s},
@@ -184,45 +175,8 @@ def text_side_rates(job: Parts, plans: list) -> dict[int, float]:
     for turns in TEXT_TURNS:
         conversations = [llava_like(i, turns) for i in range(CONVERSATIONS)]
         layouts = lambda: [chat.lay_out(c, [plans[i % len(plans)]]) for i, c in enumerate(conversations)]  # noqa: E731
-        rates[turns] = CONVERSATIONS / min(timed(layouts)[0] for _ in range(3))
+        rates[turns] = CONVERSATIONS / min(timed(layouts, job.device)[0] for _ in range(3))
     return rates
-
-
-def decode_both_ways(job: Parts, images: list[bytes], group_sizes: list[int]) -> dict:
-    """images/s of the safe path (in the isolated child, one image at a time, as a worker runs it), of the worker's
-    header check, and of the batched decode on the job's device in the packed batches' groups (after one warm-up
-    group: nvJPEG's first call sets up its handles)."""
-    cfg = dataclasses.replace(job.job.decode, jpeg="device")
-    safe = Decoder(dataclasses.replace(cfg, jpeg="safe"))
-    try:
-        safe_s, reference = timed(lambda: [safe(ImageRef(data=image), 0) for image in images])
-        header_s, jpegs = timed(lambda: [deferred(image, cfg) for image in images])
-        if None in jpegs:
-            raise RuntimeError("the e2e JPEGs must all be deferred to the batched decode")
-        records = [PreparedRecord(SourceRecord(f"photo-{i:05d}", "u", "bench", i, "", []), [jpeg], [], None)
-                   for i, jpeg in enumerate(jpegs)]
-        starts = np.cumsum([0] + group_sizes)
-        groups = [records[start:stop] for start, stop in zip(starts[:-1], starts[1:])]
-        batched = JpegBatchDecoder(job.device, safe)
-        batched(groups[0])
-
-        def decode_all() -> list[PreparedRecord]:
-            decoded = [batched(group) for group in groups]
-            if job.device.type == "cuda":
-                torch.cuda.synchronize(job.device)
-            if any(refused for _, refused in decoded):
-                raise RuntimeError("the batched decode refused an e2e JPEG")
-            return [record for kept, _ in decoded for record in kept]
-
-        batched_s, decoded = timed(decode_all)
-    finally:
-        safe.close()
-    count = len(images)
-    # nvJPEG is not libjpeg-turbo: on CUDA this is the measured answer to "the same pixels?"
-    levels = max(int(np.abs(ours.images[0].on_host().astype(np.int16) - safe_image.pixels).max())
-                 for ours, safe_image in zip(decoded, reference))
-    return {"device": str(job.device), "safe_images_per_s": count / safe_s, "header_images_per_s": count / header_s,
-            "batched_images_per_s": count / batched_s, "max_levels": levels}
 
 
 def sink_against_bare_write(job: Parts, rows: list[dict], out: Path) -> tuple[float, float]:
@@ -245,13 +199,13 @@ def sink_against_bare_write(job: Parts, rows: list[dict], out: Path) -> tuple[fl
         table = pa.Table.from_pylist(rows, schema=DATA_SCHEMA.with_metadata(metadata))
         pq.write_table(table, out / "bare.parquet", compression=job.job.output.compression)
 
-    return timed(through_sink)[0] / len(rows), timed(bare_write)[0] / len(rows)
+    return timed(through_sink, job.device)[0] / len(rows), timed(bare_write, job.device)[0] / len(rows)
 
 
 def format_e2e(result: dict) -> str:
-    decode = result["decode"]
-    lines = [f"e2e bench: {result['records']} records of 512x384 JPEG, {result['tower']} Kimi tower, "
-             f"device {result['device']}",
+    decode, syncs, off = result["decode"], result["syncs"], result["batch_by_batch_syncs"]
+    lines = [f"e2e bench: {result['records']} records of real photos (JPEG), {result['tower']} Kimi tower in "
+             f"{result['dtype']}, device {result['device']}, {result['workers']} workers over {result['units']} units",
              f"end-to-end {result['job_images_per_s']:.1f} images/s vs tower alone {result['tower_images_per_s']:.1f}: "
              f"{result['job_images_per_s'] / result['tower_images_per_s']:.2f}x",
              f"overlap: end-to-end {result['job_images_per_s']:.2f} images/s vs batch by batch (runtime.overlap=false) "
@@ -259,6 +213,9 @@ def format_e2e(result: dict) -> str:
              f"{result['job_images_per_s'] / result['batch_by_batch_images_per_s']:.2f}x; with decode.jpeg=device "
              f"{result['device_decode_images_per_s']:.2f}: "
              f"{result['device_decode_images_per_s'] / result['job_images_per_s']:.2f}x",
+             f"host-device syncs per batch: overlap {syncs['per_batch']:.2f} ({syncs['waits']} waits, "
+             f"{syncs['implicit']} implicit over {syncs['batches']} batches), batch by batch {off['per_batch']:.2f} "
+             f"({off['waits']} waits, {off['implicit']} implicit over {off['batches']} batches)",
              f"decode: safe path (isolated child) {decode['safe_images_per_s']:.1f} images/s vs batched torchvision on "
              f"{decode['device']} {decode['batched_images_per_s']:.1f}: "
              f"{decode['batched_images_per_s'] / decode['safe_images_per_s']:.2f}x "

@@ -2,6 +2,8 @@
 
 task=scale: bench/scale.py (start-up and memory as the dataset grows).
 task=e2e: bench/e2e.py (the job against its tower, the sink against a bare write, stage by stage).
+task=tower: bench/tower.py (the tower alone: images/s and achieved TFLOP/s).
+task=jpeg: bench/decoding.py (the batched JPEG decode against the safe path, per kind of JPEG).
 
 task=preprocess: one fixed mix of image sizes (real photos, plus synthetic extremes) through the
 Triton kernels (where CUDA is), the torch ops and the family's HF processor (with `device=` where
@@ -67,26 +69,45 @@ class BenchConfig:
     """task=loader: DataLoader workers of the loader (0: in this process, like the scan); task=claims: DataLoader
     workers of each simulated rank (each walked the claims before issue 23)."""
     records: int = 16
-    """task=e2e: records (one 512x384 JPEG each) run through the job and through each stage."""
+    """task=e2e|tower|jpeg: records (one real photo each, of the common sizes in decoding.REAL_SIZES) run through the
+    job and each stage, through the tower, or encoded as each kind of JPEG."""
     tower: str = "base"
-    """task=e2e: base (a ViT-B-sized MoonViT, built once) | tiny (the demo tower)."""
+    """task=e2e|tower: base (a ViT-B-sized MoonViT, built once) | tiny (the demo tower)."""
+    dtype: str = "bfloat16"
+    """task=e2e|tower: the tower's dtype (model.dtype), as checkpoints ship: bfloat16 | float16 | float32."""
+    job_workers: int = 2
+    """task=e2e: the job's runtime.num_workers; the records are cut into two work units per worker."""
+    peak_tflops: float = 989.0
+    """task=tower: the device's dense bf16 peak that model FLOPs utilization is taken against (the H100/H200 SXM
+    datasheet's; an H200 here measured 788 on an 8192-cube matmul)."""
     ranks: int = 1000
     """task=claims: the most simulated ranks; the bench runs 8, 64 and this many (those up to it)."""
     units: int = 100_000
     """task=claims: work units of the simulated run (of one record each)."""
     block_units: int = RuntimeConfig.block_units
     """task=claims: runtime.block_units of the simulated runs."""
+    dry_run: bool = False
+    """Everything up to the device: the config checked and the task's code imported, nothing run (gpu_check.sh's
+    rehearsal on a CPU)."""
 
     def __post_init__(self) -> None:
-        one_of("task", self.task, ("preprocess", "scale", "loader", "e2e", "claims"))
+        one_of("task", self.task, ("preprocess", "scale", "loader", "e2e", "tower", "jpeg", "claims"))
         one_of("tower", self.tower, ("base", "tiny"))
+        one_of("dtype", self.dtype, ("bfloat16", "float16", "float32"))
         for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens", "records",
-                    "ranks", "units", "block_units"):
+                    "job_workers", "peak_tflops", "ranks", "units", "block_units"):
             positive(key, getattr(self, key))
         if self.workers < 0:
             raise ConfigError(f"workers={self.workers} must be >= 0")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
+
+
+def bench_device(name: str) -> torch.device:
+    """BenchConfig.device: auto is CUDA where there is one."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 def image_mix() -> list[tuple[str, np.ndarray]]:
@@ -148,8 +169,7 @@ def best_interleaved(runs: dict, repeats: int) -> dict[str, float]:
 
 
 def bench_preprocess(config: BenchConfig) -> dict:
-    device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if config.device == "auto" else config.device)
+    device = bench_device(config.device)
     family = load_family(config.model)
     mix = image_mix()
     records = records_of(mix, family)
@@ -161,22 +181,38 @@ def bench_preprocess(config: BenchConfig) -> dict:
     runners["hf"] = hf
     seconds = {name: best_seconds(run, device, config.repeats) for name, run in runners.items()}
     images, nbytes = len(mix), sum(pixels.nbytes for _, pixels in mix)
+    levels = {name: levels_from_hf(family, records, runners[name]()[0], config.background)
+              for name in runners if name != "hf"}
     return {"family": family.name, "device": str(device), "images": images, "input_bytes": nbytes,
             "hf_device": str(device) if hf_on_device else "cpu", "repeats": config.repeats,
-            "backends": {name: {"seconds": s, "images_per_s": images / s, "bytes_per_s": nbytes / s}
-                         for name, s in seconds.items()},
+            "backends": {name: {"seconds": s, "images_per_s": images / s, "bytes_per_s": nbytes / s,
+                                "max_levels": levels.get(name, 0.0)} for name, s in seconds.items()},
             "ratios": {f"{a}/{b}": seconds[b] / seconds[a] for a, b in
                        [("triton", "torch"), ("triton", "hf"), ("torch", "hf")] if a in seconds and b in seconds}}
+
+
+def levels_from_hf(family, records: list[PreparedRecord], rows: list[torch.Tensor], background: str) -> float:
+    """The largest difference of a backend's rows from the family's HF processor, in uint8 levels, over the images
+    without alpha (the HF processors composite none)."""
+    cpu = TorchPreprocessor(family, torch.device("cpu"), background)
+    worst = 0.0
+    for record, image_rows in zip(records, rows):
+        image, plan = record.images[0], record.plans[0]
+        if not image.has_alpha:
+            levels = cpu.levels(image_rows.float().cpu(), family.reference_preprocess([image.on_host()])[0].float(),
+                                plan)
+            worst = max(worst, float("inf") if levels is None else levels)
+    return worst
 
 
 def format_preprocess(result: dict) -> str:
     lines = [f"preprocess bench: family {result['family']}, device {result['device']} (HF processor on "
              f"{result['hf_device']}), {result['images']} images, {result['input_bytes'] / 1e6:.1f} MB uint8, "
-             f"best of {result['repeats']}",
-             f"{'backend':<8} {'images/s':>10} {'MB/s':>10} {'ms/pass':>10}"]
+             f"best of {result['repeats']}; levels: the largest pixel difference from the HF processor (RGB images)",
+             f"{'backend':<8} {'images/s':>10} {'MB/s':>10} {'ms/pass':>10} {'levels':>8}"]
     for name, row in result["backends"].items():
         lines.append(f"{name:<8} {row['images_per_s']:>10.1f} {row['bytes_per_s'] / 1e6:>10.1f} "
-                     f"{row['seconds'] * 1e3:>10.1f}")
+                     f"{row['seconds'] * 1e3:>10.1f} {row['max_levels']:>8.2f}")
     lines.append("speed-up: " + ", ".join(f"{pair} {ratio:.2f}x" for pair, ratio in result["ratios"].items()))
     return "\n".join(lines)
 

@@ -1,9 +1,14 @@
 """The device side of the job: token-budget batches through preprocessing and the tower, every failure pinned on
 the record that caused it (a check that knows its record names it; any other error is bisected down to the record
-that raises it) while the rest of the batch is encoded unchanged.
+that raises it) while the rest of the batch is encoded unchanged, and the job stopped where a failure is its own
+(tally.device_fault, tally.FailureStreak).
 
-With `runtime.overlap`, batch k+1 is staged (its copies, `decode.jpeg=device` decode and preprocessing, on a side
-stream on CUDA) while batch k encodes; a batch that fails anywhere on that path is redone on the checked path.
+A batch goes through three steps: staged (its copies, `decode.jpeg=device` decode and preprocessing queued, on a side
+stream on CUDA), launched (its tower queued, and its results' copies to the host behind it) and finished (one wait
+for those copies, through the `Syncs` seam; then its checks and its records). With `runtime.overlap`, batch k+1 is
+launched and batch k+2 staged before batch k is finished, so the device always has the next tower queued while the
+host reads, checks and writes; without, each batch goes through the three steps before the next is handed in. A
+batch that fails anywhere on this path is redone on the checked path (`checked`), which pins its failures.
 """
 
 from __future__ import annotations
@@ -14,13 +19,17 @@ from dataclasses import dataclass, field
 import torch
 
 from batchvlm.checks import CheckFailed, unexpected_failure
+from batchvlm.devices import Syncs
 from batchvlm.executor.batching import Batch
 from batchvlm.executor.overlap import Streams
+from batchvlm.executor.tally import FailureStreak, device_fault
 from batchvlm.faults import crash_point
-from batchvlm.pipeline.encode import encode_batch, finish_batch, start_batch
+from batchvlm.pipeline.encode import Launched, encode_batch, finish_batch, launch_batch
 from batchvlm.pipeline.jpeg import JpegBatchDecoder
 from batchvlm.pipeline.preprocess import PreprocessGuard, preprocess_batch
 from batchvlm.records import EncodedRecord, Failure, PixelBatch, PreparedRecord, QuarantinedRecord
+
+Outcome = EncodedRecord | QuarantinedRecord
 
 
 def quarantined_as(record: PreparedRecord, failure: Failure) -> QuarantinedRecord:
@@ -30,21 +39,30 @@ def quarantined_as(record: PreparedRecord, failure: Failure) -> QuarantinedRecor
 
 @dataclass
 class Staged:
-    """Batch k+1, its copies and preprocessing queued on the side stream while batch k encodes. `batch` is None
-    where packing raised: the batch is then redone on the checked path, which pins the failure on its record."""
+    """A batch whose copies and preprocessing are queued. `batch` is None where packing raised: the batch is then
+    redone on the checked path, which pins the failure on its record."""
 
     records: list[PreparedRecord]
     batch: PixelBatch | None
-    ready: object = None  # the side stream's event after this batch (None on the CPU)
+    ready: object = None  # the side stream's event after this batch (None without one)
     refused: list[QuarantinedRecord] = field(default_factory=list)  # records whose JPEG the safe path refused
 
 
+@dataclass
+class Running:
+    """A batch whose tower and read-back are queued; `launched` is None where launching raised."""
+
+    staged: Staged
+    launched: Launched | None
+
+
 def made_on_the_side(staged: Staged) -> list[torch.Tensor]:
-    """What the compute stream reads of the side stream's work: the packed pixels, and the pixels decoded on the
-    device (decode.jpeg=device), which the checked path packs again if the batch is redone."""
+    """What the compute stream reads of the side stream's work: the packed pixels and their finite flags, and the
+    pixels decoded on the device (decode.jpeg=device), which the checked path packs again if the batch is redone."""
     decoded = [image.pixels for record in staged.records for image in record.images
                if isinstance(image.pixels, torch.Tensor)]
-    return decoded + ([staged.batch.pixel_values] if staged.batch is not None else [])
+    batch = staged.batch
+    return decoded + ([] if batch is None else [batch.pixel_values] + ([] if batch.finite is None else [batch.finite]))
 
 
 @dataclass
@@ -53,98 +71,102 @@ class Device:
     encoder: object
     guard: PreprocessGuard = field(default_factory=PreprocessGuard)
     out_dtype: torch.dtype | None = None  # the stored dtype: outputs cross to the host in it, once per batch
-    streams: Streams | None = None
-    """runtime.overlap: with streams, `submit` stages batch k+1 while batch k encodes; without, batch by batch."""
+    overlap: bool = False
+    """runtime.overlap: batch k finished only once batch k+1 is launched and k+2 staged; without, batch by batch."""
+    streams: Streams = field(default_factory=lambda: Streams(torch.device("cpu")))
     jpegs: JpegBatchDecoder | None = None
     """decode.jpeg=device: decodes the JPEGs that the workers left encoded, a batch at a time, before preprocessing."""
+    syncs: Syncs = field(default_factory=Syncs)
+    streak: FailureStreak = field(default_factory=FailureStreak)
+    staged: Staged | None = None
+    running: Running | None = None
+    last_error: BaseException | None = None  # the last exception the checked path caught, for the streak's message
 
-    def submit(self, pending: Staged | None, records: list[PreparedRecord]) -> tuple[
-            list[EncodedRecord], list[QuarantinedRecord], Staged | None]:
-        """Hand in the next batch (empty at the end of the stream); get back the results of the batch handed in
-        before it and the batch now pending. Without streams the batch is encoded at once and nothing is pending.
+    def submit(self, records: list[PreparedRecord]) -> list[Outcome]:
+        """Hand in the next batch; get back the outcomes of the batch (or batches) finished meanwhile, in order."""
+        if not self.overlap:
+            return self._finish(self._launch(self._stage(records))) if records else []
+        launched = self._launch(self.staged) if self.staged is not None else None
+        self.staged = self._stage(records) if records else None
+        done, self.running = self.running, launched
+        return self._finish(done) if done is not None else []
 
-        Order, with streams: batch k's tower is queued, then batch k+1 is staged on the side stream (its pack reads
-        its checks back with a sync of the side stream alone), then batch k's checks and copy to the host wait for
-        the tower. A batch that fails anywhere on this path is redone on the checked path (`encode`), so its
-        failures are pinned and bisected exactly as without overlap."""
-        if self.streams is None:
-            records, refused = self._decoded(records)
-            encoded, quarantined = self.encode(records)
-            return encoded, refused + quarantined, None
-        outputs = self._launch(pending) if pending is not None else None
-        staged = self._stage(records) if records else None
-        if pending is None:
-            return [], [], staged
-        encoded, quarantined = self._finish(pending, outputs)
-        return encoded, pending.refused + quarantined, staged
-
-    def _decoded(self, records: list[PreparedRecord]) -> tuple[list[PreparedRecord], list[QuarantinedRecord]]:
-        return self.jpegs(records) if self.jpegs is not None else (records, [])
+    def drain(self) -> list[Outcome]:
+        """At the end of the stream: the outcomes of every batch still in flight, and those held back by the streak."""
+        outcomes = []
+        while self.staged is not None or self.running is not None:
+            outcomes += self.submit([])
+        return outcomes + self.streak.release()
 
     def _stage(self, records: list[PreparedRecord]) -> Staged:
         with self.streams.staging():
-            records, refused = self._decoded(records)
+            records, refused = self.jpegs(records) if self.jpegs is not None else (records, [])
             try:
-                batch = preprocess_batch(records, self.preprocessor, self.guard)
-            except Exception:  # noqa: BLE001 - redone and pinned on the checked path when the batch's turn comes
+                batch = preprocess_batch(records, self.preprocessor, self.guard) if records else None
+            except Exception as error:  # noqa: BLE001 - redone and pinned on the checked path when its turn comes
+                device_fault(error)
                 batch = None
             return Staged(records, batch, self.streams.staged(), refused)
 
-    def _launch(self, staged: Staged) -> dict | None:
+    def _launch(self, staged: Staged) -> Running:
         crash_point("encode")
         self.streams.hand_over(staged.ready, made_on_the_side(staged))
-        if staged.batch is None:
-            return None
-        try:
-            return start_batch(self.encoder, staged.batch)
-        except Exception:  # noqa: BLE001 - redone and pinned on the checked path
-            return None
-
-    def _finish(self, staged: Staged, outputs: dict | None) -> tuple[list[EncodedRecord], list[QuarantinedRecord]]:
-        if outputs is not None:
+        launched = None
+        if staged.batch is not None:
+            self.syncs.batches += 1
             try:
-                return finish_batch(self.encoder, staged.batch, outputs, self.out_dtype), []
-            except Exception:  # noqa: BLE001 - redone and pinned on the checked path
-                pass
-        return self.encode(staged.records)
+                launched = launch_batch(self.encoder, staged.batch, self.out_dtype, self.streams.back)
+            except Exception as error:  # noqa: BLE001 - redone and pinned on the checked path
+                device_fault(error)
+        return Running(staged, launched)
 
-    def encode(self, records: list[PreparedRecord]) -> tuple[list[EncodedRecord], list[QuarantinedRecord]]:
+    def _finish(self, running: Running) -> list[Outcome]:
+        staged = running.staged
+        if running.launched is not None:
+            try:
+                return staged.refused + self.streak.judge(finish_batch(running.launched, self.syncs), None)
+            except Exception as error:  # noqa: BLE001 - redone and pinned on the checked path
+                device_fault(error)
+        if not staged.records:
+            return staged.refused
+        encoded, quarantined = self.checked(staged.records)
+        return staged.refused + self.streak.judge(encoded + quarantined, self.last_error)
+
+    def checked(self, records: list[PreparedRecord]) -> tuple[list[EncodedRecord], list[QuarantinedRecord]]:
         """The checked path: encode a batch, pin every failure on the record that caused it and encode the rest
-        unchanged."""
+        unchanged. A CUDA error stops the job instead (tally.device_fault)."""
         if not records:
             return [], []
         crash_point("encode")
         try:
-            batch = preprocess_batch(records, self.preprocessor, self.guard)
-            return encode_batch(self.encoder, batch, self.out_dtype), []
+            batch = preprocess_batch(records, self.preprocessor, self.guard, self.syncs)
+            return encode_batch(self.encoder, batch, self.out_dtype, self.syncs), []
         except CheckFailed as failure:
             if failure.record is not None:
                 rest = [record for record in records if record is not failure.record]
-                encoded, quarantined = self.encode(rest)
+                encoded, quarantined = self.checked(rest)
                 return encoded, [quarantined_as(failure.record, failure.to_failure())] + quarantined
             error = failure
         except Exception as caught:  # an exception or out-of-memory: find the record that raises it
+            device_fault(caught)
             error = caught
+        self.last_error = error
         if len(records) == 1:
             failure = error.to_failure() if isinstance(error, CheckFailed) else unexpected_failure("encode.failed", error)
             return [], [quarantined_as(records[0], failure)]
         middle = len(records) // 2
-        left, right = self.encode(records[:middle]), self.encode(records[middle:])
+        left, right = self.checked(records[:middle]), self.checked(records[middle:])
         return left[0] + right[0], left[1] + right[1]
 
 
 def encoded(items: Iterable, device: Device) -> Iterator:
     """Each `Batch` of the stream through the device, out as the list of its records' outcomes (encoded or
-    quarantined); with overlap, a batch's outcomes come out when the next batch is handed in, the last one's at the
-    end. Everything else passes through in place."""
-    pending = None
+    quarantined); with overlap, a batch's outcomes come out two batches later, the last ones' at the end. Everything
+    else passes through in place."""
     for item in items:
-        if isinstance(item, Batch):
-            done, failed, pending = device.submit(pending, item.records)
-            if done or failed:
-                yield done + failed
-        else:
+        if not isinstance(item, Batch):
             yield item
-    done, failed, _ = device.submit(pending, [])
-    if done or failed:
-        yield done + failed
+        elif outcomes := device.submit(item.records):
+            yield outcomes
+    if outcomes := device.drain():
+        yield outcomes

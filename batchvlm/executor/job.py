@@ -30,7 +30,7 @@ from batchvlm.executor.distributed import Coordinator, Ranks, init_ranks
 from batchvlm.executor.overlap import Streams
 from batchvlm.executor.progress import Progress
 from batchvlm.executor.rows import Assembler, rows
-from batchvlm.executor.tally import JobAborted, Tally
+from batchvlm.executor.tally import JobAborted, QuarantineOverLimit, Tally, check_run_totals
 from batchvlm.executor.worker import prepared_units
 from batchvlm.families import Family, load_family, resolve_checkpoint
 from batchvlm.format.schema import EMBED_DTYPES
@@ -51,7 +51,7 @@ from batchvlm.rundir.workunits import Plan, make_plan, read_plan, write_plan
 from batchvlm.sources import Source, make_source
 from batchvlm.sources.requeue import RequeueSource, requeue_source, write_lineage
 
-__all__ = ["JobAborted", "Terminated", "run_job", "summarize"]
+__all__ = ["JobAborted", "QuarantineOverLimit", "Terminated", "run_job", "summarize"]
 
 log = logging.getLogger("batchvlm")
 
@@ -110,9 +110,10 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
     encoder = family.load_encoder(device, EMBED_DTYPES[job.model.dtype])
     run = RunDir(layout, job, family, encoder, ranks)
     embed_dtype = EMBED_DTYPES[job.output.embed_dtype]
+    overlap = job.runtime.overlap
     stage = Device(make_preprocessor(job.preprocess.backend, family, device, job.preprocess.background), encoder,
                    PreprocessGuard.from_config(job.preprocess, family, job.preprocess.background), embed_dtype,
-                   Streams(device) if job.runtime.overlap else None, _jpeg_decoder(job, device))
+                   overlap, Streams(device, overlap), _jpeg_decoder(job, device))
     assembler = Assembler(embed_dtype, encoder.hidden_sizes, job.output.quarantine_bytes_cap, run.fingerprint_digest,
                           job.text.trained(job.dataset.format), job.dataset.placeholder)
     return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue, chat, draft)
@@ -290,11 +291,16 @@ def rank_job(job: JobConfig, run_dir: Path) -> Job:
 
 
 def run_job(job: JobConfig, run_dir: Path) -> dict | None:
+    """Rank 0's summary of the run (None on the other ranks); QuarantineOverLimit where the run, complete, quarantined
+    more than checks.max_quarantine_fraction of its records, however few."""
     runner = rank_job(job, run_dir)
     try:
-        return runner.run_all()
+        summary = runner.run_all()
     finally:
         runner.ranks.close()
+    if summary is not None:
+        check_run_totals(summary, job.checks)
+    return summary
 
 
 def summarize(summary: dict) -> str:

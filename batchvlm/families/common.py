@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.config import FLASH_ATTENTION, ConfigError, ModelConfig
 from batchvlm.demo import caption_corpus
+from batchvlm.devices import to_device
 from batchvlm.families import resolve_checkpoint
 from batchvlm.format.layouts import PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
@@ -165,6 +166,62 @@ def load_submodule(checkpoint: Path, module_class, config, prefixes: tuple[str, 
 
 def published_template(name: str) -> str:
     return (TEMPLATES / f"{name}.jinja").read_text()
+
+
+LONGEST_SEGMENT = {"cu_seqlens": "max_seqlen", "cu_window_seqlens": "max_window_seqlen"}
+"""transformers' names of the attention boundaries a tower reads (vision_utils) and of their longest segment."""
+
+
+class TowerInputError(RuntimeError):
+    """A tower input in the wrong dtype or on the wrong device: a fault of batchvlm, never of a record."""
+
+
+def tower_inputs(tower: torch.nn.Module, pixel_values: torch.Tensor, attention: str, indices: dict,
+                 boundaries: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """What a transformers vision tower reads of one packed batch besides its weights, built once per batch (not per
+    layer) and put where its reader reads it; returns the pixel values and the keyword arguments to call it with.
+
+    - the pixel values, in the tower's dtype on its device;
+    - `indices`: what the tower would compute from grid_thw (position ids, interpolation taps, window order...),
+      computed by the caller on the host from the host grid with transformers' own helpers (vision_utils), under
+      the names the tower takes them precomputed by; copied to the device here without a wait;
+    - `boundaries` (cu_seqlens and kin, on the host): under flash_attention_2 the kernel reads them on the device,
+      with their longest segment as an int; every other implementation splits the batch with .tolist() of them,
+      on the host, where that costs no sync.
+
+    Computed from a grid on the device, each of these would cost a sync (.tolist(), .item(), an arange sized by a
+    device value), and each sync waits for the tower of the batch before. Checked here, where they are built."""
+    device, flash = tower.device, attention == FLASH_ATTENTION
+    kwargs = {name: placed(value, device) for name, value in indices.items()}
+    for name, cu_seqlens in boundaries.items():
+        kwargs[name] = to_device(cu_seqlens, device) if flash else cu_seqlens
+        kwargs[LONGEST_SEGMENT[name]] = int(cu_seqlens.diff().max()) if flash and len(cu_seqlens) > 1 else None
+    pixel_values = pixel_values.to(device=device, dtype=tower.dtype)
+    check_tower_inputs(tower, pixel_values, kwargs, host=() if flash else tuple(boundaries))
+    return pixel_values, kwargs
+
+
+def placed(value, device: torch.device):
+    """A tensor, or a tuple of tensors and ints (Kimi's temporal merge index), with its tensors on `device`."""
+    if isinstance(value, tuple):
+        return tuple(placed(item, device) for item in value)
+    return to_device(value, device) if isinstance(value, torch.Tensor) else value
+
+
+def check_tower_inputs(tower: torch.nn.Module, pixel_values: torch.Tensor, kwargs: dict, host: tuple[str, ...]) -> None:
+    """The pixel values in the tower's dtype and on its device, every tensor argument on its device but those named in
+    `host`, which must be on the host. On the CPU this catches a missing cast; a missing copy only shows on CUDA."""
+    device = tower.device
+    wrong = [] if (pixel_values.dtype, pixel_values.device) == (tower.dtype, device) else [
+        f"pixel_values is {pixel_values.dtype} on {pixel_values.device}"]
+    for name, value in kwargs.items():
+        expected = torch.device("cpu") if name in host else device
+        for tensor in value if isinstance(value, tuple) else (value,):
+            if isinstance(tensor, torch.Tensor) and tensor.device != expected:
+                wrong.append(f"{name} is on {tensor.device}")
+    if wrong:
+        raise TowerInputError(f"the tower ({tower.dtype} on {device}) is handed inputs it cannot read as they are: "
+                              + "; ".join(wrong))
 
 
 def tiny_tokenizer(media_tokens: list[str], chat_template: str | None = None):

@@ -16,8 +16,10 @@ from pathlib import Path
 import torch
 
 from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.devices import to_device
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, choose_projector, processor_params,
-                                      published_template, tiny_tokenizer, token_id, tokenizer_digest)
+                                      published_template, tiny_tokenizer, token_id, tokenizer_digest,
+                                      tower_inputs)
 from batchvlm.format.layouts import RASTER_CHW, PatchLayout
 from batchvlm.records import ImagePlan
 from batchvlm.format.schema import FRAME, IMAGE
@@ -83,9 +85,11 @@ def navit_plan(height: int, width: int, params: KimiProcessorParams) -> ImagePla
 class KimiEncoder(torch.nn.Module):
     """MoonViT tower (+ projector): packed (N, C, p, p) patches and grids in, per-image tokens out."""
 
-    def __init__(self, tower: torch.nn.Module, projector: torch.nn.Module | None, merge_size: int, keep_tower: bool):
+    def __init__(self, tower: torch.nn.Module, projector: torch.nn.Module | None, merge_size: int, keep_tower: bool,
+                 attention: str):
         super().__init__()
         self.tower = tower
+        self.attention = attention
         self.projector = projector
         self.merge_area = merge_size * merge_size
         self.keep_tower = keep_tower
@@ -95,9 +99,32 @@ class KimiEncoder(torch.nn.Module):
             self.hidden_sizes["tower_embeds"] = tower_size
         self.hidden_size = self.hidden_sizes["image_embeds"]
 
+    def inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The tower's inputs for a batch of the host grid `grid_thw`: what MoonViT computes from the grid (rotary
+        positions, the bicubic taps of its position table, frame indices, the 2x2 merge's scatter index), computed
+        here on the host by transformers' own functions (common.tower_inputs)."""
+        from transformers.models.kimi_k25.modeling_kimi_k25 import (get_vision_frame_index,
+                                                                    get_vision_temporal_merge_index)
+        from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights,
+                                               get_vision_position_ids)
+
+        table = self.tower.patch_embed.pos_emb
+        taps = get_vision_interpolation_indices_and_weights(grid_thw, table.num_grid_per_side,
+                                                            mode=table.interpolation_mode,
+                                                            align_corners=table.interpolation_align_corners)
+        indices = {"position_ids": get_vision_position_ids(grid_thw, spatial_merge_size=1),
+                   "interp_indices": taps[0], "interp_weights": taps[1],
+                   "frame_index": get_vision_frame_index(grid_thw),
+                   "temporal_merge_index": get_vision_temporal_merge_index(grid_thw, *self.tower.merge_kernel_size)}
+        return tower_inputs(self.tower, pixel_values, self.attention, indices,
+                            {"cu_seqlens": get_vision_cu_seqlens(grid_thw, merge_temporal=True)})
+
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-        merged = self.tower(pixel_values, grid_thw=grid_thw).pooler_output  # [tokens, m*m, D]
+        """`grid_thw` on the host (the batch's planned grids), so that nothing here waits for the device."""
+        pixel_values, kwargs = self.inputs(pixel_values, grid_thw)
+        device_grid = to_device(grid_thw, pixel_values.device)
+        merged = self.tower(pixel_values, grid_thw=device_grid, **kwargs).pooler_output  # [tokens, m*m, D]
         tower_tokens = merged.reshape(merged.shape[0], -1)
         sizes = (grid_thw[:, 1] * grid_thw[:, 2] // self.merge_area).tolist()
         split = lambda tokens: list(torch.split(tokens, sizes))  # noqa: E731
@@ -161,7 +188,8 @@ class KimiK25(PatchFamily):
             raise ConfigError(f"model.path={self.checkpoint} holds a {config.model_type!r} checkpoint, "
                               "not kimi_k25 or kimi_k25_vision")
         projector = choose_projector(self.embedding, projector)
-        return KimiEncoder(tower, projector, self.params.merge_size, self.embedding == "both").to(device).eval()
+        return KimiEncoder(tower, projector, self.params.merge_size, self.embedding == "both",
+                           self.attn_implementation).to(device).eval()
 
     def just_over_budget(self) -> tuple[int, int]:
         side, p = math.isqrt(self.params.max_patches), self.params.patch_size

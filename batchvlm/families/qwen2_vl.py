@@ -21,8 +21,10 @@ import torch
 
 from batchvlm.checks import require
 from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.devices import to_device
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_params,
-                                      published_template, tiny_tokenizer, token_id, tokenizer_digest)
+                                      published_template, tiny_tokenizer, token_id, tokenizer_digest,
+                                      tower_inputs)
 from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
 from batchvlm.format.schema import FRAME, IMAGE
@@ -133,10 +135,12 @@ def mrope_positions(seq_len: int, spans: list[tuple[int, int]], plans: list[Imag
 class QwenEncoder(torch.nn.Module):
     """The vision tower with its merger: packed merge-window rows and grids in, per-image tokens out."""
 
-    def __init__(self, tower: torch.nn.Module, embedding: str, merge_size: int):
+    def __init__(self, tower: torch.nn.Module, embedding: str, merge_size: int, version: str, attention: str):
         super().__init__()
         self.tower = tower
         self.embedding = embedding
+        self.version = version
+        self.attention = attention
         self.merge_area = merge_size * merge_size
         merged = [m for m in tower.merger.modules() if isinstance(m, torch.nn.Linear)][-1].out_features
         tower_size = tower.patch_embed.proj.out_channels * self.merge_area
@@ -148,9 +152,30 @@ class QwenEncoder(torch.nn.Module):
             self.hidden_sizes["deepstack_embeds"] = merged * self.deepstack_layers
         self.hidden_size = self.hidden_sizes["image_embeds"]
 
+    def inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The tower's inputs for a batch of the host grid `grid_thw` (common.tower_inputs): the rotary positions in
+        merge-window order; Qwen2.5-VL's window order and window boundaries; Qwen3-VL's bilinear taps of its
+        position table. Computed here on the host by transformers' own functions."""
+        from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights,
+                                               get_vision_position_ids, get_vision_window_index)
+
+        tower = self.tower
+        indices = {"position_ids": get_vision_position_ids(grid_thw, tower.spatial_merge_size)}
+        boundaries = {"cu_seqlens": get_vision_cu_seqlens(grid_thw)}
+        if self.version == "qwen2_5_vl":
+            indices["window_index"], boundaries["cu_window_seqlens"] = get_vision_window_index(
+                grid_thw, tower.spatial_merge_size, tower.window_size, tower.patch_size)
+        if self.version == "qwen3_vl":
+            indices["interp_indices"], indices["interp_weights"] = get_vision_interpolation_indices_and_weights(
+                grid_thw, tower.num_grid_per_side, mode=tower.interpolation_mode,
+                align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size)
+        return tower_inputs(tower, pixel_values, self.attention, indices, boundaries)
+
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-        out = self.tower(pixel_values.to(self.tower.dtype), grid_thw=grid_thw)
+        """`grid_thw` on the host (the batch's planned grids), so that nothing here waits for the device."""
+        pixel_values, kwargs = self.inputs(pixel_values, grid_thw)
+        out = self.tower(pixel_values, grid_thw=to_device(grid_thw, pixel_values.device), **kwargs)
         sizes = (grid_thw.prod(-1) // self.merge_area).tolist()
         split = lambda tokens: list(torch.split(tokens, sizes))  # noqa: E731
         # The tower's features grouped per merge window: the m*m consecutive rows the merger concatenates.
@@ -209,7 +234,8 @@ class Qwen2VL(PatchFamily):
         embedding = "projector" if self.embedding == "auto" else self.embedding  # the merger is the projector
         tower = load_submodule(self.checkpoint, tower_class, config.vision_config, ("model.visual.", "visual."),
                                dtype=dtype, attn_implementation=self.attn_implementation)
-        return QwenEncoder(tower, embedding, self.params.merge_size).to(device).eval()
+        return QwenEncoder(tower, embedding, self.params.merge_size, self.version,
+                           self.attn_implementation).to(device).eval()
 
     def just_over_budget(self) -> tuple[int, int]:
         factor = self.params.factor

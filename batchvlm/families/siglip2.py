@@ -18,10 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from batchvlm.config import ConfigError, ModelConfig
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_inputs,
-                                      processor_params, tiny_tokenizer, token_id, tokenizer_digest)
+                                      processor_params, tiny_tokenizer, token_id, tokenizer_digest, tower_inputs)
 from batchvlm.format.layouts import RASTER_HWC, PatchLayout
 from batchvlm.records import ImagePlan
 from batchvlm.format.schema import FRAME, IMAGE
@@ -78,10 +79,12 @@ def naflex_plan(height: int, width: int, params: SiglipProcessorParams) -> Image
 @dataclass(frozen=True)
 class PackedImages:
     """What the packed attention is given in place of a mask: the images of one packed sequence, in
-    sequence order (equal lengths adjacent), and the tower's own attention implementation."""
+    sequence order (equal lengths adjacent), and the tower's own attention implementation; under
+    flash_attention_2 also their boundaries on the device, made once for every layer (`tower_inputs`)."""
 
     lengths: tuple[int, ...]
     attention: str
+    cu_seqlens: torch.Tensor | None = None
 
     def runs(self) -> list[tuple[int, int, int]]:
         """(first token, image count, patch count) of each run of equal lengths, in sequence order."""
@@ -92,9 +95,9 @@ class PackedImages:
             start += count * length
         return runs
 
-    def cu_seqlens(self, device: torch.device) -> torch.Tensor:
-        ends = torch.tensor(self.lengths, device=device).cumsum(0)
-        return torch.nn.functional.pad(ends, (1, 0)).to(torch.int32)
+    def boundaries(self) -> torch.Tensor:
+        """cu_seqlens on the host (int32)."""
+        return torch.nn.functional.pad(torch.tensor(self.lengths).cumsum(0), (1, 0)).to(torch.int32)
 
 
 def packed_attention(module, query, key, value, attention_mask: PackedImages, scaling: float, dropout: float = 0.0,
@@ -122,10 +125,10 @@ def packed_attention(module, query, key, value, attention_mask: PackedImages, sc
 def _flash_varlen(query, key, value, images: PackedImages, scaling: float) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func
 
-    cu_seqlens = images.cu_seqlens(query.device)
     longest = max(images.lengths)
     tokens_first = [t[0].transpose(0, 1) for t in (query, key, value)]  # [tokens, heads, d], flash's varlen layout
-    return flash_attn_varlen_func(*tokens_first, cu_seqlens, cu_seqlens, longest, longest, softmax_scale=scaling)[None]
+    return flash_attn_varlen_func(*tokens_first, images.cu_seqlens, images.cu_seqlens, longest, longest,
+                                  softmax_scale=scaling)[None]
 
 
 class SiglipEncoder(torch.nn.Module):
@@ -150,22 +153,32 @@ class SiglipEncoder(torch.nn.Module):
         self.hidden_size = size
 
     def embed(self, pixel_values: torch.Tensor, shapes: list[tuple[int, int]]) -> torch.Tensor:
+        """Patch embeddings plus each image's positional table, resized to its grid once per distinct grid.
+
+        The resize is the one Siglip2VisionEmbeddings.resize_positional_embeddings writes out as weights (bilinear,
+        antialiased, in fp32): F.interpolate sized by host ints, where that function, given the shapes on the host,
+        computes its weights there and copies them to the device with a sync per image."""
         embeddings = self.tower.embeddings
-        patches = embeddings.patch_embedding(pixel_values.to(embeddings.patch_embedding.weight.dtype))
+        table = embeddings.position_embedding.weight
+        patches = embeddings.patch_embedding(pixel_values.to(table.dtype))
         side = embeddings.position_embedding_size
-        table = embeddings.position_embedding.weight.reshape(side, side, -1)
-        positions = [embeddings.resize_positional_embeddings(table, torch.tensor([shape]), shape[0] * shape[1])[0]
-                     for shape in shapes]
-        return patches + torch.cat(positions)
+        grid = table.reshape(side, side, -1).permute(2, 0, 1)[None].float()
+        resized = {shape: F.interpolate(grid, size=shape, mode="bilinear", align_corners=False, antialias=True)[0]
+                   .flatten(1).T.to(table.dtype) for shape in dict.fromkeys(shapes)}
+        return patches + torch.cat([resized[shape] for shape in shapes])
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        """`grid_thw` on the host (the batch's planned grids), so that nothing here waits for the device."""
         shapes = [(int(h), int(w)) for _, h, w in grid_thw.tolist()]
         lengths = [h * w for h, w in shapes]
-        embedded = torch.split(self.embed(pixel_values, shapes), lengths)
         # Sorted by length (stable), so that images of equal length are adjacent runs in the sequence.
         order = sorted(range(len(lengths)), key=lengths.__getitem__)
         images = PackedImages(tuple(lengths[i] for i in order), self.attention)
+        pixel_values, placed = tower_inputs(self.tower, pixel_values, self.attention, {},
+                                            {"cu_seqlens": images.boundaries()})
+        images = dataclasses.replace(images, cu_seqlens=placed["cu_seqlens"])
+        embedded = torch.split(self.embed(pixel_values, shapes), lengths)
         sequence = torch.cat([embedded[i] for i in order])[None]
         hidden = self.tower.post_layernorm(self.tower.encoder(inputs_embeds=sequence, attention_mask=images)
                                            .last_hidden_state)[0]

@@ -34,7 +34,7 @@ from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from batchvlm.checks import CheckFailed, require
 from batchvlm.config import DecodeConfig
 from batchvlm.faults import fault
-from batchvlm.pipeline.jpeg import deferred
+from batchvlm.pipeline.jpeg import EXIF_ORIENTATION, deferred
 from batchvlm.records import DecodedImage, EncodedJpeg, ImageRef
 
 # A truncated file must fail, never come back half black.
@@ -160,6 +160,27 @@ def decode_image(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> Decode
         except DECODER_ERRORS as error:
             raise fail("decode.failed", f"{type(error).__name__}: {error}", "a decodable image", type(error).__name__)
     return DecodedImage(pixels=pixels, format=image_format, sha256=hashlib.sha256(data).hexdigest())
+
+
+def upright_size(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> tuple[int, int]:
+    """(height, width) of the image as the safe path would give it (EXIF orientation applied), from its header alone,
+    under the same format and size limits: what a plan needs, without a pixel decoded."""
+    _within_bytes(len(data), cfg, image_index)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            image = _open_allowed(data, cfg, image_index)
+            width, height = image.size
+            turned = image.getexif().get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8)
+        except CheckFailed:
+            raise
+        except (OSError, *DECODER_ERRORS, Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+            raise CheckFailed("decode.failed", f"{type(error).__name__}: {error}", expected="a readable header",
+                              observed=type(error).__name__, image_index=image_index) from None
+    require(width * height <= cfg.max_pixels, "decode.too_many_pixels", f"image is {width}x{height} = "
+            f"{width * height} pixels, over decode.max_pixels", expected=f"<= {cfg.max_pixels} pixels",
+            observed=f"{width * height} pixels", image_index=image_index)
+    return (width, height) if turned else (height, width)
 
 
 def decode_or_defer(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> DecodedImage | EncodedJpeg:

@@ -1,11 +1,35 @@
-"""Encode: the family's tower on a packed batch (varlen, no padding), split back per image and checked."""
+"""Encode: the family's tower on a packed batch (varlen, no padding), split back per image and checked.
+
+A batch runs in two halves, so that the host can launch the next batch in between: `launch_batch` queues the tower,
+the checks' counts and the outputs in the stored dtype, and their copies to the host behind them; `finish_batch`
+waits for those copies (the batch's one sync, through the `Syncs` seam), then checks and splits per record.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from batchvlm.checks import CheckFailed, require
+from batchvlm.devices import Syncs, to_device, to_host
 from batchvlm.records import EncodedRecord, ImagePlan, PixelBatch
+
+
+class PixelsNotFinite(RuntimeError):
+    """Preprocessing left a value unwritten or not finite in a batch whose check was deferred to the batch's one
+    read-back: the batch is redone on the checked path, which finds the image and redoes or quarantines it."""
+
+
+@dataclass
+class Launched:
+    """A batch whose tower (and everything read back of it) is queued; on the host once `ready` has passed."""
+
+    batch: PixelBatch
+    host: dict[str, torch.Tensor]  # each output, the images joined, in the stored dtype
+    sizes: dict[str, list[int]]  # rows of each image in each output
+    flags: torch.Tensor  # NaN/Inf counts per output and image, then per image 1 where its pixels were not finite
+    ready: torch.cuda.Event | None
 
 
 def expected_rows(name: str, plan: ImagePlan) -> int:
@@ -17,6 +41,7 @@ def cu_seqlens_of(grid_thw: torch.Tensor) -> torch.Tensor:
 
 
 def check_packing(batch: PixelBatch) -> None:
+    """On the host: the pixel rows' count is a shape, the grids are the host's."""
     rows = int(batch.pixel_values.shape[0])
     cu = cu_seqlens_of(batch.grid_thw)
     total = int(batch.grid_thw.prod(-1).sum())
@@ -27,39 +52,50 @@ def check_packing(batch: PixelBatch) -> None:
             expected=f"0 .. {rows}, increasing", observed=cu.tolist())
 
 
-def encode_batch(encoder, batch: PixelBatch, out_dtype: torch.dtype | None = None) -> list[EncodedRecord]:
+def encode_batch(encoder, batch: PixelBatch, out_dtype: torch.dtype | None = None,
+                 syncs: Syncs | None = None) -> list[EncodedRecord]:
     """Run the tower on a packed batch and split its outputs per record, checked."""
-    return finish_batch(encoder, batch, start_batch(encoder, batch), out_dtype)
+    return finish_batch(launch_batch(encoder, batch, out_dtype), syncs or Syncs())
 
 
-def start_batch(encoder, batch: PixelBatch) -> dict[str, list[torch.Tensor]]:
-    """The tower's outputs for the batch ({output name: one tensor per image}), as launched: on CUDA the
-    kernels are queued and the host is free until `finish_batch` reads the results."""
+def launch_batch(encoder, batch: PixelBatch, out_dtype: torch.dtype | None = None, stream=None) -> Launched:
+    """Queue the tower on the batch, the checks' counts and the outputs' copies to the host (on `stream`, a side
+    stream that lets the tower of the next batch start at once). The shapes are checked here, on the host."""
     check_packing(batch)
-    return encoder(batch.pixel_values, batch.grid_thw)
-
-
-def finish_batch(encoder, batch: PixelBatch, outputs: dict[str, list[torch.Tensor]],
-                 out_dtype: torch.dtype | None = None) -> list[EncodedRecord]:
-    """The outputs split per record, checked. The checks of the whole batch cost one device sync
-    (non-finite values counted per image on the device, read back at once), and the outputs come back
-    to the host in one copy per output (in `out_dtype`, the stored one, so only the stored bytes cross
-    the bus)."""
+    outputs = encoder(batch.pixel_values, batch.grid_thw)
     plans = [plan for record in batch.records for plan in record.plans]
+    owners = [(record, index) for record in batch.records for index in range(len(record.plans))]
     for name, tensors in outputs.items():
         require(len(tensors) == len(plans), "encode.output_tokens", f"the tower returned {name} for a different "
                 "number of images", expected=len(plans), observed=len(tensors))
-    owners = [(record, index) for record in batch.records for index in range(len(record.plans))]
-    for name, tensors in outputs.items():
         for (record, index), plan, embed in zip(owners, plans, tensors):
             _pinned(record, check_shape, name, index, plan, embed, encoder.hidden_sizes[name])
-    for (record, index), (name, count) in zip(owners * len(outputs), non_finite_counts(outputs)):
-        _pinned(record, require, count == 0, "encode.finite", f"image {index}: {count} NaN/Inf values in {name}",
-                expected="all finite", observed=f"{count} non-finite", image_index=index)
-    host = {name: to_host(tensors, out_dtype) for name, tensors in outputs.items()}
+    stored = {name: torch.cat(tensors).to(out_dtype or tensors[0].dtype) for name, tensors in outputs.items()}
+    sizes = {name: [len(t) for t in tensors] for name, tensors in outputs.items()}
+    flags = torch.cat([non_finite_counts(stored[name], sizes[name]) for name in stored]
+                      + ([(~batch.finite).long()] if batch.finite is not None else []))
+    host, ready = to_host([*stored.values(), flags], stream)
+    return Launched(batch, dict(zip(stored, host)), sizes, host[-1], ready)
+
+
+def finish_batch(launched: Launched, syncs: Syncs) -> list[EncodedRecord]:
+    """Wait for the batch's copies (its one sync), then check what the device counted and split the outputs per
+    record."""
+    syncs.wait(launched.ready)
+    batch, flags = launched.batch, launched.flags.tolist()
+    owners = [(record, index) for record in batch.records for index in range(len(record.plans))]
+    counted = len(owners) * len(launched.host)
+    if any(flags[counted:]):
+        raise PixelsNotFinite(f"{sum(flags[counted:])} images of the batch hold pixel values never written or not "
+                              "finite")
+    for position, name in enumerate(launched.host):
+        for (record, index), count in zip(owners, flags[position * len(owners):(position + 1) * len(owners)]):
+            _pinned(record, require, count == 0, "encode.finite", f"image {index}: {count} NaN/Inf values in {name}",
+                    expected="all finite", observed=f"{count} non-finite", image_index=index)
+    per_image = {name: list(joined.split(launched.sizes[name])) for name, joined in launched.host.items()}
     encoded, cursor = [], 0
     for record in batch.records:
-        mine = {name: tensors[cursor:cursor + len(record.plans)] for name, tensors in host.items()}
+        mine = {name: tensors[cursor:cursor + len(record.plans)] for name, tensors in per_image.items()}
         cursor += len(record.plans)
         embeds = mine.pop("image_embeds")
         encoded.append(EncodedRecord(prepared=record, image_embeds=embeds, extras=mine))
@@ -75,33 +111,13 @@ def _pinned(record, check, *args, **kwargs) -> None:
         raise
 
 
-def non_finite_counts(outputs: dict[str, list[torch.Tensor]]) -> list[tuple[str, int]]:
-    """(output name, NaN/Inf count) per output and image, counted on the device, read back in one sync."""
-    names, counts = [], []
-    for name, tensors in outputs.items():
-        if tensors:
-            rows = torch.cat([t.reshape(len(t), -1) for t in tensors])
-            per_row = (~torch.isfinite(rows)).sum(-1)
-            image = torch.repeat_interleave(torch.arange(len(tensors), device=rows.device),
-                                            torch.tensor([len(t) for t in tensors], device=rows.device))
-            counts.append(torch.zeros(len(tensors), dtype=per_row.dtype, device=rows.device).index_add_(0, image, per_row))
-        names += [name] * len(tensors)
-    values = torch.cat(counts).tolist() if counts else []
-    return list(zip(names, values))
-
-
-def to_host(tensors: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
-    """Per-image tensors copied to the host in one transfer (from pinned memory where it can overlap)."""
-    if not tensors:
-        return []
-    joined = torch.cat(tensors)
-    joined = joined.to(dtype) if dtype is not None else joined
-    if joined.device.type == "cuda":
-        host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
-        host.copy_(joined, non_blocking=True)
-        torch.cuda.current_stream(joined.device).synchronize()
-        joined = host
-    return list(joined.split([len(t) for t in tensors]))
+def non_finite_counts(joined: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """NaN/Inf values per image of one output (its images' rows joined), counted on the device without a sync: which
+    image a row belongs to is worked out on the host and copied over without a wait."""
+    owner = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    per_row = (~torch.isfinite(joined.reshape(len(joined), -1))).sum(-1)
+    counts = torch.zeros(len(sizes), dtype=torch.int64, device=joined.device)
+    return counts.index_add_(0, to_device(owner, joined.device), per_row)
 
 
 def check_shape(name: str, index: int, plan: ImagePlan, embed: torch.Tensor, hidden_size: int) -> None:

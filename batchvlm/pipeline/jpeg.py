@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import logging
 import warnings
 
 import torch
@@ -23,7 +24,10 @@ from PIL import Image
 
 from batchvlm.checks import CheckFailed
 from batchvlm.config import DecodeConfig
+from batchvlm.devices import is_device_fault
 from batchvlm.records import DecodedImage, EncodedJpeg, ImageRef, PreparedRecord, QuarantinedRecord
+
+log = logging.getLogger("batchvlm")
 
 EXIF_ORIENTATION = 0x0112
 HUFFMAN_FRAMES = {0xC0, 0xC1, 0xC2}
@@ -121,16 +125,33 @@ class JpegBatchDecoder:
         return kept, refused
 
     def _batched(self, jpegs: list[EncodedJpeg]) -> list[torch.Tensor | None]:
-        """CHW uint8 RGB per JPEG; all None where the call raised (it does not say which image it failed on)."""
+        """CHW uint8 RGB per JPEG; None for each JPEG the batched call fails on. A call that raises does not say which
+        image it failed on: it is bisected down to those images, which go to the safe path, and the batch's first
+        error is logged. A CUDA error is raised: it is the device's, not an image's."""
+        data = [torch.frombuffer(bytearray(jpeg.data), dtype=torch.uint8) for jpeg in jpegs]
+        errors = []
+        decoded = self._bisected(data, errors)
+        if errors:
+            log.warning("batched JPEG decode on %s: %d of %d images left to the safe path, after %d failed calls; the "
+                        "first error: %s: %s", self.device, decoded.count(None), len(jpegs), len(errors),
+                        type(errors[0]).__name__, errors[0])
+        return decoded
+
+    def _bisected(self, data: list[torch.Tensor], errors: list[Exception]) -> list[torch.Tensor | None]:
         from torchvision.io import ImageReadMode, decode_jpeg
 
-        data = [torch.frombuffer(bytearray(jpeg.data), dtype=torch.uint8) for jpeg in jpegs]
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities")  # beta
-                return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
-        except Exception:  # noqa: BLE001 - each image then goes through the safe path
-            return [None] * len(jpegs)
+                return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device))
+        except Exception as error:  # noqa: BLE001 - halved until the images it fails on are found
+            if is_device_fault(error):
+                raise
+            errors.append(error)
+        if len(data) == 1:
+            return [None]
+        middle = len(data) // 2
+        return self._bisected(data[:middle], errors) + self._bisected(data[middle:], errors)
 
     def _image(self, jpeg: EncodedJpeg, chw: torch.Tensor | None, index: int) -> DecodedImage:
         if chw is not None:

@@ -23,7 +23,7 @@ from batchvlm.checks import CheckFailed, require
 from batchvlm.config import ConfigError
 from batchvlm.faults import fault
 from batchvlm.kernels.reference import composite, resize_image
-from batchvlm.devices import to_device
+from batchvlm.devices import Syncs, images_on, to_device
 from batchvlm.records import DecodedImage, ImagePlan, PixelBatch, PreparedRecord, PreprocessStats
 
 log = logging.getLogger("batchvlm")
@@ -124,13 +124,26 @@ class TorchPreprocessor:
         return self.family.patchify(canvas).float().mul_(self.row_scale).add_(self.row_bias)
 
     def image_rows(self, image: DecodedImage, plan: ImagePlan) -> tuple[torch.Tensor, tuple]:
-        canvas = self.padded_uint8(pixels_on(image, self.device), plan)
+        return self.rows_of(pixels_on(image, self.device), plan)
+
+    def levels(self, ours: torch.Tensor, oracle: torch.Tensor, plan: ImagePlan) -> float | None:
+        """Largest difference between two images' rows (on the host) in uint8 levels (one level is scale_c in
+        normalized units, per channel); None where their shapes differ."""
+        if ours.shape != oracle.shape:
+            return None
+        channel = torch.arange(3, dtype=torch.float32).view(3, 1, 1).expand(3, *plan.padded)
+        scale = self.scale.cpu().view(3)[self.family.patchify(channel).long()]
+        return float(((ours - oracle).abs() / scale).max()) if ours.numel() else 0.0
+
+    def rows_of(self, pixels: torch.Tensor, plan: ImagePlan) -> tuple[torch.Tensor, tuple]:
+        canvas = self.padded_uint8(pixels, plan)
         return self.normalized_rows(canvas), self.family.grid_of(canvas)
 
     def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
+        images, plans = _images_and_plans(records)
         rows, grids = [], []
-        for image, plan in zip(*_images_and_plans(records)):
-            image_rows, grid = self.image_rows(image, backend_plan(image, plan, self.family.layout))
+        for image, pixels, plan in zip(images, images_on([image.pixels for image in images], self.device), plans):
+            image_rows, grid = self.rows_of(pixels, backend_plan(image, plan, self.family.layout))
             rows.append(image_rows)
             grids.append(grid)
         return rows, grids
@@ -246,7 +259,7 @@ class PreprocessGuard:
             oracle, _ = self.cpu.image_rows(image, plan)
         else:
             oracle, _ = self.cpu.family.reference_preprocess([image.on_host()])
-        levels = self._levels(rows.detach().float().cpu(), oracle.float(), plan)
+        levels = self.cpu.levels(rows.detach().float().cpu(), oracle.float(), plan)
         if levels is None or levels > self.parity_max_levels:
             stats.parity_failed.add(index)
             observed = (f"shape {tuple(rows.shape)} vs {tuple(oracle.shape)}" if levels is None
@@ -254,14 +267,6 @@ class PreprocessGuard:
             raise CheckFailed("preprocess.parity", f"image {index}: the backend's pixels differ from the reference "
                               f"processor's by {observed}", expected=f"<= {self.parity_max_levels} levels",
                               observed=observed, image_index=index)
-
-    def _levels(self, ours: torch.Tensor, oracle: torch.Tensor, plan: ImagePlan) -> float | None:
-        """Largest difference in uint8 levels (one level is scale_c in normalized units, per channel)."""
-        if ours.shape != oracle.shape:
-            return None
-        channel = torch.arange(3, dtype=torch.float32).view(3, 1, 1).expand(3, *plan.padded)
-        scale = self.cpu.scale.view(3)[self.cpu.family.patchify(channel).long()]
-        return float(((ours - oracle).abs() / scale).max()) if ours.numel() else 0.0
 
 
 def merged_stats(parts: list[dict]) -> dict:
@@ -272,8 +277,14 @@ def merged_stats(parts: list[dict]) -> dict:
                        for key in ("checked_images", "failed_images")}}
 
 
-def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: PreprocessGuard | None = None) -> PixelBatch:
-    """Preprocess every image of the records and pack them, checking grids and row counts per image."""
+def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: PreprocessGuard | None = None,
+                     syncs: Syncs | None = None) -> PixelBatch:
+    """Preprocess every image of the records and pack them, checking grids and row counts per image.
+
+    That every value was written and is finite is checked per image too. With `syncs` it is read back at once (a
+    counted wait), and an image that fails it is redone on the CPU path or quarantined like any other; without, it
+    stays on the device in the batch (PixelBatch.finite), read back with the tower's outputs (encode.finish_batch),
+    and a batch that fails it is redone on the checked path."""
     guard = guard or PreprocessGuard()
     rows, grids = preprocessor(records)
     images, plans = _images_and_plans(records)
@@ -283,7 +294,8 @@ def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: Preproc
     require(len(rows) == len(plans), "preprocess.feature_length", "the backend returned pixels for a different "
             "number of images than the batch has", expected=len(plans), observed=len(rows))
     owners = [(record, index) for record in records for index in range(len(record.plans))]
-    finite = torch.stack([torch.isfinite(image_rows).all() for image_rows in rows]).tolist() if rows else []
+    on_device = torch.stack([torch.isfinite(image_rows).all() for image_rows in rows]) if rows else None
+    finite = syncs.read(on_device) if syncs is not None and rows else [True] * len(rows)
     rows = [guard.checked_rows(record, index, image, plan, grid, image_rows, all_finite)
             for (record, index), image, plan, grid, image_rows, all_finite
             in zip(owners, images, plans, grids, rows, finite)]
@@ -292,7 +304,8 @@ def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: Preproc
     require(pixel_values.shape[0] == int(grid_thw.prod(-1).sum()), "preprocess.feature_length",
             "packed pixel rows do not match the batch's grids",
             expected=int(grid_thw.prod(-1).sum()), observed=pixel_values.shape[0])
-    return PixelBatch(pixel_values=pixel_values, grid_thw=grid_thw, records=records)
+    return PixelBatch(pixel_values=pixel_values, grid_thw=grid_thw, records=records,
+                      finite=None if syncs is not None else on_device)
 
 
 def _check_image(index: int, plan: ImagePlan, grid: tuple, image_rows: torch.Tensor) -> None:

@@ -41,6 +41,16 @@ ROW_GROUP_BYTES = 64 * 1024 * 1024
 DEFAULT_SHARD_BYTES = OutputConfig.shard_bytes
 
 
+def group_byte_limit(shard_bytes: int) -> int:
+    """Where a row group is cut short of ROW_GROUP_ROWS: a few row groups a file."""
+    return min(ROW_GROUP_BYTES, shard_bytes // 4)
+
+
+def row_group_bytes(record_bytes: float, shard_bytes: int) -> float:
+    """About what a row group of records of this size holds (a record alone when it is larger than the limit)."""
+    return max(record_bytes, min(ROW_GROUP_ROWS * record_bytes, group_byte_limit(shard_bytes)))
+
+
 FOOTER_BYTES_PER_GROUP = 4096
 """What a row group adds to a Parquet footer at most, reserved before it is written (about 90 bytes a column)."""
 
@@ -54,7 +64,7 @@ class ShardWriter:
                  shard_bytes: int):
         self.path_of, self.schema, self.metadata, self.compression = path_of, schema, metadata, compression
         self.shard_bytes = shard_bytes
-        self.group_bytes = min(ROW_GROUP_BYTES, shard_bytes // 4)  # a few row groups a file
+        self.group_bytes = group_byte_limit(shard_bytes)
         # the footer holds the schema twice (Parquet's, and Arrow's serialized), then each row group's columns
         self.footer_bytes = 2 * schema.with_metadata(metadata).serialize().size
         self.parts: list[ShardPart] = []

@@ -11,15 +11,42 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from batchvlm.rundir.dedup import UnitIds, bucket_results, duplicate_rows, find_duplicates
+from batchvlm.rundir.dedup import UnitIds, bucket_results, committed_results, duplicate_rows, find_duplicates
 from batchvlm.rundir.durable import TMP_MARK, sha256_file
 from batchvlm.rundir.layout import DATA, IDS, QUARANTINE, SHARD_KINDS, RunLayout
-from batchvlm.rundir.manifest import Listing, Manifest, ManifestError, RunTotals, orphans, unit_manifest
+from batchvlm.rundir.manifest import Listing, Manifest, ManifestError, RunTotals, all_manifests, orphans, unit_manifest
 from batchvlm.rundir.workunits import read_plan
+
+
+@dataclass(frozen=True)
+class RunCounts:
+    """What a verified run holds."""
+
+    units: int
+    records_in: int
+    written: int
+    quarantined: int
+    files: int
+    bytes: int
+
+    def __str__(self) -> str:
+        return (f"{self.units:,} units, {self.records_in:,} records ({self.written:,} written, {self.quarantined:,} "
+                f"quarantined), {self.files:,} files, {self.bytes:,} bytes")
+
+
+def run_counts(run_dir: Path) -> RunCounts:
+    """The counts of a run from its manifests and committed duplicate buckets (RunTotals), with its files."""
+    layout = RunLayout(run_dir)
+    manifests = all_manifests(layout)
+    totals = RunTotals.of(manifests, committed_results(layout))
+    listings = [listing for manifest in manifests for listing in manifest.listings()]
+    return RunCounts(totals.units_committed, totals.records_in, totals.written, totals.quarantined, len(listings),
+                     sum(listing.bytes for listing in listings))
 
 
 def verify_run(run_dir: Path) -> list[str]:

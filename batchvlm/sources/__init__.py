@@ -73,20 +73,61 @@ def file_system(location: str, storage_options: dict):
         raise ConfigError(f"dataset.path={location!r}: {error}") from None
 
 
-def list_files(pattern: str, suffixes: tuple[str, ...], storage_options: dict) -> list[InputFile]:
-    """A file, a folder (searched recursively for the suffixes) or a glob; local or any fsspec URL."""
-    fs, root = file_system(pattern, storage_options)
-    if fs.isdir(root):
-        found = {path: info for path, info in fs.find(root, detail=True).items() if path.endswith(suffixes)}
-    else:
-        found = fs.glob(root, detail=True) if fs.exists(root) or glob_pattern(root) else {}
+def list_files(paths: str | list[str], suffixes: tuple[str, ...], storage_options: dict) -> list[InputFile]:
+    """Files, folders (searched recursively for the suffixes), globs and brace patterns, or a list of them; local or
+    any fsspec URL. O(files): a folder is one recursive listing, the paths a brace pattern names one listing of
+    each folder they sit in."""
+    found: dict[str, dict] = {}
+    fs = None
+    for pattern in [paths] if isinstance(paths, str) else paths:
+        fs, root = file_system(pattern, storage_options)
+        found.update(_matches(fs, root, pattern, suffixes))
     found = {path: info for path, info in found.items() if info.get("type") != "directory"}
     if not found:
-        raise ConfigError(f"dataset.path={pattern!r} matches no {' or '.join(suffixes)} file")
+        raise ConfigError(f"dataset.path={paths!r} matches no {' or '.join(suffixes)} file")
     locations = {path: (path if _is_local(fs) else fs.unstrip_protocol(path)) for path in found}
     common = posixpath.commonpath([posixpath.dirname(path) for path in found])
     return [InputFile(stable_name(path, common), locations[path], found[path].get("size"), file_identity(found[path]))
             for path in sorted(found)]
+
+
+def _matches(fs, root: str, pattern: str, suffixes: tuple[str, ...]) -> dict[str, dict]:
+    if "{" in root:
+        return _named(fs, expand_braces(root), pattern)
+    if fs.isdir(root):
+        return {path: info for path, info in fs.find(root, detail=True).items() if path.endswith(suffixes)}
+    return fs.glob(root, detail=True) if fs.exists(root) or glob_pattern(root) else {}
+
+
+def _named(fs, paths: list[str], pattern: str) -> dict[str, dict]:
+    """The listings of the files a brace pattern names, one listing of each folder they sit in; ConfigError naming
+    those that are missing."""
+    wanted = set(paths)
+    found = {}
+    for folder in sorted({posixpath.dirname(path) for path in paths}):
+        found.update({info["name"]: info for info in fs.ls(folder, detail=True) if info["name"] in wanted})
+    if missing := sorted(wanted - found.keys()):
+        raise ConfigError(f"dataset.path={pattern!r}: {len(missing)} of the {len(wanted)} files it names do not "
+                          f"exist (first: {', '.join(missing[:3])})")
+    return found
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """`{00000..00009}` (a numeric range, zero-padded as written) and `{a,b}` (alternatives), as webdataset and
+    img2dataset name shard lists, expanded left to right."""
+    match = re.search(r"\{([^{}]*)\}", pattern)
+    if match is None:
+        return [pattern]
+    head, body, tail = pattern[:match.start()], match.group(1), pattern[match.end():]
+    if numbers := re.fullmatch(r"(\d+)\.\.(\d+)", body):
+        low, high = numbers.groups()
+        width = len(low) if low.startswith("0") else 0
+        choices = [str(value).zfill(width) for value in range(int(low), int(high) + 1)]
+    elif "," in body:
+        choices = body.split(",")
+    else:
+        raise ConfigError(f"dataset.path={pattern!r}: {{{body}}} is neither a range (00000..00009) nor a list (a,b)")
+    return [path for choice in choices for path in expand_braces(head + choice + tail)]
 
 
 IDENTITY_KEYS = {"mtime": ("mtime", "LastModified", "last_modified", "updated"), "etag": ("ETag", "etag", "md5Hash"),

@@ -137,6 +137,12 @@ READ_AHEAD = 2
 GroupRef = tuple[int, int]  # (shard index, row group)
 
 
+def resident_bytes(group_bytes: float) -> float:
+    """A worker's memory for row groups of this size: the one it packs from and the READ_AHEAD it reads meanwhile
+    (records waiting in the shuffle window aside)."""
+    return (1 + READ_AHEAD) * group_bytes
+
+
 class _OpenRowGroups:
     """Each row group read and converted once per worker and epoch, kept until the last of this worker's packs that
     needs it: a worker's memory is row groups, never a whole shard, whatever output.shard_bytes let a shard grow to.

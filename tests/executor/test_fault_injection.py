@@ -15,6 +15,7 @@ import torch
 
 from batchvlm.config import ChecksConfig, JobConfig, ModelConfig, OutputConfig, PreprocessConfig, RuntimeConfig
 from batchvlm.executor.job import JobAborted, rank_job
+from batchvlm.records import EncodedRecord
 
 TARGET = "rocket_strip"  # shares a packed batch with other records; its grid (1, 6, 46) is unique in the demo
 TARGET_GRID = (1, 6, 46)
@@ -129,12 +130,12 @@ def with_nan(embed):
 def drop_token_tag(job):
     submit = job.parts.stage.submit
 
-    def planted(pending, records):
-        encoded, quarantined, pending = submit(pending, records)
-        for item in encoded:
-            if item.prepared.source.id == TARGET:
+    def planted(records):
+        outcomes = submit(records)
+        for item in outcomes:
+            if isinstance(item, EncodedRecord) and item.prepared.source.id == TARGET:
                 item.prepared.layout.token_tags.pop()
-        return encoded, quarantined, pending
+        return outcomes
 
     job.parts.stage.submit = planted
 

@@ -84,6 +84,17 @@ def test_rerun_of_a_finished_run_writes_nothing(demo_run):
     assert changed == []
 
 
+def test_a_small_run_that_quarantined_more_than_the_limit_ends_non_zero_and_so_does_its_rerun(tmp_path):
+    """Under checks.min_records the limit cannot stop a running job; the finished run is judged by its totals."""
+    overrides = (f"output.root={tmp_path}", "run_name=strict", "checks.max_quarantine_fraction=0.1")
+    result = run_embed(*overrides)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "records in: 21  written: 18  quarantined: 3" in result.stdout
+    assert "3 of 21 records quarantined (14.3%), over checks.max_quarantine_fraction=0.1" in result.stderr
+    assert (tmp_path / "strict" / "_SUCCESS").exists()  # complete and committed: a rerun writes nothing
+    assert run_embed(*overrides).returncode == 2
+
+
 def test_a_config_typo_fails_before_any_work_naming_the_key(tmp_path):
     result = run_embed(f"output.root={tmp_path}", "model.pth=/nowhere")
     assert result.returncode != 0

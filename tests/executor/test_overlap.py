@@ -22,16 +22,17 @@ def test_on_the_cpu_the_streams_are_no_ops_and_copies_are_plain():
     assert torch.equal(to_device(pixels, torch.device("cpu")), pixels)
 
 
-def test_the_compute_stream_is_handed_the_packed_pixels_and_the_pixels_decoded_on_the_device():
+def test_the_compute_stream_is_handed_the_packed_pixels_their_flags_and_the_pixels_decoded_on_the_device():
     """A batch redone on the checked path packs its device-decoded pixels again on the compute stream: they must
     be handed over with the packed pixels, while pixels that came from the host are not the side stream's."""
     on_device, on_host = torch.zeros(2, 2, 3, dtype=torch.uint8), np.zeros((2, 2, 3), np.uint8)
     images = [DecodedImage(on_device, "JPEG", "a" * 64), DecodedImage(on_host, "PNG", "b" * 64)]
     record = PreparedRecord(SourceRecord("r", "u", "s", 0, "", []), images, [], None)
-    packed = PixelBatch(pixel_values=torch.zeros(4, 3), grid_thw=torch.zeros(1, 3), records=[record])
+    packed = PixelBatch(pixel_values=torch.zeros(4, 3), grid_thw=torch.zeros(1, 3), records=[record],
+                        finite=torch.ones(2, dtype=torch.bool))
     assert [t is on_device for t in made_on_the_side(Staged([record], None))] == [True]
     handed = made_on_the_side(Staged([record], packed))
-    assert len(handed) == 2 and handed[0] is on_device and handed[1] is packed.pixel_values
+    assert [id(t) for t in handed] == [id(on_device), id(packed.pixel_values), id(packed.finite)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bash jobs/gpu_check.sh)")

@@ -1,11 +1,14 @@
-"""The tally: rows counted by kind and image tokens, and the job stopped once too much is quarantined."""
+"""The tally: rows counted by kind and image tokens, and the job stopped once too much is quarantined (while it runs,
+and when it ends) or on a CUDA error (devices.is_device_fault)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from batchvlm.config import ChecksConfig
-from batchvlm.executor.tally import JobAborted, Tally
+from batchvlm.executor.tally import (JobAborted, QuarantineOverLimit, SystematicFailure, Tally, check_run_totals,
+                                     device_fault)
 from batchvlm.records import OutputRow, SourceRecord
 from batchvlm.rundir.layout import DATA, QUARANTINE
 
@@ -32,3 +35,21 @@ def test_a_fraction_at_the_limit_goes_on():
     tally = Tally(ChecksConfig(max_quarantine_fraction=0.5, min_records=2))
     tally.count(rows(QUARANTINE, DATA, QUARANTINE, DATA))
     assert tally.quarantined == 2
+
+
+def test_a_finished_run_over_the_quarantine_limit_fails_however_few_its_records():
+    summary = {"records_in": 21, "quarantined": 3}
+    check_run_totals(summary, ChecksConfig(max_quarantine_fraction=0.5))  # 14% is within the default
+    with pytest.raises(QuarantineOverLimit, match=r"3 of 21 records quarantined \(14.3%\), over "
+                                                  r"checks.max_quarantine_fraction=0.1; the run is complete") as over:
+        check_run_totals(summary, ChecksConfig(max_quarantine_fraction=0.1, min_records=100))
+    assert over.value.summary is summary
+
+
+def test_cuda_errors_stop_the_job_and_out_of_memory_does_not():
+    device_fault(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))  # a record's: bisected
+    device_fault(ValueError("bad image"))
+    for message in ("CUDA error: an illegal memory access was encountered", "CUDA error: device-side assert triggered",
+                    "CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx(...)`"):
+        with pytest.raises(SystematicFailure, match="a CUDA error, not a fault of any record"):
+            device_fault(RuntimeError(message))

@@ -93,7 +93,7 @@ def test_packed_forward_equals_the_hf_padded_forward_on_each_image_alone(siglip)
 def test_packed_images_give_runs_of_equal_length_and_flash_boundaries():
     images = PackedImages((4, 4, 9, 16), "sdpa")
     assert images.runs() == [(0, 2, 4), (8, 1, 9), (17, 1, 16)]
-    assert images.cu_seqlens(torch.device("cpu")).tolist() == [0, 4, 8, 17, 33]
+    assert images.boundaries().tolist() == [0, 4, 8, 17, 33] and images.boundaries().dtype == torch.int32
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -129,15 +129,16 @@ def test_attention_across_an_image_boundary_is_caught(siglip, mixed_batch):
 
 def test_flash_attention_2_is_handed_the_image_boundaries_as_cu_seqlens(monkeypatch, mixed_batch):
     """No GPU or flash_attn here: a stand-in for flash_attn_varlen_func (sdpa on each cu_seqlens segment, in flash's
-    tokens-first layout) shows the packed path hands it the sorted images' boundaries and puts its output back
-    where the tokens belong."""
+    tokens-first layout) shows the packed path hands it the sorted images' boundaries, one tensor for every layer,
+    and puts its output back where the tokens belong."""
     rows, grids = mixed_batch
     encoder = load_family(ModelConfig(family="siglip2")).load_encoder(torch.device("cpu"), torch.float32)
     tokens, pooled = per_patch_count_forward(encoder, rows, grids)
-    boundaries = []
+    boundaries, tensors = [], set()
 
     def varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
         boundaries.append(cu_seqlens_q.tolist())
+        tensors.add(id(cu_seqlens_q))
         assert cu_seqlens_q.dtype == torch.int32 and torch.equal(cu_seqlens_q, cu_seqlens_k)
         assert max_seqlen_q == max_seqlen_k == int(cu_seqlens_q.diff().max())
         segments = zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist())
@@ -150,6 +151,7 @@ def test_flash_attention_2_is_handed_the_image_boundaries_as_cu_seqlens(monkeypa
     lengths = sorted(h * w for _, h, w in grids)
     assert boundaries[0] == [sum(lengths[:i]) for i in range(len(lengths) + 1)]
     assert len(boundaries) == encoder.tower.config.num_hidden_layers
+    assert len(tensors) == 1  # made once for the batch, not once per layer
     assert largest_difference(packed["image_embeds"], tokens) <= 1e-5
     assert largest_difference(packed["pooled_embeds"], pooled) <= 1e-5
 

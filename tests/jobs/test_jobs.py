@@ -16,7 +16,8 @@ from batchvlm.config import register_schemas
 from conftest import REPO, run_embed
 
 SCRIPTS = {"batchvlm-embed": "batchvlm.jobs.embed:main", "batchvlm-report": "batchvlm.jobs.report:main",
-           "batchvlm-verify": "batchvlm.jobs.verify:main", "batchvlm-bench": "batchvlm.jobs.bench:main"}
+           "batchvlm-verify": "batchvlm.jobs.verify:main", "batchvlm-bench": "batchvlm.jobs.bench:main",
+           "batchvlm-estimate": "batchvlm.jobs.estimate:main"}
 
 
 def run_script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -130,6 +130,36 @@ def test_when_the_batched_call_raises_each_image_goes_through_the_safe_path(monk
     assert [(q.source.id, q.failure.check, q.failure.image_index) for q in refused] == [("cut", "decode.truncated", 0)]
 
 
+def test_a_batched_call_failing_on_one_jpeg_is_bisected_to_it_and_its_first_error_logged(monkeypatch, caplog):
+    """The rest of the batch still decodes in batched calls; only the JPEG the calls fail on goes to the safe path."""
+    from torchvision import io as tv_io
+
+    jpegs = demo_jpegs()
+    names = ["coffee#0", "rocket_strip#0", "astronaut#0", "rocket#0"]
+    poisoned = jpegs["rocket_strip#0"]
+    calls = []
+    decode = tv_io.decode_jpeg
+
+    def failing_on_one(data, **kwargs):
+        calls.append(len(data))
+        if any(bytes(item.numpy()) == poisoned for item in data):
+            raise RuntimeError("nvjpeg: bitstream error")
+        return decode(data, **kwargs)
+
+    monkeypatch.setattr("torchvision.io.decode_jpeg", failing_on_one)
+    safe = []
+    decoder = batch_decoder()
+    decoder.safe = lambda image, index, inner=decoder.safe: safe.append(image.data) or inner(image, index)
+    kept, refused = decoder([record(name, deferred(jpegs[name], DEVICE)) for name in names])
+    assert refused == [] and [item.source.id for item in kept] == names
+    assert safe == [poisoned] and calls == [4, 2, 1, 1, 2]
+    for item in kept:
+        assert np.array_equal(item.images[0].pixels, decode_image(jpegs[item.source.id], SAFE).pixels)
+    assert [r.getMessage() for r in caplog.records if "batched JPEG" in r.getMessage()] == [
+        "batched JPEG decode on cpu: 1 of 4 images left to the safe path, after 3 failed calls; the first error: "
+        "RuntimeError: nvjpeg: bitstream error"]
+
+
 def test_records_without_deferred_jpegs_pass_through_untouched():
     records = [record("png", DecodedImage(np.zeros((2, 2, 3), np.uint8), "PNG", "0" * 64))]
     assert batch_decoder()(records) == (records, [])

@@ -15,6 +15,7 @@ from skimage import data
 from batchvlm.bench.tasks import image_mix
 from batchvlm.checks import CheckFailed
 from batchvlm.config import ConfigError, PreprocessConfig
+from batchvlm.devices import Syncs
 from batchvlm.kernels.reference import normalized_image
 from batchvlm.pipeline.preprocess import (PreprocessGuard, TorchPreprocessor, merged_stats, preprocess_batch,
                                           resolve_backend)
@@ -105,12 +106,18 @@ class LeaveOneValueUnwritten:
 
 
 def test_unwritten_values_are_caught_and_redone_on_the_cpu_path(kimi_family):
+    """Read at once (the checked path, with the Syncs seam): the image is redone; left on the device (the overlapped
+    path), its flag rides on the batch to the tower's read-back (tests/pipeline/test_encode.py)."""
     records = photo_records(kimi_family)
     backend = TorchPreprocessor(kimi_family, torch.device("cpu"), "black")
     guard = PreprocessGuard(cpu=TorchPreprocessor(kimi_family, torch.device("cpu"), "black"), fallback=True)
-    packed = preprocess_batch(records, LeaveOneValueUnwritten(backend, "rocket"), guard)
+    deferred = preprocess_batch(records, LeaveOneValueUnwritten(backend, "rocket"), guard)
+    assert deferred.finite.tolist() == [True, True, False] and not records[2].preprocess.counts()["fallbacks"]
+    syncs = Syncs()
+    packed = preprocess_batch(records, LeaveOneValueUnwritten(backend, "rocket"), guard, syncs)
     assert torch.equal(packed.pixel_values, preprocess_batch(records, backend).pixel_values)
     assert records[2].preprocess.counts()["fallbacks"] == {"preprocess.feature_length": 1}
+    assert packed.finite is None and syncs.waits == 1
 
 
 def test_parity_sampling_is_deterministic_by_content():

@@ -22,8 +22,10 @@ def verify(run_dir) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_verify_passes_a_good_run_and_names_the_unit_of_a_truncated_shard(demo_run, tmp_path):
-    assert verify(demo_run).returncode == 0
+def test_verify_passes_a_good_run_with_its_counts_and_names_the_unit_of_a_truncated_shard(demo_run, tmp_path):
+    good = verify(demo_run)
+    assert good.returncode == 0
+    assert "4 units, 21 records (18 written, 3 quarantined)" in good.stdout and " bytes; every unit" in good.stdout
     copy = tmp_path / "copy"
     shutil.copytree(demo_run, copy)
     shard = sorted((copy / "data").glob("*.parquet"))[1]

@@ -13,7 +13,8 @@ import pytest
 from conftest import data_ids, quarantine_rows, run_embed
 from PIL import Image
 
-from batchvlm.config import ConfigError, DatasetConfig, DecodeConfig, JobConfig, OutputConfig, RuntimeConfig
+from batchvlm.config import (ChecksConfig, ConfigError, DatasetConfig, DecodeConfig, JobConfig, OutputConfig,
+                             RuntimeConfig)
 from batchvlm.executor.job import run_job
 from batchvlm.review.html import render
 from batchvlm.review.report import build_report, summary_text
@@ -28,7 +29,9 @@ def _job(root: Path, name: str, **fields) -> JobConfig:
 
 @pytest.mark.slow
 def test_requeue_after_raising_the_pixel_limit_moves_those_records_into_data_with_lineage(tmp_path):
-    run_job(_job(tmp_path, "small", decode=DecodeConfig(max_pixels=100_000)), tmp_path / "small")
+    # most records quarantined on purpose: a finished run over checks.max_quarantine_fraction would end non-zero
+    run_job(_job(tmp_path, "small", decode=DecodeConfig(max_pixels=100_000),
+                 checks=ChecksConfig(max_quarantine_fraction=1)), tmp_path / "small")
     too_big = {row["id"] for row in quarantine_rows(tmp_path / "small") if row["check"] == "decode.too_many_pixels"}
     assert len(too_big) > 5
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+from pathlib import Path
 
 import datasets
 import pyarrow as pa
@@ -16,6 +17,7 @@ from skimage import data
 from batchvlm.config import ConfigError, DatasetConfig, DecodeConfig
 from batchvlm.pipeline.decode import read_bytes
 from batchvlm.sources import make_source
+from batchvlm.training.reader import read_run
 from conftest import run_embed
 
 
@@ -101,3 +103,42 @@ def test_a_dataset_naming_files_outside_its_folder_gets_them_quarantined_unread_
     assert report.returncode == 0, report.stderr[-3000:]
     page = (run / "report" / "index.html").read_text()
     assert "data:image/jpeg;base64" not in page and "outside the image root" in page
+
+
+def test_brace_patterns_expand_as_shard_lists_are_written():
+    from batchvlm.sources import expand_braces
+
+    assert expand_braces("s3://b/{00008..00011}.tar") == [f"s3://b/{i:05d}.tar" for i in range(8, 12)]
+    assert expand_braces("x/{a,b}/{1..2}.parquet") == ["x/a/1.parquet", "x/a/2.parquet", "x/b/1.parquet",
+                                                       "x/b/2.parquet"]
+    assert expand_braces("plain.tar") == ["plain.tar"]
+    with pytest.raises(ConfigError, match=r"\{x\} is neither a range"):
+        expand_braces("odd{x}.tar")
+
+
+def test_a_list_of_paths_and_brace_patterns_name_the_inputs_and_a_missing_one_is_named(tmp_path):
+    from batchvlm.sources import list_files
+
+    for index in range(4):
+        (tmp_path / f"part-{index:03d}.parquet").write_bytes(b"PAR1")
+    (tmp_path / "other.parquet").write_bytes(b"PAR1")
+    listed = list_files([str(tmp_path / "part-{000..002}.parquet"), str(tmp_path / "other.parquet")], (".parquet",), {})
+    assert sorted(Path(item.location).name for item in listed) == [
+        "other.parquet", "part-000.parquet", "part-001.parquet", "part-002.parquet"]
+    with pytest.raises(ConfigError, match=r"2 of the 6 files it names do not exist \(first: .*part-004\.parquet"):
+        list_files(str(tmp_path / "part-{000..005}.parquet"), (".parquet",), {})
+
+
+@pytest.mark.slow
+def test_the_job_reads_a_brace_pattern_and_a_list_given_on_the_command_line(tmp_path):
+    for index, keys in enumerate([["cat"], ["cup"], ["coins"]]):
+        datasets.Dataset.from_dict(_table(keys), features=FEATURES).to_parquet(str(tmp_path / f"p-{index}.parquet"))
+    columns = ["dataset.id_column=key", "dataset.images_column=pics", "dataset.text_column=caption"]
+    braces = run_embed(f"output.root={tmp_path}", "run_name=braces", "dataset=parquet",
+                       f"dataset.path='{tmp_path}/p-{{0..1}}.parquet'", *columns)
+    listed = run_embed(f"output.root={tmp_path}", "run_name=listed", "dataset=parquet",
+                       f"dataset.path=[{tmp_path}/p-0.parquet,{tmp_path}/p-2.parquet]", *columns)
+    for result in (braces, listed):
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(r.id for r in read_run(tmp_path / "braces")) == ["cat", "cup"]
+    assert sorted(r.id for r in read_run(tmp_path / "listed")) == ["cat", "coins"]
