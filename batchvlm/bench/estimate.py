@@ -28,6 +28,7 @@ from batchvlm.pipeline.decode import read_bytes, upright_size
 from batchvlm.pipeline.encode import expected_rows
 from batchvlm.records import EncodedRecord, ImageRef, PreparedRecord, QuarantinedRecord, WorkUnit
 from batchvlm.rundir.layout import DATA
+from batchvlm.review.status import readable_bytes
 from batchvlm.rundir.sink import row_group_bytes
 from batchvlm.sources import make_source
 from batchvlm.training.loader import resident_bytes
@@ -177,14 +178,6 @@ def _records(units: list[WorkUnit], record_bytes: list[int]) -> int:
     return known + (round(unknown_bytes / np.mean(record_bytes)) if unknown_bytes and record_bytes else 0)
 
 
-def size(nbytes: float) -> str:
-    """Bytes in the unit that shows them best: 512 B, 3.4 MB, 1.25 TB."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
-
-
 def format_estimate(result: Estimate) -> str:
     tokens = result.tokens_per_image
     quantile = (lambda q: tokens[min(len(tokens) - 1, int(q * len(tokens)))]) if tokens else (lambda q: 0)
@@ -193,15 +186,16 @@ def format_estimate(result: Estimate) -> str:
              f"sample: {result.sampled} records ({result.quarantined} would be quarantined), "
              f"{result.images_per_record:.2f} images per record",
              f"tokens per image: p50 {quantile(0.5)}  p90 {quantile(0.9)}  max {max(tokens, default=0)}",
-             f"bytes per record: {size(result.data_bytes_per_record)} written"
-             + (f", {size(result.quarantine_bytes_per_record)} quarantined" if result.quarantined else ""),
-             f"records: {result.records:,} in {result.units:,} units; output in all: {size(result.total_bytes)}",
-             f"data per unit ({result.unit_records:,} records): {size(result.unit_bytes)} in "
-             f"{result.files_per_unit} file(s) of at most {size(result.shard_limit)}; loader memory per worker: "
-             f"{size(result.loader_bytes)}"]
+             f"bytes per record: {readable_bytes(result.data_bytes_per_record)} written"
+             + (f", {readable_bytes(result.quarantine_bytes_per_record)} quarantined" if result.quarantined else ""),
+             f"records: {result.records:,} in {result.units:,} units; output in all: "
+             f"{readable_bytes(result.total_bytes)}",
+             f"data per unit ({result.unit_records:,} records): {readable_bytes(result.unit_bytes)} in "
+             f"{result.files_per_unit} file(s) of at most {readable_bytes(result.shard_limit)}; loader memory per "
+             f"worker: {readable_bytes(result.loader_bytes)}"]
     if (seconds := result.seconds) is not None:
         lines.append(f"at {result.images_per_s:g} images/s per device on {result.devices} devices: "
-                     f"{seconds / 3600:.1f} h, writing {size(result.total_bytes / seconds)}/s")
+                     f"{seconds / 3600:.1f} h, writing {readable_bytes(result.total_bytes / seconds)}/s")
     else:
         lines.append("time: give images_per_s=<per device> (batchvlm-bench task=e2e measures it) and devices=<n>")
     return "\n".join(lines)

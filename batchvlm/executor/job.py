@@ -44,6 +44,7 @@ from batchvlm.rundir.dedup import BucketPass
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
 from batchvlm.rundir.cleanup import remove_stale, uncommit_broken
 from batchvlm.rundir.manifest import committed_units
+from batchvlm.rundir.rank_reports import RankUnits
 from batchvlm.rundir.run import RunDir, check_ours
 from batchvlm.rundir.sink import RunSink, SinkWriter
 from batchvlm.rundir.frontier import Backoff, buckets_phase, claimed_units, units_phase
@@ -133,6 +134,7 @@ class Job:
     def __init__(self, parts: Parts):
         self.parts, self.job, self.layout, self.ranks = parts, parts.job, parts.layout, parts.ranks
         self.tally = Tally(parts.job.checks)
+        self.units = RankUnits()  # this rank's units, as it reports them (rundir.rank_reports)
 
     def run_all(self) -> dict | None:
         """Embed until every unit is committed, then find duplicates; rank 0 returns the summary. A process that
@@ -159,7 +161,7 @@ class Job:
             self.ranks.barrier()  # units whose commit was withdrawn are claimable before any rank looks
             sink = RunSink(self.layout, self.parts.run.schema_metadata(self.parts.assembler.hidden_sizes),
                            self.job.output.compression, claims, plan.dedup_buckets, self.ranks.rank,
-                           self.job.output.shard_bytes)
+                           self.job.output.shard_bytes, self.units)
             self.embed(plan, source, claims, sink, coordinator)
             self.find_duplicates(plan, claims, coordinator)
         finally:
@@ -193,7 +195,7 @@ class Job:
             if requeue is not None:
                 write_lineage(self.layout, requeue)
         # a collective: the plan exists after it
-        coordinator = Coordinator(self.layout, self.ranks, self.job.runtime.progress_interval_s)
+        coordinator = Coordinator(self.layout, self.ranks, self.job.runtime.progress_interval_s, self.units)
         plan = read_plan(self.layout)
         source = draft.source if self.ranks.is_main else requeue or make_source(self.job.dataset, plan.inputs,
                                                                                    self.job.decode.max_bytes)
@@ -213,10 +215,11 @@ class Job:
             shown()
             time.sleep(seconds)
 
+        def work(claimed: Iterator[Claim]) -> None:
+            self.embed_claimed(source, claimed_units(self.layout, blocks, claimed, self.units), sink, shown)
+
         try:
-            phase.work_through(
-                lambda claimed: self.embed_claimed(source, claimed_units(self.layout, blocks, claimed), sink, shown),
-                wait)
+            phase.work_through(work, wait)
             shown()
         finally:
             progress.close()

@@ -26,6 +26,9 @@ from pathlib import Path
 
 from batchvlm.rundir.durable import publish_exclusive
 
+ALIVE = "alive"
+"""The claims folder's folder of heartbeats, a file per holder."""
+
 
 @dataclass(frozen=True)
 class Claim:
@@ -46,7 +49,7 @@ class Claims:
         self.folder = folder
         self.owner = owner
         self.lease_s = lease_s
-        self.alive = folder / "alive"
+        self.alive = folder / ALIVE
         self.alive.mkdir(parents=True, exist_ok=True)
 
     def _claim_file(self, task: str, generation: int) -> Path:
@@ -186,6 +189,37 @@ def owner_name(attempt: str, rank: int) -> str:
 def rank_owners(attempt: str, rank: int) -> str:
     """The pattern of the holders of one rank of an attempt."""
     return f"{attempt}-rank{rank:05d}-*"
+
+
+def rank_of_owner(owner: str) -> tuple[str, int] | None:
+    """(attempt, rank) of a holder that owner_name named; None for any other name."""
+    parts = owner.rsplit("-", 2)
+    if len(parts) != 3 or not parts[1].startswith("rank") or not parts[1][4:].isdigit():
+        return None
+    return parts[0], int(parts[1][4:])
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A holder's last heartbeat, for a status: when (the file system's time) and whether its process is known to
+    be gone (it ran on this host)."""
+
+    owner: str
+    at: float
+    gone: bool
+
+
+def last_beats(folder: Path) -> list[Beat]:
+    """Every holder's last heartbeat in a claims folder: one listing of the heartbeats, a stat each (and a read of
+    each that may have run on this host)."""
+    alive = folder / ALIVE
+    beats = []
+    for path in sorted(alive.iterdir()) if alive.is_dir() else []:
+        try:
+            beats.append(Beat(path.name, path.stat().st_mtime, _gone_from_this_host(path)))
+        except FileNotFoundError:
+            continue
+    return beats
 
 
 def _gone_from_this_host(heartbeat: Path) -> bool:

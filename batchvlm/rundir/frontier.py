@@ -34,6 +34,7 @@ from batchvlm.rundir.claims import Claim, Claims
 from batchvlm.rundir.dedup import IdsGather, bucket_of_task, bucket_task
 from batchvlm.rundir.durable import replace_json
 from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.rank_reports import RankUnits
 from batchvlm.rundir.workunits import Block, Plan
 
 UNITS, DEDUP = "units", "dedup"
@@ -240,11 +241,14 @@ def claimed_so_far(layout: RunLayout, phase: str = UNITS) -> int:
     return Hint(layout.frontier(phase), "status").read()
 
 
-def claimed_units(layout: RunLayout, blocks: dict[str, Block], claimed: Iterable[Claim]) -> Iterator[
-        tuple[WorkUnit, Claim]]:
+def claimed_units(layout: RunLayout, blocks: dict[str, Block], claimed: Iterable[Claim],
+                  units: RankUnits | None = None) -> Iterator[tuple[WorkUnit, Claim]]:
     """The units of each block as it is claimed (the next block is claimed only once this one's units are handed
-    out), but those committed already: by an earlier holder of the block, or before a restart."""
+    out), but those committed already: by an earlier holder of the block, or before a restart. `units` counts them
+    as this rank's claimed units."""
     for claim in claimed:
-        for unit in blocks[claim.task].units:
-            if not layout.manifest(unit.unit_id).exists():
-                yield unit, claim
+        todo = [unit for unit in blocks[claim.task].units if not layout.manifest(unit.unit_id).exists()]
+        if units is not None:
+            units.claimed += len(todo)
+        for unit in todo:
+            yield unit, claim

@@ -153,6 +153,12 @@ class RunLayout:
     def attempt(self, name: str) -> Path:
         return self.ranks / name
 
+    def attempts(self) -> list[str]:
+        """The launches whose state is here (one listing of ranks/, an entry per launch)."""
+        if not self.ranks.is_dir():
+            return []
+        return sorted(path.name for path in self.ranks.iterdir() if path.is_dir() and path != self.claims)
+
     def rank_file(self, attempt: str, rank: int, kind: str) -> Path:
         return self.attempt(attempt) / f"rank-{rank:05d}.{kind}.json"
 

@@ -187,6 +187,8 @@ class RunTotals:
     by_check: dict[str, int]
     later_occurrences: int
     duplicates_in_data: int
+    files: int  # the files the manifests list (data, quarantine, ids)
+    bytes: int  # their bytes
 
     @classmethod
     def of(cls, manifests: list[Manifest], buckets: list[dict | None]) -> RunTotals:
@@ -198,4 +200,5 @@ class RunTotals:
                    written=sum(m.written for m in manifests) - moved,
                    quarantined=sum(m.quarantined for m in manifests) + moved, by_check=dict(sorted(by_check.items())),
                    later_occurrences=sum(result["duplicates"] for result in buckets if result),
-                   duplicates_in_data=moved)
+                   duplicates_in_data=moved, files=sum(len(m.listings()) for m in manifests),
+                   bytes=sum(listing.bytes for m in manifests for listing in m.listings()))

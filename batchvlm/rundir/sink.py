@@ -32,6 +32,7 @@ from batchvlm.rundir.dedup import write_ids
 from batchvlm.rundir.durable import json_text, publish, publish_exclusive, sha256_file, temporary_name
 from batchvlm.rundir.layout import DATA, IDS, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import Listing, Manifest
+from batchvlm.rundir.rank_reports import RankUnits
 
 log = logging.getLogger("batchvlm")
 
@@ -159,7 +160,8 @@ class RunSink:
     """Writes one rank's units into the run directory's unit folders and commits them under their claims."""
 
     def __init__(self, layout: RunLayout, metadata: dict[str, str], compression: str, claims: Claims,
-                 dedup_buckets: int, rank: int = 0, shard_bytes: int = DEFAULT_SHARD_BYTES):
+                 dedup_buckets: int, rank: int = 0, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 units: RankUnits | None = None):
         self.layout = layout
         self.shard_bytes = shard_bytes
         self.rank = rank
@@ -171,6 +173,7 @@ class RunSink:
             folder.mkdir(parents=True, exist_ok=True)
         self.open: dict[str, OpenUnit] = {}
         self.lost: list[str] = []  # units another rank committed or took over first
+        self.units = units or RankUnits()  # what the rank reports of its commits (rundir.rank_reports)
 
     # -- records --------------------------------------------------------------------------------
     def start_unit(self, unit: WorkUnit, claim: Claim) -> None:
@@ -230,9 +233,10 @@ class RunSink:
         if not publish_exclusive(tmp, path):
             for listing in manifest.listings():
                 self.layout.listed(listing.path).unlink(missing_ok=True)
-            self.lost.append(unit.unit_id)
+            self._lose(unit.unit_id)
             log.info("unit %s was committed by another rank first; this rank's copy is removed", unit.unit_id)
             return None
+        self.units.commit(manifest)
         return manifest
 
     def _publish_files(self, state: OpenUnit) -> dict[str, Listing]:
@@ -252,9 +256,13 @@ class RunSink:
     def _give_up(self, state: OpenUnit, why: str) -> None:
         for shard in state.shards.values():
             shard.discard()
-        self.lost.append(state.unit.unit_id)
+        self._lose(state.unit.unit_id)
         log.warning("unit %s not committed: %s", state.unit.unit_id, why)
         return None
+
+    def _lose(self, unit_id: str) -> None:
+        self.lost.append(unit_id)
+        self.units.lost += 1
 
     def _listing(self, path: Path, rows: int, buckets: dict[str, int] | None = None) -> Listing:
         return Listing(self.layout.name_of(path), rows, path.stat().st_size, sha256_file(path), buckets)

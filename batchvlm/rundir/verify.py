@@ -42,11 +42,9 @@ class RunCounts:
 def run_counts(run_dir: Path) -> RunCounts:
     """The counts of a run from its manifests and committed duplicate buckets (RunTotals), with its files."""
     layout = RunLayout(run_dir)
-    manifests = all_manifests(layout)
-    totals = RunTotals.of(manifests, committed_results(layout))
-    listings = [listing for manifest in manifests for listing in manifest.listings()]
-    return RunCounts(totals.units_committed, totals.records_in, totals.written, totals.quarantined, len(listings),
-                     sum(listing.bytes for listing in listings))
+    totals = RunTotals.of(all_manifests(layout), committed_results(layout))
+    return RunCounts(totals.units_committed, totals.records_in, totals.written, totals.quarantined, totals.files,
+                     totals.bytes)
 
 
 def verify_run(run_dir: Path) -> list[str]:
