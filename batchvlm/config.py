@@ -254,9 +254,14 @@ class OutputConfig:
     compression: str = "zstd"
     quarantine_bytes_cap: int = 4 * 1024 * 1024
     """Original image bytes kept in a quarantine row up to this size; larger ones keep only their path."""
+    shard_bytes: int = 1024 * 1024 * 1024
+    """Bytes of a data or quarantine file at most, its footer included: a unit writes as many files as its rows need,
+    all listed in its manifest, each a few row groups (of a quarter of this, 64 MB at most). A single record larger
+    than that gets a file of its own."""
 
     def __post_init__(self) -> None:
         one_of("output.embed_dtype", self.embed_dtype, ("bfloat16", "float16", "float32"))
+        positive("output.shard_bytes", self.shard_bytes)
         one_of("output.compression", self.compression, ("zstd", "snappy", "none"))
         if self.quarantine_bytes_cap < 0:
             raise ConfigError("output.quarantine_bytes_cap must be >= 0")
@@ -286,16 +291,21 @@ class RuntimeConfig:
     """Batches waiting for the writer thread (bounds the device-to-sink queue)."""
     progress: bool = True
     progress_interval_s: float = 30.0
-    """Seconds between progress lines when stderr is not a terminal (Slurm, a redirect); a terminal gets a bar."""
+    """Seconds between progress lines when stderr is not a terminal (Slurm, a redirect); a terminal gets a bar. Also
+    how often a rank reports its count to rank 0, and rank 0 reads the others'."""
     lease_s: float = 120.0
     """A rank whose heartbeat is older than this loses the units it claimed: another rank takes them over."""
     poll_s: float = 2.0
-    """How often a rank with nothing left to claim looks again (for units of a dead rank, for the end)."""
+    """How long a rank with nothing left to claim first waits before it looks at its launch's board again (for blocks
+    of a dead rank, for the end); the wait doubles up to 8 times this, never beyond a quarter lease."""
     overlap: bool = True
     """Stage the next packed batch (host-to-device copies, preprocessing) while the current one encodes: on CUDA on a
     side stream, so copies and preprocessing overlap the tower; on the CPU the same order, without streams."""
     dedup_buckets: int | None = None
     """Hash partitions of the ids for the duplicate pass at the end (null: one per 2M planned records)."""
+    block_units: int = 8
+    """Work units a rank claims at once (a block, of consecutive units of the claim order), at most: fewer where the
+    plan would give a rank of the launch that plans it under 8 blocks. Recorded in the plan."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
@@ -307,6 +317,7 @@ class RuntimeConfig:
         positive("runtime.poll_s", self.poll_s)
         if self.dedup_buckets is not None:
             positive("runtime.dedup_buckets", self.dedup_buckets)
+        positive("runtime.block_units", self.block_units)
 
 
 @dataclass

@@ -144,8 +144,9 @@ def relist(run_dir, shard) -> None:
 
     layout = RunLayout(Path(run_dir))
     for manifest in all_manifests(layout):
-        files = {kind: dataclasses.replace(listing, bytes=Path(shard).stat().st_size, sha256=sha256_file(shard))
-                 if layout.listed(listing.path) == Path(shard) else listing for kind, listing in manifest.files.items()}
+        files = {kind: [dataclasses.replace(listing, bytes=Path(shard).stat().st_size, sha256=sha256_file(shard))
+                        if layout.listed(listing.path) == Path(shard) else listing for listing in listings]
+                 for kind, listings in manifest.files.items()}
         layout.manifest(manifest.unit).write_text(json.dumps(dataclasses.replace(manifest, files=files).to_json()))
 
 

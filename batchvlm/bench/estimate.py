@@ -3,7 +3,7 @@ planned and laid out as the job's workers do it, and its rows built with embeddi
 as the sink writes them. No tower runs.
 
 What it tells: tokens per image (p50, p90, max) under the run's resize settings, bytes per record and in all
-(extrapolated from the plan's row counts), the shard a unit writes, the loader's memory per worker; given a rate of
+(extrapolated from the plan's row counts), the data a unit writes and in how many files, the loader's memory per worker; given a rate of
 images per second per device, the hours on a number of devices and the write bandwidth that needs.
 """
 
@@ -28,6 +28,8 @@ from batchvlm.pipeline.decode import read_bytes, upright_size
 from batchvlm.pipeline.encode import expected_rows
 from batchvlm.records import EncodedRecord, ImageRef, PreparedRecord, QuarantinedRecord, WorkUnit
 from batchvlm.rundir.layout import DATA
+from batchvlm.review.status import readable_bytes
+from batchvlm.rundir.sink import row_group_bytes
 from batchvlm.sources import make_source
 from batchvlm.training.loader import resident_bytes
 
@@ -74,6 +76,7 @@ class Estimate:
     file_bytes: int  # what each shard file costs beyond its rows
     units: int
     unit_records: int
+    shard_limit: int  # output.shard_bytes: a unit's rows of one kind are cut into files of at most this
     images_per_s: float | None
     devices: int
 
@@ -85,11 +88,21 @@ class Estimate:
     def total_bytes(self) -> float:
         written = self.records * self.written_fraction
         return (written * self.data_bytes_per_record + (self.records - written) * self.quarantine_bytes_per_record
-                + self.units * self.file_bytes * (1 + (self.quarantined > 0)))
+                + self.units * self.file_bytes * (self.files_per_unit + (self.quarantined > 0)))
 
     @property
-    def shard_bytes(self) -> float:
+    def unit_bytes(self) -> float:
+        """The data a unit writes."""
         return self.unit_records * self.written_fraction * self.data_bytes_per_record + self.file_bytes
+
+    @property
+    def files_per_unit(self) -> int:
+        return max(1, math.ceil(self.unit_bytes / self.shard_limit))
+
+    @property
+    def loader_bytes(self) -> float:
+        """The training loader's memory per worker: row groups of the data shards."""
+        return resident_bytes(row_group_bytes(self.data_bytes_per_record, self.shard_limit))
 
     @property
     def seconds(self) -> float | None:
@@ -128,6 +141,7 @@ def estimate(config: EstimateConfig) -> Estimate:
         data_bytes_per_record=_per_row(data, DATA_SCHEMA, config.output.compression, empty),
         quarantine_bytes_per_record=_per_row(quarantine, QUARANTINE_SCHEMA, config.output.compression, empty),
         file_bytes=empty, units=len(units), unit_records=config.dataset.unit_records,
+        shard_limit=config.output.shard_bytes,
         images_per_s=config.images_per_s, devices=config.devices)
 
 
@@ -164,14 +178,6 @@ def _records(units: list[WorkUnit], record_bytes: list[int]) -> int:
     return known + (round(unknown_bytes / np.mean(record_bytes)) if unknown_bytes and record_bytes else 0)
 
 
-def size(nbytes: float) -> str:
-    """Bytes in the unit that shows them best: 512 B, 3.4 MB, 1.25 TB."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
-
-
 def format_estimate(result: Estimate) -> str:
     tokens = result.tokens_per_image
     quantile = (lambda q: tokens[min(len(tokens) - 1, int(q * len(tokens)))]) if tokens else (lambda q: 0)
@@ -180,14 +186,16 @@ def format_estimate(result: Estimate) -> str:
              f"sample: {result.sampled} records ({result.quarantined} would be quarantined), "
              f"{result.images_per_record:.2f} images per record",
              f"tokens per image: p50 {quantile(0.5)}  p90 {quantile(0.9)}  max {max(tokens, default=0)}",
-             f"bytes per record: {size(result.data_bytes_per_record)} written"
-             + (f", {size(result.quarantine_bytes_per_record)} quarantined" if result.quarantined else ""),
-             f"records: {result.records:,} in {result.units:,} units; output in all: {size(result.total_bytes)}",
-             f"shard per unit ({result.unit_records:,} records): {size(result.shard_bytes)}; loader memory per "
-             f"worker: {size(resident_bytes(result.shard_bytes))}"]
+             f"bytes per record: {readable_bytes(result.data_bytes_per_record)} written"
+             + (f", {readable_bytes(result.quarantine_bytes_per_record)} quarantined" if result.quarantined else ""),
+             f"records: {result.records:,} in {result.units:,} units; output in all: "
+             f"{readable_bytes(result.total_bytes)}",
+             f"data per unit ({result.unit_records:,} records): {readable_bytes(result.unit_bytes)} in "
+             f"{result.files_per_unit} file(s) of at most {readable_bytes(result.shard_limit)}; loader memory per "
+             f"worker: {readable_bytes(result.loader_bytes)}"]
     if (seconds := result.seconds) is not None:
         lines.append(f"at {result.images_per_s:g} images/s per device on {result.devices} devices: "
-                     f"{seconds / 3600:.1f} h, writing {size(result.total_bytes / seconds)}/s")
+                     f"{seconds / 3600:.1f} h, writing {readable_bytes(result.total_bytes / seconds)}/s")
     else:
         lines.append("time: give images_per_s=<per device> (batchvlm-bench task=e2e measures it) and devices=<n>")
     return "\n".join(lines)

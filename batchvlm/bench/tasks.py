@@ -10,6 +10,8 @@ Triton kernels (where CUDA is), the torch ops and the family's HF processor (wit
 it takes one), each fed the same host uint8 images and timed until its output is on the device.
 Throughput is counted in images and in input uint8 bytes per second.
 
+task=claims: bench/metadata.py (metadata operations of claiming, waiting and the duplicate pass as the ranks grow).
+
 task=loader: one epoch of the training loader (read, pack, check) against a bare pyarrow scan of the
 same committed shards (every column read, the tokens counted), in tokens per second, and the
 packing efficiency of the epoch's plan. The shards are those of `run_dir`, or of a run of the demo
@@ -29,7 +31,7 @@ import pyarrow.parquet as pq
 import torch
 
 from batchvlm.bench import EMBED_JOB
-from batchvlm.config import TINY, ConfigError, ModelConfig, one_of, positive
+from batchvlm.config import TINY, ConfigError, ModelConfig, RuntimeConfig, one_of, positive
 from batchvlm.demo import build_once, demo_rows, home, photographs
 from batchvlm.families import load_family
 from batchvlm.pipeline.preprocess import TorchPreprocessor, TritonPreprocessor
@@ -64,7 +66,8 @@ class BenchConfig:
     max_tokens: int = 4096
     """task=loader: tokens per packed sequence."""
     workers: int = 0
-    """task=loader: DataLoader workers of the loader (0: in this process, like the scan)."""
+    """task=loader: DataLoader workers of the loader (0: in this process, like the scan); task=claims: DataLoader
+    workers of each simulated rank (each walked the claims before issue 23)."""
     records: int = 16
     """task=e2e|tower|jpeg: records (one real photo each, of the common sizes in decoding.REAL_SIZES) run through the
     job and each stage, through the tower, or encoded as each kind of JPEG."""
@@ -77,16 +80,22 @@ class BenchConfig:
     peak_tflops: float = 989.0
     """task=tower: the device's dense bf16 peak that model FLOPs utilization is taken against (the H100/H200 SXM
     datasheet's; an H200 here measured 788 on an 8192-cube matmul)."""
+    ranks: int = 1000
+    """task=claims: the most simulated ranks; the bench runs 8, 64 and this many (those up to it)."""
+    units: int = 100_000
+    """task=claims: work units of the simulated run (of one record each)."""
+    block_units: int = RuntimeConfig.block_units
+    """task=claims: runtime.block_units of the simulated runs."""
     dry_run: bool = False
     """Everything up to the device: the config checked and the task's code imported, nothing run (gpu_check.sh's
     rehearsal on a CPU)."""
 
     def __post_init__(self) -> None:
-        one_of("task", self.task, ("preprocess", "scale", "loader", "e2e", "tower", "jpeg"))
+        one_of("task", self.task, ("preprocess", "scale", "loader", "e2e", "tower", "jpeg", "claims"))
         one_of("tower", self.tower, ("base", "tiny"))
         one_of("dtype", self.dtype, ("bfloat16", "float16", "float32"))
         for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens", "records",
-                    "job_workers", "peak_tflops"):
+                    "job_workers", "peak_tflops", "ranks", "units", "block_units"):
             positive(key, getattr(self, key))
         if self.workers < 0:
             raise ConfigError(f"workers={self.workers} must be >= 0")

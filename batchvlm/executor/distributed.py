@@ -19,6 +19,7 @@ from batchvlm.devices import on_cpu
 from batchvlm.rundir.claims import Claims, owner_name, rank_owners
 from batchvlm.rundir.durable import durable_write_json
 from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.rank_reports import RankReporter, RankUnits, read_reports
 
 
 @dataclass
@@ -71,13 +72,16 @@ class Coordinator:
     same run directory (a restart, or a second job) claims beside this one; none removes the other's state.
     """
 
-    def __init__(self, layout: RunLayout, ranks: Ranks):
+    def __init__(self, layout: RunLayout, ranks: Ranks, report_s: float, units: RankUnits):
         self.ranks = ranks
         self.layout = layout
+        self.report_s = report_s
         self.attempt = ranks.broadcast(uuid.uuid4().hex[:12])  # every rank of this launch, and no other, shares it
         layout.attempt(self.attempt).mkdir(parents=True, exist_ok=True)
         self.owner = owner_name(self.attempt, ranks.rank)
-        self._last_report = 0.0
+        self.reporter = RankReporter(layout, self.attempt, ranks.rank, units)
+        self._last_report = self._last_read = -float("inf")
+        self._others = 0
 
     def claims(self, lease_s: float) -> Claims:
         return Claims(self.layout.claims, self.owner, lease_s)
@@ -85,17 +89,27 @@ class Coordinator:
     def _file(self, rank: int, kind: str) -> Path:
         return self.layout.rank_file(self.attempt, rank, kind)
 
-    def report(self, records_done: int, force: bool = False) -> None:
+    def report(self, records_done: int, finished: bool = False) -> None:
+        """This rank's report (rundir.rank_reports) for rank 0's progress and for batchvlm-status: once a `report_s`
+        (runtime.progress_interval_s), and after a unit commits. A file a thousand ranks rewrote every second would
+        cost the metadata server more than their claims; one per unit costs what the commit does, a few operations."""
         now = time.monotonic()
-        if force or now - self._last_report > 1.0:
+        if finished or self.reporter.has_news() or now - self._last_report > self.report_s:
             self._last_report = now
-            durable_write_json(self._file(self.ranks.rank, "progress"), {"records": records_done})
+            self.reporter.write(records_done, finished)
 
-    def records_done(self) -> int:
-        return sum(stats["records"] for stats in self._read_all("progress"))
+    def records_done(self, own: int) -> int:
+        """Every rank's records: this rank's `own` count now, the others' as they last reported (read at most once a
+        `report_s`)."""
+        now = time.monotonic()
+        if now - self._last_read > self.report_s:
+            self._last_read = now
+            self._others = sum(report.records for report in read_reports(self.layout, self.attempt)
+                               if report.rank != self.ranks.rank)
+        return own + self._others
 
     def done(self, stats: dict) -> None:
-        self.report(stats.get("records", 0), force=True)
+        self.report(stats.get("records", 0), finished=True)
         durable_write_json(self._file(self.ranks.rank, "done"), stats)
 
     def rank_stats(self, claims: Claims, poll_s: float) -> list[dict]:

@@ -3,9 +3,11 @@
     build:     the device, the family and its tower, the run directory, the device stage       (build)
     plan:      rank 0 plans the units from the inputs' metadata; every rank reads the plan     (Job.plan)
     embed:     until every unit is committed, by any rank:                                     (Job.embed)
-                 workers:       claim a unit -> source -> decode -> plan -> layout             (executor.worker)
+                 claims thread: claim a block of units at the frontier (rundir.frontier)          (executor.worker)
+                 workers:       a claimed unit -> source -> decode -> plan -> layout           (executor.worker)
                  main process:  token-budget batches -> device -> rows                         (batching, device, rows)
                  writer thread: sink (atomic per-unit commit)                                  (rundir.sink)
+               then wait on the launch's board for blocks that dead holders left, or the end
     dedup:     ranks claim the hash buckets of the ids and list the later occurrences          (Job.find_duplicates)
     finish:    rank 0 writes the run's totals once every rank is done                          (rundir.run)
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +31,7 @@ from batchvlm.executor.overlap import Streams
 from batchvlm.executor.progress import Progress
 from batchvlm.executor.rows import Assembler, rows
 from batchvlm.executor.tally import JobAborted, QuarantineOverLimit, Tally, check_run_totals
-from batchvlm.executor.worker import PreparedStream, prepared_units
+from batchvlm.executor.worker import prepared_units
 from batchvlm.families import Family, load_family, resolve_checkpoint
 from batchvlm.format.schema import EMBED_DTYPES
 from batchvlm.pipeline.chat import ChatRenderer
@@ -36,12 +39,15 @@ from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.jpeg import JpegBatchDecoder, resolve_jpeg_decode
 from batchvlm.pipeline.preprocess import PreprocessGuard, make_preprocessor, resolve_backend
 from batchvlm.records import WorkUnit
-from batchvlm.rundir.claims import Claims, Heartbeat
-from batchvlm.rundir.dedup import commit_bucket, find_duplicates
+from batchvlm.rundir.claims import Claim, Claims, Heartbeat
+from batchvlm.rundir.dedup import BucketPass
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
 from batchvlm.rundir.cleanup import remove_stale, uncommit_broken
+from batchvlm.rundir.manifest import committed_units
+from batchvlm.rundir.rank_reports import RankUnits
 from batchvlm.rundir.run import RunDir, check_ours
 from batchvlm.rundir.sink import RunSink, SinkWriter
+from batchvlm.rundir.frontier import Backoff, buckets_phase, claimed_units, units_phase
 from batchvlm.rundir.workunits import Plan, make_plan, read_plan, write_plan
 from batchvlm.sources import Source, make_source
 from batchvlm.sources.requeue import RequeueSource, requeue_source, write_lineage
@@ -100,7 +106,7 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
     draft = None
     if ranks.is_main:
         source = requeue or make_source(job.dataset, max_bytes=job.decode.max_bytes)
-        plan, new = make_plan(layout, source, job)
+        plan, new = make_plan(layout, source, job, ranks.world)
         draft = Draft(plan, source, new)
     encoder = family.load_encoder(device, EMBED_DTYPES[job.model.dtype])
     run = RunDir(layout, job, family, encoder, ranks)
@@ -128,6 +134,7 @@ class Job:
     def __init__(self, parts: Parts):
         self.parts, self.job, self.layout, self.ranks = parts, parts.job, parts.layout, parts.ranks
         self.tally = Tally(parts.job.checks)
+        self.units = RankUnits()  # this rank's units, as it reports them (rundir.rank_reports)
 
     def run_all(self) -> dict | None:
         """Embed until every unit is committed, then find duplicates; rank 0 returns the summary. A process that
@@ -153,9 +160,10 @@ class Job:
                 self.tidy(plan, claims)
             self.ranks.barrier()  # units whose commit was withdrawn are claimable before any rank looks
             sink = RunSink(self.layout, self.parts.run.schema_metadata(self.parts.assembler.hidden_sizes),
-                           self.job.output.compression, claims, plan.dedup_buckets, self.ranks.rank)
+                           self.job.output.compression, claims, plan.dedup_buckets, self.ranks.rank,
+                           self.job.output.shard_bytes, self.units)
             self.embed(plan, source, claims, sink, coordinator)
-            self.find_duplicates(plan, claims)
+            self.find_duplicates(plan, claims, coordinator)
         finally:
             heartbeat.stop()
         tally = self.tally
@@ -173,7 +181,7 @@ class Job:
     def tidy(self, plan: Plan, claims: Claims) -> None:
         """Rank 0: units that are not whole are uncommitted (and redone), and what dead claims left is removed."""
         uncommit_broken(self.layout)
-        if removed := remove_stale(self.layout, {unit.unit_id for unit in plan.units}, claims):
+        if removed := remove_stale(self.layout, plan.block_of(), claims):
             log.info("removed %d files that dead claims left and no manifest lists", len(removed))
 
     def plan(self) -> tuple[Plan, Source, Coordinator]:
@@ -186,40 +194,57 @@ class Job:
             log.info("plan: %d work units from %d inputs", len(draft.plan.units), len(draft.plan.inputs))
             if requeue is not None:
                 write_lineage(self.layout, requeue)
-        coordinator = Coordinator(self.layout, self.ranks)  # a collective: the plan exists after it
+        # a collective: the plan exists after it
+        coordinator = Coordinator(self.layout, self.ranks, self.job.runtime.progress_interval_s, self.units)
         plan = read_plan(self.layout)
         source = draft.source if self.ranks.is_main else requeue or make_source(self.job.dataset, plan.inputs,
                                                                                    self.job.decode.max_bytes)
         return plan, source, coordinator
 
     def embed(self, plan: Plan, source: Source, claims: Claims, sink: RunSink, coordinator: Coordinator) -> None:
-        """Claim and embed units until every unit of the plan is committed (by any rank)."""
-        committed = sink.committed()
-        log.info("rank %d/%d: %d work units in the run, %d committed", self.ranks.rank, self.ranks.world,
-                 len(plan.units), len(committed))
-        todo = [unit for unit in plan.claim_order() if unit.unit_id not in committed]
-        progress = Progress(sum(unit.num_rows or 0 for unit in todo) or None, f"embed {self.layout.root.name}",
+        """Claim blocks of units and embed them until every unit of the plan is committed (by any rank)."""
+        progress = Progress(self._rows_left(plan), f"embed {self.layout.root.name}",
                             self.job.runtime.progress and self.ranks.is_main, self.job.runtime.progress_interval_s)
+        shown = lambda: self._show(progress, coordinator)  # noqa: E731
+        phase = units_phase(self.layout, plan, claims, coordinator.attempt, self.ranks.is_main, self._backoff())
+        blocks = {block.task: block for block in plan.blocks()}
+        log.info("rank %d/%d: %d work units in the run, in %d blocks of up to %d", self.ranks.rank, self.ranks.world,
+                 len(plan.units), len(blocks), plan.block_units)
+
+        def wait(seconds: float) -> None:  # the tail: progress shown while the rank waits
+            shown()
+            time.sleep(seconds)
+
+        def work(claimed: Iterator[Claim]) -> None:
+            self.embed_claimed(source, claimed_units(self.layout, blocks, claimed, self.units), sink, shown)
+
         try:
-            while todo:
-                if any(claims.claimable(unit.unit_id) for unit in todo):
-                    self.embed_claimed(source, todo, claims, sink, lambda: self._show(progress, coordinator))
-                else:  # every unit left is held by a live rank: look again (one may die)
-                    self._show(progress, coordinator)
-                    time.sleep(self.job.runtime.poll_s)
-                committed = sink.committed()
-                todo = [unit for unit in todo if unit.unit_id not in committed]
-            self._show(progress, coordinator)
+            phase.work_through(work, wait)
+            shown()
         finally:
             progress.close()
 
-    def embed_claimed(self, source: Source, todo: list[WorkUnit], claims: Claims, sink: RunSink, shown) -> None:
-        """One pass of the workers over the units left: the chain from claimed units to committed shards."""
+    def _rows_left(self, plan: Plan) -> int | None:
+        """Rank 0 (the one that shows progress): the rows of the units not committed yet, from one listing."""
+        if not self.ranks.is_main:
+            return None
+        committed = committed_units(self.layout)
+        log.info("%d work units committed before this launch", len(committed))
+        return sum(unit.num_rows or 0 for unit in plan.units if unit.unit_id not in committed) or None
+
+    def _backoff(self) -> Backoff:
+        return Backoff.of_tail(self.job.runtime.poll_s, self.job.runtime.lease_s)
+
+    def embed_claimed(self, source: Source, claimed: Iterator[tuple[WorkUnit, Claim]], sink: RunSink, shown) -> None:
+        """One pass over the units this rank claims until there is nothing more to claim for now: the chain from
+        claimed units to committed shards."""
         runtime, parts = self.job.runtime, self.parts
-        stream = PreparedStream(source, todo, parts.family, self.job, claims, self.layout, parts.chat)
-        prepared = prepared_units(stream, runtime.num_workers, runtime.prefetch)  # workers fork before the writer
+        # the workers fork before any thread of this pass starts
+        prepared, queued = prepared_units(source, claimed, parts.family, self.job, parts.chat)
         writer = SinkWriter(sink, runtime.writer_queue)
         batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
+        if queued is not None:
+            queued.start()
         try:
             for item in rows(encoded(batches(prepared, batcher), parts.stage), parts.assembler):
                 if not isinstance(item, list):
@@ -230,33 +255,26 @@ class Job:
                 self.tally.count(item)
                 shown()
             writer.close()
+            if queued is not None:
+                queued.check()
         finally:
             writer.close()
             sink.abandon_open_units()
             if parts.stage.jpegs is not None:
                 parts.stage.jpegs.close()  # its safe path's child; started again on the next use
 
-    def find_duplicates(self, plan: Plan, claims: Claims) -> None:
-        """Ranks claim the hash partitions of the ids one at a time and list the later occurrences of each id."""
+    def find_duplicates(self, plan: Plan, claims: Claims, coordinator: Coordinator) -> None:
+        """Ranks claim the hash partitions of the ids and list the later occurrences of each id."""
         locations = {item.name: item.location for item in plan.inputs}
-        manifests = None
-        while missing := [b for b in range(plan.dedup_buckets) if not self.layout.bucket_result(b).exists()]:
-            claim = next((c for bucket in missing if (c := claims.try_claim(f"dedup-{bucket:05d}"))), None)
-            if claim is None:  # the rest are held by live ranks: wait for them (or for their leases to expire)
-                time.sleep(self.job.runtime.poll_s)
-                continue
-            if manifests is None:  # in plan order: the first occurrence is the one kept
-                manifests = plan.manifests(self.layout)
-            bucket = int(claim.task.rsplit("-", 1)[1])
-            duplicates = find_duplicates(self.layout, manifests, bucket, locations)
-            if claims.holds(claim):
-                commit_bucket(self.layout, bucket, duplicates)
+        phase = buckets_phase(self.layout, plan.dedup_buckets, claims, coordinator.attempt, self.ranks.is_main,
+                              self._backoff())
+        phase.work_through(BucketPass(self.layout, locations, claims))
 
     def _show(self, progress: Progress, coordinator: Coordinator) -> None:
         """This rank's count for the others; on rank 0, progress over every rank's count."""
         coordinator.report(self.tally.seen)
         if self.ranks.is_main:
-            progress.show(coordinator.records_done())
+            progress.show(coordinator.records_done(self.tally.seen))
 
 
 def rank_job(job: JobConfig, run_dir: Path) -> Job:

@@ -1,12 +1,15 @@
-"""The worker side of the job: in DataLoader worker processes, claim a unit and read it, and decode, plan and lay
-out each of its records, so that a decoder's crash or hang costs one record and the device never waits on the CPU.
+"""The worker side of the job: in DataLoader worker processes, read the units the rank claimed, and decode, plan
+and lay out each of their records, so that a decoder's crash or hang costs one record and the device never waits on
+the CPU.
 
-A worker yields, per unit it wins, `UnitStart`, each record prepared (or quarantined), and `UnitEnd`.
+A worker yields, per unit it is handed, `UnitStart`, each record prepared (or quarantined), and `UnitEnd`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import multiprocessing
+import threading
+from collections.abc import Iterable, Iterator
 
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -17,8 +20,7 @@ from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.tokens import attach_positions, build_layout, place_images, require_fits
 from batchvlm.records import PreparedRecord, QuarantinedRecord, SourceRecord, Turn, UnitEnd, UnitStart, WorkUnit
-from batchvlm.rundir.claims import Claims
-from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.claims import Claim
 from batchvlm.sources import Source
 from batchvlm.sources.conversations import place_conversation_images
 
@@ -69,13 +71,13 @@ def checked_id(record: SourceRecord, unit: WorkUnit, seen: set) -> QuarantinedRe
 
 
 class PreparedStream(IterableDataset):
-    """Each worker claims units one at a time (rundir.claims) and yields, per unit it wins, the start marker, its
-    records prepared, and the end marker. Units committed meanwhile are skipped."""
+    """Yields, per unit it is handed (with the claim on the unit's block), the start marker, the unit's records
+    prepared, and the end marker. `units` is the rank's claimed units themselves where the stream runs inline, or
+    the queue they come through (QueuedUnits) in DataLoader workers."""
 
-    def __init__(self, source: Source, units: list[WorkUnit], family, job: JobConfig, claims: Claims,
-                 layout: RunLayout, chat: ChatRenderer | None = None):
+    def __init__(self, source: Source, units: Iterable[tuple[WorkUnit, Claim]], family, job: JobConfig,
+                 chat: ChatRenderer | None = None):
         self.source, self.units, self.family, self.job, self.chat = source, units, family, job, chat
-        self.claims, self.layout = claims, layout
         self.decoder = Decoder(job.decode)
 
     def __iter__(self):
@@ -84,15 +86,8 @@ class PreparedStream(IterableDataset):
         finally:
             self.decoder.close()
 
-    def _committed(self, unit: WorkUnit) -> bool:
-        return self.layout.manifest(unit.unit_id).exists()
-
     def _prepared(self):
-        for unit in self.units:
-            if self._committed(unit) or (claim := self.claims.try_claim(unit.unit_id)) is None:
-                continue
-            if self._committed(unit):  # committed by a holder that outlived its lease
-                continue
+        for unit, claim in self.units:
             yield UnitStart(unit, claim)
             count, seen = 0, set()
             for record in self.source.records(unit):
@@ -102,15 +97,54 @@ class PreparedStream(IterableDataset):
             yield UnitEnd(unit, count)
 
 
+class QueuedUnits:
+    """A rank's claimed units handed to its DataLoader workers one at a time through a queue, by a thread of the
+    main process that claims them as the queue empties: the rank claims, not each of its workers, and holds a
+    block only once a worker is about to need its units. Iterated in a worker, it yields until the thread is done."""
+
+    def __init__(self, claimed: Iterator[tuple[WorkUnit, Claim]], workers: int):
+        self.claimed, self.workers = claimed, workers
+        self.queue = multiprocessing.get_context().Queue(maxsize=1)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._feed, name="batchvlm-claims", daemon=True)
+
+    def start(self) -> None:
+        """After the workers have forked (a forked child would inherit the thread's locks, not the thread)."""
+        self.thread.start()
+
+    def _feed(self) -> None:
+        try:
+            for item in self.claimed:
+                self.queue.put(item)
+        except BaseException as error:  # raised in the main process once the pass ends (`check`)
+            self.error = error
+        finally:
+            for _ in range(self.workers):
+                self.queue.put(None)
+
+    def __iter__(self) -> Iterator[tuple[WorkUnit, Claim]]:
+        while (item := self.queue.get()) is not None:
+            yield item
+
+    def check(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
 def _keep(item):
     return item
 
 
-def prepared_units(stream: PreparedStream, num_workers: int, prefetch: int) -> Iterator:
-    """The stream run in `num_workers` DataLoader worker processes (0: inline, for debugging; the decoder still
-    forks its child on first use)."""
-    workers = min(num_workers, len(stream.units))
+def prepared_units(source: Source, claimed: Iterator[tuple[WorkUnit, Claim]], family, job: JobConfig,
+                   chat: ChatRenderer | None = None) -> tuple[Iterator, QueuedUnits | None]:
+    """The rank's claimed units prepared in `runtime.num_workers` DataLoader worker processes (0: inline, for
+    debugging; the decoder still forks its child on first use), and the queue that feeds the workers, to be started
+    once the caller has nothing more to fork."""
+    workers = job.runtime.num_workers
     if workers == 0:
-        return iter(stream)
-    return iter(DataLoader(stream, batch_size=None, num_workers=workers, collate_fn=_keep, prefetch_factor=prefetch,
-                           persistent_workers=False))
+        return iter(PreparedStream(source, claimed, family, job, chat)), None
+    queued = QueuedUnits(claimed, workers)
+    stream = PreparedStream(source, queued, family, job, chat)
+    return iter(DataLoader(stream, batch_size=None, num_workers=workers, collate_fn=_keep,
+                           prefetch_factor=job.runtime.prefetch, persistent_workers=False)), queued

@@ -26,6 +26,9 @@ from pathlib import Path
 
 from batchvlm.rundir.durable import publish_exclusive
 
+ALIVE = "alive"
+"""The claims folder's folder of heartbeats, a file per holder."""
+
 
 @dataclass(frozen=True)
 class Claim:
@@ -46,7 +49,7 @@ class Claims:
         self.folder = folder
         self.owner = owner
         self.lease_s = lease_s
-        self.alive = folder / "alive"
+        self.alive = folder / ALIVE
         self.alive.mkdir(parents=True, exist_ok=True)
 
     def _claim_file(self, task: str, generation: int) -> Path:
@@ -63,12 +66,16 @@ class Claims:
         except FileNotFoundError:
             heartbeat.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
 
-    def expired(self, owner: str) -> bool:
-        """Every holder that `owner` names (a pattern like `<attempt>-rank00001-*` names one per attempt's rank) is
-        dead: its heartbeat older than the lease, seen against this process's own fresh one, or its process gone
-        from this host."""
+    def now(self) -> float:
+        """The file system's time: this process's heartbeat, touched now (every age is measured against it)."""
         self.beat()
-        now = self._heartbeat_file(self.owner).stat().st_mtime
+        return self._heartbeat_file(self.owner).stat().st_mtime
+
+    def expired(self, owner: str, now: float | None = None) -> bool:
+        """Every holder that `owner` names (a pattern like `<attempt>-rank00001-*` names one per attempt's rank) is
+        dead: its heartbeat older than the lease, seen against this process's own fresh one (`now`, where the caller
+        already has it), or its process gone from this host."""
+        now = self.now() if now is None else now
         return all(now - beat > self.lease_s or _gone_from_this_host(path) for path, beat in self._beats(owner))
 
     def _beats(self, owner: str) -> list[tuple[Path, float]]:
@@ -82,7 +89,8 @@ class Claims:
 
     def alive_holders(self) -> list[str]:
         """The holders of every attempt whose heartbeats are live."""
-        return [path.name for path, _ in self._beats("*") if not self.expired(path.name)]
+        now = self.now()
+        return [path.name for path, _ in self._beats("*") if not self.expired(path.name, now)]
 
     def claim_of(self, task: str, token: str) -> Claim | None:
         """The claim on `task` whose files carry `token`, if it was made here."""
@@ -136,10 +144,18 @@ class Claims:
             return None
         return self._create(task, generation + 1)
 
-    def claimable(self, task: str) -> bool:
+    def claimable(self, task: str, now: float | None = None) -> bool:
         """Nobody holds the task, or its holder's lease expired (so `try_claim` may win it)."""
         newest = self._newest(task)
-        return newest is None or (newest[1] != self.owner and self.expired(newest[1]))
+        return newest is None or (newest[1] != self.owner and self.expired(newest[1], now))
+
+    def claimed(self, task: str) -> bool:
+        """Someone claimed the task once (its first generation exists): one stat."""
+        return self._claim_file(task, 0).exists()
+
+    def claim_first(self, task: str) -> Claim | None:
+        """The task's first claim, or None where it was ever claimed (by anyone, in any attempt)."""
+        return self._create(task, 0)
 
     def holds(self, claim: Claim) -> bool:
         """Still the newest claim on its task (nobody took it over)."""
@@ -173,6 +189,37 @@ def owner_name(attempt: str, rank: int) -> str:
 def rank_owners(attempt: str, rank: int) -> str:
     """The pattern of the holders of one rank of an attempt."""
     return f"{attempt}-rank{rank:05d}-*"
+
+
+def rank_of_owner(owner: str) -> tuple[str, int] | None:
+    """(attempt, rank) of a holder that owner_name named; None for any other name."""
+    parts = owner.rsplit("-", 2)
+    if len(parts) != 3 or not parts[1].startswith("rank") or not parts[1][4:].isdigit():
+        return None
+    return parts[0], int(parts[1][4:])
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A holder's last heartbeat, for a status: when (the file system's time) and whether its process is known to
+    be gone (it ran on this host)."""
+
+    owner: str
+    at: float
+    gone: bool
+
+
+def last_beats(folder: Path) -> list[Beat]:
+    """Every holder's last heartbeat in a claims folder: one listing of the heartbeats, a stat each (and a read of
+    each that may have run on this host)."""
+    alive = folder / ALIVE
+    beats = []
+    for path in sorted(alive.iterdir()) if alive.is_dir() else []:
+        try:
+            beats.append(Beat(path.name, path.stat().st_mtime, _gone_from_this_host(path)))
+        except FileNotFoundError:
+            continue
+    return beats
 
 
 def _gone_from_this_host(heartbeat: Path) -> bool:

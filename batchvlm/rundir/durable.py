@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 
 from batchvlm.faults import crash_point, disk_full_point
@@ -67,6 +68,14 @@ def json_text(payload: dict) -> str:
 
 def durable_write_json(path: Path, payload: dict) -> None:
     durable_write(path, lambda tmp: tmp.write_text(json_text(payload)))
+
+
+def replace_json(path: Path, payload: dict) -> None:
+    """Written beside and renamed over `path`, not fsynced: for a file rewritten often that a crash may lose (a
+    reader sees the old or the new one, never half of it)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
 
 
 def read_json(path: Path) -> dict | None:

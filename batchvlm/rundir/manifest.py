@@ -1,7 +1,9 @@
 """Manifests: a unit's commit record, read in this one place, and what follows from the set of them.
 
 A unit is committed once its manifest exists; the manifest lists the unit's files (data, quarantine, ids) with
-their rows, bytes and sha256. Readers, resume and verify trust only listed files: `orphans` is the one rule for
+their rows, bytes and sha256: one or more files of each kind (a kind's rows are cut into files of at most
+output.shard_bytes), in row order. A manifest written before units had several files names one file per kind; it
+reads the same way. Readers, resume and verify trust only listed files: `orphans` is the one rule for
 what no manifest lists, and `RunTotals` the one count of a run, with the later occurrences of an id that the
 duplicate pass found in data shards counted as quarantined (readers leave them out).
 """
@@ -47,7 +49,7 @@ class Manifest:
     written: int
     quarantined: int
     checks: dict[str, int]
-    files: dict[str, Listing]
+    files: dict[str, list[Listing]]  # kind -> its files, in row order
     rank: int
     claim: str
     fallbacks: dict[str, int] = field(default_factory=dict)  # images redone on the CPU path, by check
@@ -56,16 +58,23 @@ class Manifest:
     @classmethod
     def from_json(cls, raw: object, path: Path) -> Manifest:
         try:
-            files = {kind: Listing(**listing) for kind, listing in raw["files"].items()}
+            files = {kind: [Listing(**listing) for listing in _as_list(listings)]
+                     for kind, listings in raw["files"].items()}
             return cls(**{**raw, "files": files})
         except (TypeError, KeyError, AttributeError) as error:
             raise ManifestError(f"{path}: not a batchvlm manifest ({type(error).__name__}: {error})") from None
 
     def to_json(self) -> dict:
-        return {**asdict(self), "files": {kind: _without_none(asdict(listing)) for kind, listing in self.files.items()}}
+        return {**asdict(self), "files": {kind: [_without_none(asdict(listing)) for listing in listings]
+                                          for kind, listings in self.files.items()}}
 
-    def shard(self, kind: str) -> Listing | None:
-        return self.files.get(kind)
+    def shards(self, kind: str) -> list[Listing]:
+        """The unit's files of `kind`, in row order (none where it has no record of that kind)."""
+        return self.files.get(kind, [])
+
+    def listings(self) -> list[Listing]:
+        """Every file the unit's commit lists."""
+        return [listing for listings in self.files.values() for listing in listings]
 
     @property
     def preprocess(self) -> dict:
@@ -73,8 +82,13 @@ class Manifest:
         return {"fallbacks": self.fallbacks, "parity": self.parity}
 
     def rows_of(self, kind: str) -> int:
-        """The rows a shard of `kind` holds: one per record written, quarantined, or read (the ids file)."""
+        """The rows the files of `kind` hold together: one per record written, quarantined, or read (the ids file)."""
         return {DATA: self.written, QUARANTINE: self.quarantined, IDS: self.records_in}[kind]
+
+
+def _as_list(listings: dict | list) -> list:
+    """A kind's files as a manifest lists them: a list, or the one file a manifest of an older run names."""
+    return [listings] if isinstance(listings, dict) else listings
 
 
 def _without_none(listing: dict) -> dict:
@@ -114,35 +128,36 @@ def manifests_in_order(layout: RunLayout, unit_ids: Iterable[str]) -> list[Manif
 
 
 def listed_shards(layout: RunLayout, kind: str = DATA) -> list[tuple[str, Path]]:
-    """(unit, file) of every shard of `kind` that a manifest lists, by unit: the only ones a reader may trust. A
-    unit with no record of that kind has no such shard."""
+    """(unit, file) of every shard of `kind` that a manifest lists, by unit, a unit's files in row order: the only ones
+    a reader may trust. A unit with no record of that kind has no such shard."""
     return [(manifest.unit, layout.listed(listing.path)) for manifest in all_manifests(layout)
-            if (listing := manifest.shard(kind)) is not None]
+            for listing in manifest.shards(kind)]
 
 
 def checked_shards(layout: RunLayout, kind: str = DATA, checksums: bool = False) -> list[tuple[str, Path]]:
     """listed_shards, each at the size its manifest recorded (and of its sha256, with `checksums`), else
     DamagedFile: a reader never reads a committed file that changed since."""
-    found = []
-    for manifest in all_manifests(layout):
-        if (listing := manifest.shard(kind)) is None:
-            continue
-        path = layout.listed(listing.path)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise DamagedFile(f"{path} is missing; its manifest lists it (verify the run, or rerun it)") from None
-        if size != listing.bytes:
-            raise DamagedFile(f"{path} has {size} bytes, its manifest says {listing.bytes} (verify the run, or rerun "
-                              "it: the unit is redone)")
-        if checksums and sha256_file(path) != listing.sha256:
-            raise DamagedFile(f"{path} does not match its sha256 in the manifest")
-        found.append((manifest.unit, path))
-    return found
+    return [(manifest.unit, checked(layout, listing, checksums)) for manifest in all_manifests(layout)
+            for listing in manifest.shards(kind)]
+
+
+def checked(layout: RunLayout, listing: Listing, checksums: bool = False) -> Path:
+    """A listed file, at the size its manifest recorded (and of its sha256, with `checksums`), else DamagedFile."""
+    path = layout.listed(listing.path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise DamagedFile(f"{path} is missing; its manifest lists it (verify the run, or rerun it)") from None
+    if size != listing.bytes:
+        raise DamagedFile(f"{path} has {size} bytes, its manifest says {listing.bytes} (verify the run, or rerun "
+                          "it: the unit is redone)")
+    if checksums and sha256_file(path) != listing.sha256:
+        raise DamagedFile(f"{path} does not match its sha256 in the manifest")
+    return path
 
 
 def listed_files(manifests: Iterable[Manifest]) -> set[str]:
-    return {listing.path for manifest in manifests for listing in manifest.files.values()}
+    return {listing.path for manifest in manifests for listing in manifest.listings()}
 
 
 def orphans(layout: RunLayout, manifests: Iterable[Manifest]) -> list[Path]:
@@ -172,6 +187,8 @@ class RunTotals:
     by_check: dict[str, int]
     later_occurrences: int
     duplicates_in_data: int
+    files: int  # the files the manifests list (data, quarantine, ids)
+    bytes: int  # their bytes
 
     @classmethod
     def of(cls, manifests: list[Manifest], buckets: list[dict | None]) -> RunTotals:
@@ -183,4 +200,5 @@ class RunTotals:
                    written=sum(m.written for m in manifests) - moved,
                    quarantined=sum(m.quarantined for m in manifests) + moved, by_check=dict(sorted(by_check.items())),
                    later_occurrences=sum(result["duplicates"] for result in buckets if result),
-                   duplicates_in_data=moved)
+                   duplicates_in_data=moved, files=sum(len(m.listings()) for m in manifests),
+                   bytes=sum(listing.bytes for m in manifests for listing in m.listings()))

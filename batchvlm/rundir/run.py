@@ -130,6 +130,7 @@ class RunDir:
             "records_in": totals.records_in, "written": totals.written, "quarantined": totals.quarantined,
             "by_check": totals.by_check,
             "duplicates": {"later_occurrences": totals.later_occurrences, "in_data": totals.duplicates_in_data},
+            "files": totals.files, "bytes": totals.bytes,
             "complete": len(manifests) == len(plan.units) and all(buckets),
             "seconds": seconds,
             "records_per_s": records_seen / seconds if seconds else 0.0,

@@ -14,12 +14,15 @@ import logging
 import queue
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchvlm.config import OutputConfig
 from batchvlm.faults import crash_point
 from batchvlm.format.schema import DATA_SCHEMA, QUARANTINE_SCHEMA
 from batchvlm.pipeline.preprocess import merged_stats
@@ -28,22 +31,46 @@ from batchvlm.rundir.claims import Claim, Claims
 from batchvlm.rundir.dedup import write_ids
 from batchvlm.rundir.durable import json_text, publish, publish_exclusive, sha256_file, temporary_name
 from batchvlm.rundir.layout import DATA, IDS, QUARANTINE, RunLayout
-from batchvlm.rundir.manifest import Listing, Manifest, committed_units
+from batchvlm.rundir.manifest import Listing, Manifest
+from batchvlm.rundir.rank_reports import RankUnits
 
 log = logging.getLogger("batchvlm")
 
 SCHEMAS = {DATA: DATA_SCHEMA, QUARANTINE: QUARANTINE_SCHEMA}
 ROW_GROUP_ROWS = 256
 ROW_GROUP_BYTES = 64 * 1024 * 1024
+DEFAULT_SHARD_BYTES = OutputConfig.shard_bytes
+
+
+def group_byte_limit(shard_bytes: int) -> int:
+    """Where a row group is cut short of ROW_GROUP_ROWS: a few row groups a file."""
+    return min(ROW_GROUP_BYTES, shard_bytes // 4)
+
+
+def row_group_bytes(record_bytes: float, shard_bytes: int) -> float:
+    """About what a row group of records of this size holds (a record alone when it is larger than the limit)."""
+    return max(record_bytes, min(ROW_GROUP_ROWS * record_bytes, group_byte_limit(shard_bytes)))
+
+
+FOOTER_BYTES_PER_GROUP = 4096
+"""What a row group adds to a Parquet footer at most, reserved before it is written (about 90 bytes a column)."""
 
 
 class ShardWriter:
-    """One shard written to a temporary file a row group at a time; opened on its first row."""
+    """One kind of a unit's rows, written a row group at a time to temporary files of at most `shard_bytes` each,
+    footer included (a row group larger than that alone gets a file of its own); the first opened on the first row.
+    `path_of(n)` names the n-th file."""
 
-    def __init__(self, path: Path, schema: pa.Schema, metadata: dict, compression: str | None):
-        self.path, self.schema, self.metadata, self.compression = path, schema, metadata, compression
-        self.tmp = temporary_name(path)
+    def __init__(self, path_of: Callable[[int], Path], schema: pa.Schema, metadata: dict, compression: str | None,
+                 shard_bytes: int):
+        self.path_of, self.schema, self.metadata, self.compression = path_of, schema, metadata, compression
+        self.shard_bytes = shard_bytes
+        self.group_bytes = group_byte_limit(shard_bytes)
+        # the footer holds the schema twice (Parquet's, and Arrow's serialized), then each row group's columns
+        self.footer_bytes = 2 * schema.with_metadata(metadata).serialize().size
+        self.parts: list[ShardPart] = []
         self.writer: pq.ParquetWriter | None = None
+        self.file: pa.NativeFile | None = None
         self.buffer: list[dict] = []
         self.buffered_bytes = 0
         self.rows = 0
@@ -52,27 +79,64 @@ class ShardWriter:
         self.buffer.append(row)
         self.buffered_bytes += sum(len(v) for v in row.values() if isinstance(v, (bytes, str)))
         self.rows += 1
-        if len(self.buffer) >= ROW_GROUP_ROWS or self.buffered_bytes >= ROW_GROUP_BYTES:
+        if len(self.buffer) >= ROW_GROUP_ROWS or self.buffered_bytes >= self.group_bytes:
             self._flush()
 
     def _flush(self) -> None:
         if not self.buffer:
             return
+        table = pa.Table.from_pylist(self.buffer, schema=self.schema.with_metadata(self.metadata))
+        if self.writer is not None and not self._fits(table):
+            self._close_part()
         if self.writer is None:
-            self.writer = pq.ParquetWriter(self.tmp, self.schema.with_metadata(self.metadata),
-                                           compression=self.compression or "none")
-        self.writer.write_table(pa.Table.from_pylist(self.buffer, schema=self.writer.schema))
+            self._open_part()
+        self.writer.write_table(table)
+        self.parts[-1].rows += len(self.buffer)
+        self.parts[-1].groups += 1
         self.buffer, self.buffered_bytes = [], 0
 
-    def finish(self) -> None:
-        self._flush()
+    def _fits(self, table: pa.Table) -> bool:
+        """The open file with this row group and its footer stays within shard_bytes (the row group's Arrow size
+        bounds what compressed Parquet writes of it)."""
+        footer = self.footer_bytes + (self.parts[-1].groups + 1) * FOOTER_BYTES_PER_GROUP
+        return self.file.tell() + table.nbytes + footer <= self.shard_bytes
+
+    def _open_part(self) -> None:
+        part = ShardPart(self.path_of(len(self.parts)))
+        self.parts.append(part)
+        self.file = pa.OSFile(str(part.tmp), "wb")
+        self.writer = pq.ParquetWriter(self.file, self.schema.with_metadata(self.metadata),
+                                       compression=self.compression or "none")
+
+    def _close_part(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.file.close()
+        self.writer = self.file = None
+
+    def finish(self) -> list[ShardPart]:
+        """The files, complete (still under their temporary names)."""
+        self._flush()
+        self._close_part()
+        return self.parts
 
     def discard(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        self.tmp.unlink(missing_ok=True)
+        self._close_part()
+        for part in self.parts:
+            part.tmp.unlink(missing_ok=True)
+
+
+@dataclass
+class ShardPart:
+    """One file of a shard: its final name, the temporary one it is written under, its rows."""
+
+    path: Path
+    rows: int = 0
+    groups: int = 0
+
+    @property
+    def tmp(self) -> Path:
+        return temporary_name(self.path)
 
 
 @dataclass
@@ -96,8 +160,10 @@ class RunSink:
     """Writes one rank's units into the run directory's unit folders and commits them under their claims."""
 
     def __init__(self, layout: RunLayout, metadata: dict[str, str], compression: str, claims: Claims,
-                 dedup_buckets: int, rank: int = 0):
+                 dedup_buckets: int, rank: int = 0, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 units: RankUnits | None = None):
         self.layout = layout
+        self.shard_bytes = shard_bytes
         self.rank = rank
         self.claims = claims
         self.dedup_buckets = dedup_buckets
@@ -107,15 +173,12 @@ class RunSink:
             folder.mkdir(parents=True, exist_ok=True)
         self.open: dict[str, OpenUnit] = {}
         self.lost: list[str] = []  # units another rank committed or took over first
-
-    # -- state on disk --------------------------------------------------------------------------
-    def committed(self) -> set[str]:
-        return committed_units(self.layout)
+        self.units = units or RankUnits()  # what the rank reports of its commits (rundir.rank_reports)
 
     # -- records --------------------------------------------------------------------------------
     def start_unit(self, unit: WorkUnit, claim: Claim) -> None:
-        shards = {kind: ShardWriter(self.layout.shard(kind, unit.unit_id, claim.token), schema, self.metadata,
-                                    self.compression) for kind, schema in SCHEMAS.items()}
+        shards = {kind: ShardWriter(partial(self.layout.shard, kind, unit.unit_id, claim.token), schema, self.metadata,
+                                    self.compression, self.shard_bytes) for kind, schema in SCHEMAS.items()}
         self.open[unit.unit_id] = OpenUnit(unit, claim, shards)
 
     def take(self, item: UnitStart | OutputRow | UnitEnd) -> None:
@@ -168,34 +231,38 @@ class RunSink:
         tmp = temporary_name(self.layout.manifest_draft(unit.unit_id, state.claim.token))
         tmp.write_text(json_text(manifest.to_json()))
         if not publish_exclusive(tmp, path):
-            for listing in files.values():
+            for listing in manifest.listings():
                 self.layout.listed(listing.path).unlink(missing_ok=True)
-            self.lost.append(unit.unit_id)
+            self._lose(unit.unit_id)
             log.info("unit %s was committed by another rank first; this rank's copy is removed", unit.unit_id)
             return None
+        self.units.commit(manifest)
         return manifest
 
     def _publish_files(self, state: OpenUnit) -> dict[str, Listing]:
         """Shards with rows, then the ids file, each renamed to its final name; their manifest listings."""
         files = {}
         for kind, shard in state.shards.items():
-            shard.finish()
-            if shard.rows:
-                publish(shard.tmp, shard.path)
-                files[kind] = self._listing(shard.path, shard.rows)
+            for part in shard.finish():
+                publish(part.tmp, part.path)
+                files.setdefault(kind, []).append(self._listing(part.path, part.rows))
         ids_path = self.layout.shard(IDS, state.unit.unit_id, state.claim.token)
         ids_tmp = temporary_name(ids_path)
         buckets = write_ids(ids_tmp, state.ids, self.dedup_buckets)
         publish(ids_tmp, ids_path)
-        files[IDS] = self._listing(ids_path, len(state.ids), buckets)
+        files[IDS] = [self._listing(ids_path, len(state.ids), buckets)]
         return files
 
     def _give_up(self, state: OpenUnit, why: str) -> None:
         for shard in state.shards.values():
             shard.discard()
-        self.lost.append(state.unit.unit_id)
+        self._lose(state.unit.unit_id)
         log.warning("unit %s not committed: %s", state.unit.unit_id, why)
         return None
+
+    def _lose(self, unit_id: str) -> None:
+        self.lost.append(unit_id)
+        self.units.lost += 1
 
     def _listing(self, path: Path, rows: int, buckets: dict[str, int] | None = None) -> Listing:
         return Listing(self.layout.name_of(path), rows, path.stat().st_size, sha256_file(path), buckets)

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from batchvlm.rundir.dedup import bucket_results, committed_results, duplicate_rows, find_duplicates
+from batchvlm.rundir.dedup import UnitIds, bucket_results, committed_results, duplicate_rows, find_duplicates
 from batchvlm.rundir.durable import TMP_MARK, sha256_file
 from batchvlm.rundir.layout import DATA, IDS, QUARANTINE, SHARD_KINDS, RunLayout
-from batchvlm.rundir.manifest import Manifest, ManifestError, RunTotals, all_manifests, orphans, unit_manifest
+from batchvlm.rundir.manifest import Listing, Manifest, ManifestError, RunTotals, all_manifests, orphans, unit_manifest
 from batchvlm.rundir.workunits import read_plan
 
 
@@ -42,11 +42,9 @@ class RunCounts:
 def run_counts(run_dir: Path) -> RunCounts:
     """The counts of a run from its manifests and committed duplicate buckets (RunTotals), with its files."""
     layout = RunLayout(run_dir)
-    manifests = all_manifests(layout)
-    totals = RunTotals.of(manifests, committed_results(layout))
-    listings = [listing for manifest in manifests for listing in manifest.files.values()]
-    return RunCounts(totals.units_committed, totals.records_in, totals.written, totals.quarantined, len(listings),
-                     sum(listing.bytes for listing in listings))
+    totals = RunTotals.of(all_manifests(layout), committed_results(layout))
+    return RunCounts(totals.units_committed, totals.records_in, totals.written, totals.quarantined, totals.files,
+                     totals.bytes)
 
 
 def verify_run(run_dir: Path) -> list[str]:
@@ -93,29 +91,40 @@ def _verify_unit(layout: RunLayout, unit, manifest: Manifest) -> list[str]:
     ids: dict[str, Counter] = {}
     for kind in SHARD_KINDS:
         rows = manifest.rows_of(kind)
-        entry = manifest.shard(kind)
-        if entry is None:
+        listings = manifest.shards(kind)
+        if not listings:
             if rows:
                 problems.append(f"unit {name}: {rows} {kind} rows but no {kind} file")
             continue
-        path = layout.listed(entry.path)
-        if not path.exists():
-            problems.append(f"unit {name}: {entry.path} is missing")
-            continue
-        if sha256_file(path) != entry.sha256:
-            problems.append(f"unit {name}: {entry.path} does not match its sha256 in the manifest")
-            continue
-        try:
-            table = pq.read_table(path, columns=["id"])
-        except Exception as error:
-            problems.append(f"unit {name}: {entry.path} does not open as Parquet ({error})")
-            continue
-        if table.num_rows != entry.rows or table.num_rows != rows:
-            problems.append(f"unit {name}: {entry.path} has {table.num_rows} rows, the manifest says {entry.rows}")
-        ids[kind] = Counter(table.column("id").to_pylist())
+        ids[kind] = Counter()
+        for entry in listings:
+            found = _listed_ids(layout, name, entry)
+            if isinstance(found, str):
+                problems.append(found)
+            else:
+                ids[kind].update(found)
+        if not problems and sum(entry.rows for entry in listings) != rows:
+            problems.append(f"unit {name}: its {kind} files list {sum(entry.rows for entry in listings)} rows, its "
+                            f"counts say {rows}")
     if not problems and ids.get(IDS, Counter()) != ids.get(DATA, Counter()) + ids.get(QUARANTINE, Counter()):
         problems.append(f"unit {name}: its ids file does not hold the ids of its shards")
     return problems
+
+
+def _listed_ids(layout: RunLayout, name: str, entry: Listing) -> list[str] | str:
+    """The ids of one listed file, or the problem with it: missing, another sha256, not Parquet, other rows."""
+    path = layout.listed(entry.path)
+    if not path.exists():
+        return f"unit {name}: {entry.path} is missing"
+    if sha256_file(path) != entry.sha256:
+        return f"unit {name}: {entry.path} does not match its sha256 in the manifest"
+    try:
+        table = pq.read_table(path, columns=["id"])
+    except Exception as error:
+        return f"unit {name}: {entry.path} does not open as Parquet ({error})"
+    if table.num_rows != entry.rows:
+        return f"unit {name}: {entry.path} has {table.num_rows} rows, the manifest says {entry.rows}"
+    return table.column("id").to_pylist()
 
 
 def _verify_duplicates(layout: RunLayout, plan, manifests: list[Manifest]) -> list[str]:
@@ -126,9 +135,10 @@ def _verify_duplicates(layout: RunLayout, plan, manifests: list[Manifest]) -> li
     problems = [f"{layout.name_of(layout.bucket_result(bucket))}: the duplicate pass did not commit this bucket"
                 for bucket, result in enumerate(results) if result is None]
     listed = Counter((d["id"], d["unit"], d["row"]) for d in duplicate_rows(layout))
+    units = [UnitIds.of(manifest) for manifest in manifests]
     found = Counter()
     for bucket in range(plan.dedup_buckets):
-        found.update((d["id"], d["unit"], d["row"]) for d in find_duplicates(layout, manifests, bucket, locations))
+        found.update((d["id"], d["unit"], d["row"]) for d in find_duplicates(layout, units, bucket, locations))
     if found != listed:
         missing, extra = found - listed, listed - found
         problems.append(f"ids in the run twice but not listed as duplicates: {sorted(missing)[:5]}" if missing else

@@ -4,7 +4,8 @@ The plan holds the inputs (name, location, size, identity), every setting that d
 what they mean, the units and the number of hash partitions of the duplicate pass. A restart lists the inputs
 again (O(files)) and refuses a plan whose inputs or settings changed, naming the difference; it never reads a
 footer or an image twice.
-Ranks claim units dynamically (rundir.claims), the largest first, so the run ends on small units.
+Ranks claim units dynamically, a block of consecutive units of the claim order at a time (rundir.frontier), the largest
+first, so the run ends on small units.
 """
 
 from __future__ import annotations
@@ -25,6 +26,19 @@ IDS_PER_BUCKET = 2_000_000
 """Planned records per hash partition of the duplicate pass: its memory is one partition's ids."""
 BYTES_PER_UNKNOWN_RECORD = 100_000
 """For units whose record count only reading tells (tar shards): a guess from their bytes."""
+BLOCKS_PER_RANK = 8
+"""Blocks each rank of the launch that plans a run gets at least, where the units allow: fewer units per block
+rather than a rank with nothing to do while another works through a long block."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """Consecutive units of the claim order, claimed as one task and worked through by the rank that holds it. Its
+    task is its first unit's id, so a plan of one unit per block (every plan made before blocks) claims units by
+    their ids, as it always did."""
+
+    task: str
+    units: tuple[WorkUnit, ...]
 
 
 class Plannable(Protocol):
@@ -41,6 +55,7 @@ class Plan:
     params: dict
     units: list[WorkUnit]
     dedup_buckets: int
+    block_units: int = 1
 
     def manifests(self, layout: RunLayout) -> list[Manifest | None]:
         """Each unit's manifest in plan order (the order the first occurrence of an id is decided by), None
@@ -50,6 +65,16 @@ class Plan:
     def claim_order(self) -> list[WorkUnit]:
         """Largest first (bytes, then rows), so the last units any rank takes are small ones."""
         return sorted(self.units, key=lambda u: (-u.nbytes, -(u.num_rows or 0), u.unit_id))
+
+    def blocks(self) -> list[Block]:
+        """The claim order cut into blocks of `block_units` units, in that order."""
+        order = self.claim_order()
+        return [Block(order[start].unit_id, tuple(order[start:start + self.block_units]))
+                for start in range(0, len(order), self.block_units)]
+
+    def block_of(self) -> dict[str, str]:
+        """Each unit's block's task: the claim whose token names the unit's files."""
+        return {unit.unit_id: block.task for block in self.blocks() for unit in block.units}
 
 
 READ_ELSEWHERE = {"dataset": ("path", "storage_options")}
@@ -71,9 +96,16 @@ def _buckets(units: list[WorkUnit], configured: int | None) -> int:
     return max(1, math.ceil(records / IDS_PER_BUCKET))
 
 
-def make_plan(layout: RunLayout, source: Plannable, job: JobConfig) -> tuple[Plan, bool]:
+def block_units_for(units: list[WorkUnit], configured: int, world: int) -> int:
+    """Units per block: `configured` (runtime.block_units), fewer where `world` ranks would get under
+    BLOCKS_PER_RANK blocks each."""
+    return max(1, min(configured, len(units) // (BLOCKS_PER_RANK * world)))
+
+
+def make_plan(layout: RunLayout, source: Plannable, job: JobConfig, world: int = 1) -> tuple[Plan, bool]:
     """Rank 0: the run's plan, read back after checking that the inputs and the reading settings did not change, or
-    made from the inputs' metadata (True: new, to be written once the run directory is the job's, `write_plan`)."""
+    made from the inputs' metadata (True: new, to be written once the run directory is the job's, `write_plan`);
+    `world`, the launch's ranks, sizes its blocks."""
     inputs, settings = list(source.inputs.values()), reading_settings(job)
     if layout.plan.exists():
         plan = read_plan(layout)
@@ -82,12 +114,14 @@ def make_plan(layout: RunLayout, source: Plannable, job: JobConfig) -> tuple[Pla
     units = source.plan()
     if not units:
         raise ConfigError(f"dataset.path={job.dataset.path!r}: the inputs hold no rows")
-    return Plan(inputs, settings, units, _buckets(units, job.runtime.dedup_buckets)), True
+    return Plan(inputs, settings, units, _buckets(units, job.runtime.dedup_buckets),
+                block_units_for(units, job.runtime.block_units, world)), True
 
 
 def write_plan(layout: RunLayout, plan: Plan) -> None:
     durable_write_json(layout.plan, {"inputs": [asdict(i) for i in plan.inputs], "params": plan.params,
-                                     "dedup_buckets": plan.dedup_buckets, "units": [asdict(u) for u in plan.units]})
+                                     "dedup_buckets": plan.dedup_buckets, "block_units": plan.block_units,
+                                     "units": [asdict(u) for u in plan.units]})
 
 
 def _check_same_inputs(path: Path, plan: Plan, inputs: list[InputFile], settings: dict) -> None:
@@ -109,4 +143,4 @@ def _identity(item: InputFile) -> dict:
 def read_plan(layout: RunLayout) -> Plan:
     raw = json.loads(layout.plan.read_text())
     return Plan([InputFile(**i) for i in raw["inputs"]], raw["params"], [WorkUnit(**u) for u in raw["units"]],
-                raw["dedup_buckets"])
+                raw["dedup_buckets"], raw.get("block_units", 1))  # a plan made before blocks: one unit each

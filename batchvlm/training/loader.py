@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from batchvlm.training.reader import RecordArrays, ShardColumns, read_tensor_columns, trusted_shards
+from batchvlm.training.reader import RecordArrays, ShardColumns, read_tensor_group, trusted_shards
 from batchvlm.training.packing import PackedBatch, PackingError, first_fit_decreasing, pack_arrays
 
 RecordRef = tuple[int, int]  # (shard index, row)
@@ -55,20 +55,24 @@ class LoaderConfig:
 
 @dataclass(frozen=True)
 class RunIndex:
-    """The committed shards of a run, the token count of each of their rows, and the rows to read: all but the
-    later occurrences of an id that the run's duplicate pass listed."""
+    """The committed shards of a run, the token count of each of their rows, the first row of each of their row
+    groups, and the rows to read: all but the later occurrences of an id that the run's duplicate pass listed."""
     shards: list[Path]
     lengths: list[np.ndarray]
     kept: list[np.ndarray]
+    groups: list[np.ndarray]
 
     @classmethod
     def of(cls, run_dir: str | Path, allow_unfinished: bool = False) -> RunIndex:
         units, excluded = trusted_shards(run_dir, allow_unfinished)
-        tables = [_token_counts(path) for _, path in units]
+        files = [pq.ParquetFile(path) for _, path in units]
+        tables = [_token_counts(file) for file in files]
         lengths = [table.column("num_tokens").to_numpy().astype(np.int64) for table in tables]
         kept = [np.flatnonzero(~np.isin(table.column("row").to_numpy(), list(excluded.get(unit, ()))))
                 for (unit, _), table in zip(units, tables)]
-        return cls([path for _, path in units], lengths, kept)
+        groups = [np.cumsum([0] + [file.metadata.row_group(g).num_rows for g in range(file.num_row_groups - 1)])
+                  for file in files]
+        return cls([path for _, path in units], lengths, kept, groups)
 
     def digest(self) -> str:
         """Names and row counts of the shards: a resumed loader must see the same data."""
@@ -76,10 +80,9 @@ class RunIndex:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _token_counts(path: Path) -> pa.Table:
+def _token_counts(file: pq.ParquetFile) -> pa.Table:
     """Each row's token count and input row: the num_tokens column, a few bytes a row; shards written before it was
     stored give the lengths of their input_ids lists instead."""
-    file = pq.ParquetFile(path)
     if "num_tokens" in file.schema_arrow.names:
         return file.read(columns=["num_tokens", "row"])
     table = file.read(columns=["input_ids", "row"])
@@ -129,60 +132,68 @@ def packing_efficiency(index: RunIndex, packs: list[list[RecordRef]], max_tokens
 
 
 READ_AHEAD = 2
-"""Shards a worker reads at once, ahead of the one it packs: with one, packing on 2 cores waited on the reads."""
+"""Row groups a worker reads at once, ahead of the one it packs: with one, packing on 2 cores waited on the reads."""
+
+GroupRef = tuple[int, int]  # (shard index, row group)
 
 
-def resident_bytes(shard_bytes: float) -> float:
-    """A worker's memory for shards of this size: the one it packs from and the READ_AHEAD it reads meanwhile."""
-    return (1 + READ_AHEAD) * shard_bytes
+def resident_bytes(group_bytes: float) -> float:
+    """A worker's memory for row groups of this size: the one it packs from and the READ_AHEAD it reads meanwhile
+    (records waiting in the shuffle window aside)."""
+    return (1 + READ_AHEAD) * group_bytes
 
 
-class _OpenShards:
-    """Each shard read and converted once per worker and epoch, kept until the last of this worker's packs that needs it.
+class _OpenRowGroups:
+    """Each row group read and converted once per worker and epoch, kept until the last of this worker's packs that
+    needs it: a worker's memory is row groups, never a whole shard, whatever output.shard_bytes let a shard grow to.
 
-    Memory is therefore the shards the shuffle window spans (records wait in the shuffle buffer as
-    references to their open shard), as a shuffle buffer of materialized records would cost, plus
-    the READ_AHEAD shards being read: a read is decompression in pyarrow, which runs without the GIL,
-    so the next shards (in the order the packs first need them) are read on threads while this one packs.
+    Memory is therefore the row groups the shuffle window spans (records wait in the shuffle buffer as
+    references to their open row group), as a shuffle buffer of materialized records would cost, plus the READ_AHEAD
+    row groups being read: a read is decompression in pyarrow, which runs without the GIL, so the next row groups (in
+    the order the packs first need them) are read on threads while this one packs.
     """
 
-    def __init__(self, paths: list[Path], packs: list[list[RecordRef]], reader: ThreadPoolExecutor):
-        self.paths, self.reader, self.open = paths, reader, {}
-        self.last_use = {shard: k for k, refs in enumerate(packs) for shard, _ in refs}
-        self.to_read = iter(dict.fromkeys(shard for refs in packs for shard, _ in refs))
-        self.reading: dict[int, Future] = {}
+    def __init__(self, index: RunIndex, packs: list[list[RecordRef]], reader: ThreadPoolExecutor):
+        self.index, self.reader, self.open = index, reader, {}
+        self.last_use = {self.group_of(shard, row): k for k, refs in enumerate(packs) for shard, row in refs}
+        self.to_read = iter(dict.fromkeys(self.group_of(shard, row) for refs in packs for shard, row in refs))
+        self.reading: dict[GroupRef, Future] = {}
         self._read_ahead()
 
+    def group_of(self, shard: int, row: int) -> GroupRef:
+        return shard, int(np.searchsorted(self.index.groups[shard], row, side="right")) - 1
+
     def _read_ahead(self) -> None:
-        while len(self.reading) < READ_AHEAD and (shard := next(self.to_read, None)) is not None:
-            self.reading[shard] = self.reader.submit(read_tensor_columns, self.paths[shard])
+        while len(self.reading) < READ_AHEAD and (group := next(self.to_read, None)) is not None:
+            self.reading[group] = self.reader.submit(read_tensor_group, self.index.shards[group[0]], group[1])
 
     def record(self, shard: int, row: int) -> RecordArrays:
-        if shard not in self.open:
-            table = self.reading.pop(shard).result()
+        group = self.group_of(shard, row)
+        if group not in self.open:
+            table = self.reading.pop(group).result()
             self._read_ahead()
-            self.open[shard] = ShardColumns(table)
-        return self.open[shard].record(row)
+            self.open[group] = ShardColumns(table)
+        return self.open[group].record(row - int(self.index.groups[shard][group[1]]))
 
     def done_with(self, pack: int) -> None:
-        for shard in [s for s in self.open if self.last_use[s] <= pack]:
-            del self.open[shard]
+        for group in [g for g in self.open if self.last_use[g] <= pack]:
+            del self.open[group]
 
 
 class _RankPacks(IterableDataset):
     """This rank's packs, dealt over the DataLoader workers in turn."""
 
-    def __init__(self, shards: list[Path], packs: list[list[RecordRef]], max_tokens: int):
-        self.shards, self.packs, self.max_tokens = shards, packs, max_tokens
+    def __init__(self, index: RunIndex, packs: list[list[RecordRef]], max_tokens: int):
+        self.index, self.packs, self.max_tokens = index, packs, max_tokens
 
     def __iter__(self) -> Iterator[PackedBatch]:
         worker = get_worker_info()
         mine = self.packs[worker.id::worker.num_workers] if worker else self.packs
         with ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="batchvlm-shard-read") as reader:
-            shards = _OpenShards(self.shards, mine, reader)
+            groups = _OpenRowGroups(self.index, mine, reader)
             for k, refs in enumerate(mine):
-                batch = pack_arrays([shards.record(shard, row) for shard, row in refs], self.max_tokens)
-                shards.done_with(k)
+                batch = pack_arrays([groups.record(shard, row) for shard, row in refs], self.max_tokens)
+                groups.done_with(k)
                 yield batch
 
 
@@ -232,7 +243,7 @@ class PackedLoader:
         return self.epoch_packs()[start:start + len(self) * self.world_size:self.world_size]
 
     def __iter__(self) -> Iterator[PackedBatch]:
-        dataset = _RankPacks(self.index.shards, self._rank_packs(), self.config.max_tokens)
+        dataset = _RankPacks(self.index, self._rank_packs(), self.config.max_tokens)
         batches = iter(dataset) if self.config.num_workers == 0 else iter(DataLoader(
             dataset, batch_size=None, num_workers=self.config.num_workers, collate_fn=_as_is))
         for batch in batches:

@@ -206,11 +206,12 @@ def table_tensors(table: pa.Table) -> list[RecordTensors]:
     return [columns.record(i).tensors() for i in range(len(columns))]
 
 
-def read_tensor_columns(path: str | Path) -> pa.Table:
-    """The columns ShardColumns reads, of one shard. (`pq.read_table` would first discover a dataset at the path.)"""
+def read_tensor_group(path: str | Path, group: int) -> pa.Table:
+    """The columns ShardColumns reads, of one row group of a shard: a reader's memory is a row group, whatever the
+    shard's size. (`pq.read_table` would first discover a dataset at the path.)"""
     file = pq.ParquetFile(path)
     present = set(file.schema_arrow.names)
-    return file.read(columns=[name for name in TENSOR_COLUMNS if name in present])
+    return file.read_row_group(group, columns=[name for name in TENSOR_COLUMNS if name in present])
 
 
 def tensors_of(table: pa.Table, index: int) -> RecordTensors:

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 
 def written_bytes(run_dir) -> int:
     """What the job wrote that the estimate sizes: its data and quarantine shards."""
-    return sum(listing.bytes for manifest in all_manifests(RunLayout(run_dir)) for kind, listing in
-               manifest.files.items() if kind in (DATA, QUARANTINE))
+    return sum(listing.bytes for manifest in all_manifests(RunLayout(run_dir)) for kind in (DATA, QUARANTINE)
+               for listing in manifest.shards(kind))
 
 
 def test_the_estimate_of_the_demo_is_within_ten_percent_of_the_bytes_the_job_writes(demo_run):

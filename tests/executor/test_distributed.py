@@ -80,3 +80,33 @@ def test_a_run_directory_with_another_fingerprint_is_refused(demo_run):
     assert result.returncode == 2
     assert "another fingerprint" in result.stderr and "embed_dtype: 'bfloat16' -> 'float32'" in result.stderr
     assert "run_name=" in result.stderr  # says how to start a new run
+
+
+def test_a_rank_reports_its_count_and_reads_the_others_at_most_once_an_interval_or_a_commit(tmp_path):
+    from batchvlm.bench.metadata import MetadataOps
+    from batchvlm.executor.distributed import Coordinator, Ranks
+    from batchvlm.rundir.durable import replace_json
+    from batchvlm.rundir.layout import RunLayout
+    from batchvlm.rundir.rank_reports import RankUnits
+
+    layout = RunLayout(tmp_path)
+    units = RankUnits()
+    coordinator = Coordinator(layout, Ranks(0, 1, 0, None), report_s=3600, units=units)
+    replace_json(layout.rank_file(coordinator.attempt, 1, "progress"), {"rank": 1, "records": 5})
+    with MetadataOps(tmp_path) as ops:
+        coordinator.report(10)
+        assert coordinator.records_done(10) == 15
+        first = sum(ops.counts.values())
+        for seen in range(11, 100):  # a batch at a time, as the job shows progress
+            coordinator.report(seen)
+            assert coordinator.records_done(seen) == seen + 5
+    assert sum(ops.counts.values()) == first  # nothing more written or read within the interval
+    units.claimed = units.committed = 1  # a unit committed: reported at once
+    coordinator.report(100)
+    report = json.loads(layout.rank_file(coordinator.attempt, 0, "progress").read_text())
+    assert report["records"] == 100 and report["units"]["committed"] == 1 and not report["finished"]
+    coordinator.report(101)
+    assert json.loads(layout.rank_file(coordinator.attempt, 0, "progress").read_text())["records"] == 100
+    coordinator.report(102, finished=True)
+    report = json.loads(layout.rank_file(coordinator.attempt, 0, "progress").read_text())
+    assert report["records"] == 102 and report["finished"]

@@ -50,7 +50,7 @@ def test_run_directory_follows_the_output_contract(demo_run):
     assert len(manifests) == 4  # two Parquet files of 11 and 10 rows, unit_records 6
     for manifest in manifests:
         assert manifest["records_in"] == manifest["written"] + manifest["quarantined"]
-        for entry in manifest["files"].values():
+        for entry in (entry for entries in manifest["files"].values() for entry in entries):
             assert pq.read_metadata(demo_run / entry["path"]).num_rows == entry["rows"]
     success = json.loads((demo_run / "_SUCCESS").read_text())
     assert (success["records_in"], success["written"], success["quarantined"]) == (21, 18, 3)

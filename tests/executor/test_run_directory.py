@@ -96,7 +96,7 @@ def test_a_resume_redoes_a_unit_whose_shard_was_truncated(demo_run, tmp_path):
     shutil.copytree(demo_run, copy)
     (copy / "_SUCCESS").unlink()  # as if it crashed after this unit committed
     manifest = next(m for m in sorted((copy / "manifest").glob("*.json")) if "data" in json.loads(m.read_text())["files"])
-    shard = copy / json.loads(manifest.read_text())["files"]["data"]["path"]
+    shard = copy / json.loads(manifest.read_text())["files"]["data"][0]["path"]
     shard.write_bytes(shard.read_bytes()[:-10])
     result = run_embed(f"output.root={tmp_path}", "run_name=copy")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,5 +1,6 @@
 """The worker side: a unit's rows checked as read, decoded, planned and laid out, between the unit's markers; units
-already committed are never claimed."""
+already committed are never handed out; the rank's claims reach its workers through a queue, each unit one worker's,
+claimed only as the workers need units."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from batchvlm.config import DatasetConfig, DecodeConfig, JobConfig
-from batchvlm.executor.worker import PreparedStream, checked_id
+from batchvlm.executor.worker import PreparedStream, QueuedUnits, checked_id
 from batchvlm.records import PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd, UnitStart, WorkUnit
 from batchvlm.rundir.claims import Claims
 from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.frontier import claimed_units
+from batchvlm.rundir.workunits import Block
 from batchvlm.sources import make_source
 
 UNIT = WorkUnit("input-00000000-00000004", "input", 0, 4)
@@ -50,10 +53,33 @@ def test_a_worker_claims_each_unit_not_yet_committed_and_prepares_its_records(tm
     layout = RunLayout(tmp_path / "run")
     layout.manifests.mkdir(parents=True)
     layout.manifest(units[0].unit_id).write_text("{}")  # committed already
-    stream = PreparedStream(source, units, kimi_family, job, Claims(tmp_path / "claims", "rank00000-a", 60), layout)
-    items = list(stream)
+    claims = Claims(tmp_path / "claims", "rank00000-a", 60)
+    block = Block(units[0].unit_id, tuple(units))  # one block of both units
+    claimed = claimed_units(layout, {block.task: block}, [claims.claim_first(block.task)])
+    items = list(PreparedStream(source, claimed, kimi_family, job))
     assert isinstance(items[0], UnitStart) and items[0].unit == units[1] and isinstance(items[-1], UnitEnd)
     bad, text_only = items[1:3]
     assert isinstance(bad, QuarantinedRecord) and bad.failure.check == "decode.unreadable"
     assert isinstance(text_only, PreparedRecord) and text_only.plans == [] and text_only.source.id == "d"
     assert items[-1].num_records == 2
+
+
+def test_the_ranks_claimed_units_reach_its_workers_each_once_claimed_only_as_they_are_needed():
+    pulled = []
+
+    def claimed():
+        for number in range(10):
+            pulled.append(number)
+            yield number, None
+
+    queued = QueuedUnits(claimed(), workers=2)
+    queued.start()
+    workers = [iter(queued), iter(queued)]
+    got = [[], []]
+    for turn in range(10):
+        unit, _ = next(workers[turn % 2])
+        got[turn % 2].append(unit)
+        assert len(pulled) <= turn + 3  # the one taken, one in the queue, one the thread waits to put
+    assert [next(worker, "ended") for worker in workers] == ["ended", "ended"]
+    queued.check()
+    assert sorted(got[0] + got[1]) == list(range(10))

@@ -47,7 +47,8 @@ def _run_with_rows(run_dir, rows: dict) -> None:
     rows = {"row": list(range(len(rows["token_tags"]))), **rows}
     pq.write_table(pa.table(rows, schema=schema), run_dir / "data" / "u.parquet")
     count = len(rows["row"])
-    manifest = Manifest("u", "input", 0, count, count, count, 0, {}, {"data": Listing("data/u.parquet", count, 0, "")},
+    manifest = Manifest("u", "input", 0, count, count, count, 0, {},
+                        {"data": [Listing("data/u.parquet", count, 0, "")]},
                         rank=0, claim="a0")
     (run_dir / "manifest" / "u.json").write_text(json.dumps(manifest.to_json()))
 

@@ -183,7 +183,7 @@ def _synthetic_run(run_dir: Path, shards: int, rows_per_shard: int, checks: list
         pq.write_table(table, run_dir / "quarantine" / f"{unit}.parquet")
         listing = Listing(f"quarantine/{unit}.parquet", rows_per_shard, 0, "")
         manifest = Manifest(unit, "input", rows.start, rows.stop, rows_per_shard, 0, rows_per_shard, {},
-                            {"quarantine": listing}, rank=0, claim="a0")
+                            {"quarantine": [listing]}, rank=0, claim="a0")
         (run_dir / "manifest" / f"{unit}.json").write_text(json.dumps(manifest.to_json()))
     (run_dir / "_SUCCESS").write_text(json.dumps({"fallbacks": {"preprocess.grid_match": 7}}))
 

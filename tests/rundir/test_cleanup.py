@@ -12,7 +12,8 @@ from batchvlm.rundir.durable import temporary_name
 from batchvlm.rundir.layout import DATA, IDS, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import Listing, Manifest
 
-UNITS = {"a-00000000-00000004", "b-00000000-00000004"}
+UNITS = {"a-00000000-00000004": "a-00000000-00000004", "b-00000000-00000004": "b-00000000-00000004"}
+"""The plan's units, each claimed under its own name (blocks of one unit)."""
 
 
 def layout_of(tmp_path) -> RunLayout:
@@ -63,7 +64,7 @@ def test_a_unit_committed_by_another_claim_leaves_the_losers_files_stale_once_th
     winner_file = written(layout, DATA, claim.task, "cccccccc1")
     ids_file = written(layout, IDS, claim.task, "cccccccc1")
     manifest = Manifest(claim.task, "b", 0, 4, 4, 4, 0, {}, {
-        DATA: Listing(layout.name_of(winner_file), 4, 4, "x"), IDS: Listing(layout.name_of(ids_file), 4, 4, "y")},
+        DATA: [Listing(layout.name_of(winner_file), 4, 4, "x")], IDS: [Listing(layout.name_of(ids_file), 4, 4, "y")]},
         rank=1, claim="cccccccc1")
     layout.manifest(claim.task).write_text(json.dumps(manifest.to_json()))
     time.sleep(0.5)
@@ -76,7 +77,7 @@ def test_a_unit_whose_files_are_not_whole_loses_its_commit_and_the_duplicate_pas
     data = written(layout, DATA, "a-00000000-00000004", "aaaaaaaa0", b"12345678")
     ids = written(layout, IDS, "a-00000000-00000004", "aaaaaaaa0", b"1234")
     manifest = Manifest("a-00000000-00000004", "a", 0, 4, 4, 4, 0, {}, {
-        DATA: Listing(layout.name_of(data), 4, 8, "x"), IDS: Listing(layout.name_of(ids), 4, 4, "y")},
+        DATA: [Listing(layout.name_of(data), 4, 8, "x")], IDS: [Listing(layout.name_of(ids), 4, 4, "y")]},
         rank=0, claim="aaaaaaaa0")
     layout.manifest(manifest.unit).write_text(json.dumps(manifest.to_json()))
     layout.manifest("b-00000000-00000004").write_text("{}")  # a manifest that is not one

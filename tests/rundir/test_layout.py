@@ -34,3 +34,12 @@ def test_a_unit_commits_into_its_shard_folders_and_the_manifest_folder():
     run = RunLayout(Path("/r"))
     assert run.unit_folders() == [Path("/r/data"), Path("/r/quarantine"), Path("/r/ids"), Path("/r/manifest")]
     assert run.unit_of(run.manifest("u-1")) == "u-1"
+
+
+def test_a_units_further_files_carry_its_claim_and_a_number():
+    run = RunLayout(Path("/r"))
+    parts = [run.shard(DATA, "a.b-00000000-00000010", "x3f0", part) for part in range(3)]
+    assert [path.name for path in parts] == ["a.b-00000000-00000010.x3f0.parquet",
+                                             "a.b-00000000-00000010.x3f0-1.parquet",
+                                             "a.b-00000000-00000010.x3f0-2.parquet"]
+    assert {run.claim_of(path) for path in parts} == {("a.b-00000000-00000010", "x3f0")}

@@ -13,10 +13,10 @@ from batchvlm.rundir.manifest import (Listing, Manifest, ManifestError, RunTotal
 
 
 def manifest(unit: str, written: int, quarantined: int, checks: dict | None = None) -> Manifest:
-    files = {DATA: Listing(f"data/{unit}.a0.parquet", written, 10, "d"),
-             IDS: Listing(f"ids/{unit}.a0.parquet", written + quarantined, 10, "i", buckets={"0": 0})}
+    files = {DATA: [Listing(f"data/{unit}.a0.parquet", written, 10, "d")],
+             IDS: [Listing(f"ids/{unit}.a0.parquet", written + quarantined, 10, "i", buckets={"0": 0})]}
     if quarantined:
-        files[QUARANTINE] = Listing(f"quarantine/{unit}.a0.parquet", quarantined, 10, "q")
+        files[QUARANTINE] = [Listing(f"quarantine/{unit}.a0.parquet", quarantined, 10, "q")]
     return Manifest(unit, "input", 0, written + quarantined, written + quarantined, written, quarantined,
                     checks or {}, files, rank=0, claim="a0")
 
@@ -24,7 +24,7 @@ def manifest(unit: str, written: int, quarantined: int, checks: dict | None = No
 def commit(layout: RunLayout, committed: Manifest) -> None:
     for folder in layout.unit_folders():
         folder.mkdir(parents=True, exist_ok=True)
-    for listing in committed.files.values():
+    for listing in committed.listings():
         layout.listed(listing.path).write_bytes(b"parquet")
     layout.manifest(committed.unit).write_text(json.dumps(committed.to_json()))
 
@@ -65,3 +65,16 @@ def test_totals_move_the_later_occurrences_in_data_to_the_quarantined():
     assert totals.by_check == {"decode.truncated": 1, "source.duplicate_id": 2}
     assert (totals.later_occurrences, totals.duplicates_in_data, totals.units_committed) == (3, 2, 2)
     assert totals.records_in == totals.written + totals.quarantined
+
+
+def test_a_manifest_of_a_run_written_with_one_file_a_kind_reads_as_one_listing_each(tmp_path):
+    layout = RunLayout(tmp_path)
+    older = manifest("u", 3, 1).to_json()
+    older["files"] = {kind: listings[0] for kind, listings in older["files"].items()}  # as runs before issue 23
+    layout.manifests.mkdir()
+    layout.manifest("u").write_text(json.dumps(older))
+    assert read_manifest(layout.manifest("u")) == manifest("u", 3, 1)
+    for listing in manifest("u", 3, 1).listings():
+        layout.listed(listing.path).parent.mkdir(exist_ok=True)
+        layout.listed(listing.path).write_bytes(b"x" * 10)
+    assert listed_shards(layout, DATA) == [("u", tmp_path / "data/u.a0.parquet")]

@@ -1,14 +1,17 @@
-"""The sink on its own: units committed once, in input order, a row group at a time, no empty shard files."""
+"""The sink on its own: units committed once, in input order, a row group at a time, no empty shard files, files of
+a bounded size."""
 
 from __future__ import annotations
 
 import json
+import random
 
 import pyarrow.parquet as pq
 
 from batchvlm.records import OutputRow, SourceRecord, WorkUnit
 from batchvlm.rundir.claims import Claims
 from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.manifest import listed_shards, read_manifest
 from batchvlm.rundir.sink import ROW_GROUP_ROWS, RunSink
 
 UNIT = WorkUnit("input-00000000-00000004", "input", 0, 4)
@@ -55,7 +58,7 @@ def test_rows_arriving_out_of_order_are_written_in_unit_order(tmp_path):
     sink.start_unit(UNIT, claims.try_claim(UNIT.unit_id))
     fill(sink, UNIT, [2, 0, 3, 1], quarantined={3})
     manifest = manifest_of(sink, UNIT)
-    assert pq.read_table(tmp_path / manifest["files"]["data"]["path"], columns=["row"]).column("row").to_pylist() \
+    assert pq.read_table(tmp_path / manifest["files"]["data"][0]["path"], columns=["row"]).column("row").to_pylist() \
         == [0, 1, 2]
     assert (manifest["written"], manifest["quarantined"], manifest["checks"]) == (3, 1, {"decode.unreadable": 1})
 
@@ -80,7 +83,7 @@ def test_a_large_unit_reaches_disk_a_row_group_at_a_time(tmp_path):
         sink.add(row_of(unit, row, "data", data_row(row)))
     sink.end_unit(unit, 1000)
     manifest = manifest_of(sink, unit)
-    assert pq.ParquetFile(tmp_path / manifest["files"]["data"]["path"]).num_row_groups == -(-1000 // ROW_GROUP_ROWS)
+    assert pq.ParquetFile(tmp_path / manifest["files"]["data"][0]["path"]).num_row_groups == -(-1000 // ROW_GROUP_ROWS)
 
 
 def test_a_holder_whose_unit_was_taken_over_does_not_commit_it(tmp_path):
@@ -96,7 +99,8 @@ def test_a_holder_whose_unit_was_taken_over_does_not_commit_it(tmp_path):
     manifest = manifest_of(second, UNIT)
     assert manifest["claim"] == taken.token
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*/*.parquet"))
-    assert files == sorted(entry["path"] for entry in manifest["files"].values())  # nothing of the loser is left
+    # nothing of the loser is left
+    assert files == sorted(entry["path"] for entries in manifest["files"].values() for entry in entries)
 
 
 def test_of_two_commits_of_one_unit_only_the_first_lands(tmp_path):
@@ -109,4 +113,31 @@ def test_of_two_commits_of_one_unit_only_the_first_lands(tmp_path):
     manifest = manifest_of(first, UNIT)
     assert second.lost == [UNIT.unit_id] and manifest["written"] == 4
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*/*.parquet"))
-    assert files == sorted(entry["path"] for entry in manifest["files"].values())
+    assert files == sorted(entry["path"] for entries in manifest["files"].values() for entry in entries)
+
+
+def embedded_row(row: int) -> dict:
+    """A data row with 8 kB of embeddings that do not compress."""
+    return {**data_row(row), "image_embeds": random.Random(row).randbytes(8192)}
+
+
+def test_a_units_rows_are_cut_into_files_of_at_most_shard_bytes_all_listed_in_row_order(tmp_path):
+    unit = WorkUnit("big-00000000-00000100", "big", 0, 100)
+    claims = Claims(tmp_path / "claims", "rank00000-a", lease_s=60)
+    sink = RunSink(RunLayout(tmp_path), {"batchvlm.family": "test"}, "zstd", claims, dedup_buckets=1,
+                   shard_bytes=64 * 1024)
+    sink.start_unit(unit, claims.try_claim(unit.unit_id))
+    for row in range(100):
+        sink.add(row_of(unit, row, "data", embedded_row(row)))
+    sink.end_unit(unit, 100)
+    manifest = read_manifest(RunLayout(tmp_path).manifest(unit.unit_id))
+    files = manifest.shards("data")
+    assert len(files) >= 800 // 64 and sum(listing.rows for listing in files) == 100  # 800 kB of rows, 64 kB a file
+    rows = []
+    for listing in files:
+        assert listing.bytes == (tmp_path / listing.path).stat().st_size <= 64 * 1024
+        assert pq.read_metadata(tmp_path / listing.path).num_row_groups > 1  # a file is a few row groups
+        rows += pq.read_table(tmp_path / listing.path, columns=["row"]).column("row").to_pylist()
+    assert rows == list(range(100))
+    assert [path for _, path in listed_shards(RunLayout(tmp_path))] == [tmp_path / f.path for f in files]
+    assert {RunLayout(tmp_path).claim_of(tmp_path / f.path) for f in files} == {(unit.unit_id, "a0")}

@@ -40,7 +40,7 @@ def test_verify_names_the_unit_whose_manifest_checksum_disagrees(demo_run, tmp_p
     manifest_file = next(m for m in sorted((copy / "manifest").glob("*.json"))
                          if "quarantine" in json.loads(m.read_text())["files"])
     manifest = json.loads(manifest_file.read_text())
-    manifest["files"]["quarantine"]["sha256"] = "0" * 64
+    manifest["files"]["quarantine"][0]["sha256"] = "0" * 64
     manifest_file.write_text(json.dumps(manifest))
     result = verify(copy)
     assert result.returncode == 1 and f"unit {manifest_file.stem}: quarantine/" in result.stdout

@@ -3,6 +3,7 @@ its identity) or a setting that decides which rows are read and what they mean c
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -14,7 +15,7 @@ import pytest
 from batchvlm.config import ConfigError, DatasetConfig, DecodeConfig, JobConfig
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.records import WorkUnit
-from batchvlm.rundir.workunits import Plan, make_plan, read_plan, write_plan
+from batchvlm.rundir.workunits import Plan, block_units_for, make_plan, read_plan, write_plan
 from batchvlm.sources import make_source
 
 
@@ -100,3 +101,25 @@ def test_a_saved_dataset_with_rows_appended_is_refused(tmp_path):
     (tmp_path / "ds2").rename(tmp_path / "ds")
     with pytest.raises(ConfigError, match=r"rows: 2 -> 4"):
         make_plan(layout, make_source(job.dataset), job)
+
+
+def test_blocks_cut_the_claim_order_and_are_sized_for_the_launch_that_plans_the_run(tmp_path):
+    units = [WorkUnit(f"u{i:03d}", "x", i, i + 1, nbytes=1000 - i) for i in range(200)]
+    assert [block_units_for(units, 8, world) for world in (1, 2, 4, 25, 200)] == [8, 8, 6, 1, 1]
+    plan = Plan([], {}, units, 1, block_units=8)
+    blocks = plan.blocks()
+    assert [unit for block in blocks for unit in block.units] == plan.claim_order()
+    assert [len(block.units) for block in blocks] == [8] * 25 and blocks[1].task == "u008"
+    assert plan.block_of()["u010"] == "u008"
+
+
+def test_a_plan_written_before_blocks_claims_each_unit_under_its_own_id(tmp_path):
+    write_rows(tmp_path / "a.parquet", 10, 5)
+    layout = RunLayout(tmp_path / "run")
+    plan = plan_of(tmp_path, tmp_path / "run", unit_records=5)
+    raw = json.loads(layout.plan.read_text())
+    del raw["block_units"]  # as a plan of an earlier release
+    layout.plan.write_text(json.dumps(raw))
+    older = read_plan(layout)
+    assert older.block_units == 1 and [block.task for block in older.blocks()] == [u.unit_id for u in
+                                                                                 plan.claim_order()]

@@ -11,12 +11,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import REPO, committed_shards, relist
+from conftest import REPO, committed_shards, relist, run_embed
 
+from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.manifest import all_manifests
+from batchvlm.rundir.verify import verify_run
 from batchvlm.training.reader import read_run
 from batchvlm.training import (LoaderConfig, PackedLoader, RunNotFinished,
                                pack)
-from batchvlm.training.loader import READ_AHEAD, RunIndex, _OpenShards
+from batchvlm.training.loader import READ_AHEAD, RunIndex, _OpenRowGroups
 
 SMALL = LoaderConfig(max_tokens=800, shuffle_buffer=4, pack_buffer=8, num_workers=0)
 
@@ -122,18 +125,18 @@ def test_the_loaders_batches_are_the_packs_of_the_records_read_back(run, request
 
 
 @pytest.mark.slow
-def test_a_worker_holds_the_shards_its_remaining_packs_need_and_reads_ahead_a_bounded_few(qwen_run):
+def test_a_worker_holds_the_row_groups_its_remaining_packs_need_and_reads_ahead_a_bounded_few(qwen_run):
     loader = PackedLoader(qwen_run, replace(SMALL, shuffle_buffer=1))
     packs = loader.epoch_packs()
     with ThreadPoolExecutor(1) as reader:
-        shards = _OpenShards(loader.index.shards, packs, reader)
+        groups = _OpenRowGroups(loader.index, packs, reader)
         for k, refs in enumerate(packs):
             for shard, row in refs:
-                assert shards.record(shard, row).id == pack_ids(loader, [[(shard, row)]])[0][0]
-            shards.done_with(k)
-            still_needed = {shard for later in packs[k + 1:] for shard, _ in later}
-            assert set(shards.open) <= still_needed and len(shards.reading) <= READ_AHEAD
-    assert not shards.open and not shards.reading
+                assert groups.record(shard, row).id == pack_ids(loader, [[(shard, row)]])[0][0]
+            groups.done_with(k)
+            still_needed = {groups.group_of(shard, row) for later in packs[k + 1:] for shard, row in later}
+            assert set(groups.open) <= still_needed and len(groups.reading) <= READ_AHEAD
+    assert not groups.open and not groups.reading
 
 
 @pytest.mark.slow
@@ -160,6 +163,27 @@ def test_only_the_shards_a_manifest_lists_are_read(qwen_run, records):
     finally:
         stray.unlink()
     assert sorted(read) == sorted(r.id for r in records)
+
+
+@pytest.mark.slow
+def test_a_run_cut_into_files_of_a_few_row_groups_reads_back_as_the_run_in_one_file_a_unit(qwen_run, records,
+                                                                                          tmp_path):
+    small = 150_000  # bytes of a data file at most (records of ~35 kB): several files a unit
+    result = run_embed(f"output.root={tmp_path}", "run_name=cut", "model=qwen2_vl_tiny", f"output.shard_bytes={small}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    cut = tmp_path / "cut"
+    assert verify_run(cut) == []
+    manifests = all_manifests(RunLayout(cut))
+    files = [listing for manifest in manifests for listing in manifest.shards("data")]
+    assert len(files) > len(manifests) and all(listing.bytes <= small for listing in files)
+    assert {pq.read_metadata(cut / listing.path).num_row_groups for listing in files} - {1}  # groups of a file
+    read = {record.id: record for record in read_run(cut)}
+    assert sorted(read) == sorted(record.id for record in records)
+    assert all(torch.equal(read[record.id].image_embeds, record.image_embeds) for record in records)
+    loader = PackedLoader(cut, SMALL)
+    batches = list(loader)
+    assert sorted(i for batch in batches for i in batch.ids) == sorted(read)
+    assert len(loader.index.shards) == len(files)
 
 
 @pytest.mark.slow

@@ -1,0 +1,83 @@
+"""The claims bench: its counter counts what the file system is asked, its clock runs ranks one at a time in virtual
+time, and the job's claims cost a few operations a unit, the same for more ranks, where the walk before cost more."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchvlm.bench.metadata import MetadataOps, VirtualClock, format_claims, measure
+
+
+def test_the_counter_counts_each_operation_under_the_root_by_kind_and_phase(tmp_path):
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    elsewhere.mkdir()
+    with MetadataOps(run) as ops:
+        (run / "a").write_text("x")
+        (elsewhere / "b").write_text("x")  # not the run's: not counted
+        with ops.phase("tail"):
+            assert (run / "a").exists() and not (run / "missing").exists()
+            assert sorted(os.listdir(run)) == ["a"]
+            os.replace(run / "a", run / "c")
+        pq.write_table(pa.table({"x": [1]}), run / "t.parquet")
+        assert pq.ParquetFile(run / "t.parquet").metadata.num_rows == 1
+        assert sum(1 for _ in run.glob("*")) == 2  # a stat of the folder, and its two entries
+    assert ops.counts == {("claim", "open"): 3, ("claim", "stat"): 3, ("tail", "stat"): 2, ("tail", "listdir"): 1,
+                          ("tail", "rename"): 1, ("claim", "scandir"): 2}
+    assert ops.by_phase() == {"claim": 8, "tail": 4}
+    (run / "d").write_text("x")
+    assert ops.count("open") == 3  # the calls are restored on leaving
+
+
+def test_the_virtual_clock_runs_threads_one_at_a_time_in_the_order_they_are_due():
+    clock, seen, running = VirtualClock(), [], []
+
+    def sleeper(name: str, waits: list[float]):
+        def run():
+            for wait in waits:
+                running.append(name)
+                time.sleep(0.01)  # long enough for another thread to run, were it let
+                assert running == [name]
+                seen.append((clock.now, name))
+                running.remove(name)
+                clock.sleep(wait)
+        return run
+
+    clock.run([(0.0, sleeper("a", [5, 5])), (1.0, sleeper("b", [3, 30])), (2.0, sleeper("c", [1]))])
+    assert seen == [(0, "a"), (1, "b"), (2, "c"), (4, "b"), (5, "a")]
+    assert clock.now == 34
+
+
+@pytest.mark.slow
+def test_claiming_costs_a_few_operations_a_unit_the_same_for_four_times_the_ranks(tmp_path):
+    small, large = (measure("after", ranks, 2, 64 * ranks, 8, tmp_path / f"after-{ranks}") for ranks in (2, 8))
+    assert small["block_units"] == large["block_units"] == 8
+    assert large["target"] <= 20 and large["target"] <= 1.5 * small["target"]
+    assert large["per_unit"]["commit"] > 10  # the commit's own files, counted apart from the target
+    before = measure("before", 8, 2, 256, 8, tmp_path / "before-8")
+    assert before["target"] > 5 * large["target"]
+    report = format_claims({"rows": [small, large, before], "units": 512, "workers": 2})
+    assert "after, 8 ranks vs 2: " in report and report.count("\n") == 5
+
+
+def test_the_bench_takes_task_claims(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from batchvlm.bench.tasks import BenchConfig
+    from batchvlm.config import ConfigError
+    from conftest import REPO
+
+    ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
+    with initialize_config_dir(config_dir=str(Path(REPO) / "conf"), version_base=None):
+        config = OmegaConf.to_object(compose(config_name="bench", overrides=["task=claims", "ranks=16"]))
+        assert (config.task, config.ranks, config.units) == ("claims", 16, 100_000)
+        with pytest.raises(ConfigError, match="units"):
+            OmegaConf.to_object(compose(config_name="bench", overrides=["task=claims", "units=0"]))

@@ -1,0 +1,178 @@
+"""batchvlm-status: where a run stands from the ranks' reports and heartbeats, never from its manifests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, embed_command, run_embed
+
+from batchvlm.config import ConfigError
+from batchvlm.records import WorkUnit
+from batchvlm.review.status import format_status, run_status
+from batchvlm.rundir.claims import Claims, owner_name
+from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.rank_reports import RankReporter, RankUnits
+from batchvlm.rundir.verify import run_counts
+from batchvlm.rundir.workunits import Plan, write_plan
+
+
+def planned_run(root: Path, units: int = 10, rows: int | None = 100) -> RunLayout:
+    layout = RunLayout(root)
+    root.mkdir(parents=True, exist_ok=True)
+    write_plan(layout, Plan([], {}, [WorkUnit(f"u{i:03d}", "in", i * 100, None if rows is None else i * 100 + rows)
+                                     for i in range(units)], dedup_buckets=1))
+    return layout
+
+
+def report_rank(layout: RunLayout, attempt: str, rank: int, samples: list[tuple[float, int]], claimed: int,
+                committed: int, quarantined: int = 0) -> Claims:
+    """A rank's report as a rank writes it (RankReporter), with `samples` of (seconds ago, records committed), and its
+    heartbeat."""
+    records_in = samples[-1][1]
+    units = RankUnits(claimed=claimed, committed=committed, records_in=records_in, written=records_in - quarantined,
+                      quarantined=quarantined, bytes=1000 * committed)
+    units.by_check.update({"decode.unreadable": quarantined} if quarantined else {})
+    reporter = RankReporter(layout, attempt, rank, units)
+    layout.attempt(attempt).mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    for ago, records in samples:
+        reporter.samples.append((now - ago, records, committed, records))
+    reporter.write(records_in)
+    claims = Claims(layout.claims, owner_name(attempt, rank), lease_s=60)
+    claims.beat()
+    return claims
+
+
+def test_a_run_in_progress_sums_its_ranks_and_flags_the_one_whose_heartbeat_is_older_than_the_lease(tmp_path):
+    layout = planned_run(tmp_path / "run")
+    report_rank(layout, "a1", 0, [(60, 0), (30, 150), (0, 300)], claimed=4, committed=3, quarantined=7)
+    silent = report_rank(layout, "a1", 1, [(60, 0), (0, 200)], claimed=3, committed=2)
+    beat = layout.claims / "alive" / silent.owner
+    beat.write_text(json.dumps({"host": "another-node", "pid": 1}))  # its process cannot be looked for here
+    os.utime(beat, (time.time() - 600, time.time() - 600))
+
+    status = run_status(layout.root)
+    assert (status.state, status.units_total, status.units_committed) == ("running", 10, 5)
+    assert (status.records_total, status.records_in, status.quarantined) == (1000, 500, 7)
+    assert status.by_check == {"decode.unreadable": 7} and status.bytes_written == 5000
+    first, second = status.ranks
+    assert not first.stale and first.units_held == 1 and first.heartbeat_age_s < 5
+    assert second.stale and "no heartbeat for" in second.why_stale and second.heartbeat_age_s > 500
+    assert status.rate == pytest.approx(5.0, rel=0.01)  # the live rank's 300 records in 60 s; the stale one's left out
+    assert status.eta_s == pytest.approx(100.0, rel=0.01)  # 500 records left
+    shown = format_status(status)
+    assert "5 / 10 committed (50.0%), 1 held, 1 held by stale ranks" in shown and "decode.unreadable 7" in shown
+    assert "1 rank(s) live, 1 STALE" in shown and "eta 01:40" in shown
+
+
+def test_without_row_counts_the_eta_comes_from_the_units_committed(tmp_path):
+    layout = planned_run(tmp_path / "run", rows=None)
+    reporter = RankReporter(layout, "a1", 0, RankUnits(claimed=2, committed=0))
+    layout.attempt("a1").mkdir(parents=True)
+    now = time.time()
+    reporter.samples.extend([(now - 100, 0, 0, 0), (now - 50, 100, 2, 100)])
+    reporter.units.committed = 4
+    reporter.write(200)
+    Claims(layout.claims, owner_name("a1", 0), lease_s=60).beat()
+    status = run_status(layout.root)
+    assert status.records_total is None and status.unit_rate == pytest.approx(0.04, rel=0.01)
+    assert status.eta_s == pytest.approx(6 / 0.04, rel=0.01)
+
+
+def test_a_run_whose_ranks_all_finished_or_died_is_stopped_and_says_how_to_finish_it(tmp_path):
+    layout = planned_run(tmp_path / "run")
+    claims = report_rank(layout, "a1", 0, [(10, 0), (0, 100)], claimed=1, committed=1)
+    os.utime(claims.alive / claims.owner, (time.time() - 3600, time.time() - 3600))
+    status = run_status(layout.root)
+    assert status.state == "stopped" and status.eta_s is None
+    assert "launch the job again to finish it" in format_status(status)
+
+
+def test_a_folder_that_holds_no_run_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="run_dir="):
+        run_status(tmp_path)
+
+
+# a real job in a subprocess
+SLOW = pytest.mark.slow
+AUDIT = """
+import sys
+from pathlib import Path
+run = sys.argv[1]
+touched = []
+def hook(event, args):
+    if event in ("open", "os.listdir", "os.scandir") and args and str(args[0]).startswith(run):
+        touched.append(str(args[0]))
+sys.addaudithook(hook)
+from batchvlm.review.status import run_status
+status = run_status(Path(run))
+print(status.units_committed)
+print("\\n".join(touched))
+"""
+
+
+def status_of(run_dir: Path, *more: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "jobs" / "status.py"), f"run_dir={run_dir}", *more],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def wait_for(condition, timeout: float = 240.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := condition():
+            return found
+        time.sleep(0.5)
+    raise AssertionError("the job never got there")
+
+
+@SLOW
+def test_status_follows_a_running_job_a_killed_rank_and_the_finished_run(tmp_path):
+    overrides = (f"output.root={tmp_path}", "run_name=slow", "dataset.unit_records=2", "runtime.num_workers=1",
+                 "runtime.progress_interval_s=0.5")
+    run_dir = tmp_path / "slow"
+    env = {**os.environ, "BATCHVLM_FAULTS": "pause.commit.before_manifest=1.5"}  # a job slow enough to watch
+    job = subprocess.Popen(embed_command(*overrides), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        running = wait_for(lambda: (s := run_status(run_dir) if (run_dir / "units.json").exists() else None)
+                           and s.units_committed >= 2 and s)
+        assert running.state == "running" and running.units_total == 11 and running.records_total == 21
+        assert 2 <= running.units_committed < 11 and running.ranks[0].units_held >= 1
+        assert running.ranks[0].heartbeat_age_s < 30 and not running.stale_ranks
+        shown = status_of(run_dir)
+        assert shown.returncode == 0 and "running, 1 rank(s) live" in shown.stdout and " / 11 committed" in shown.stdout
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+
+    killed = run_status(run_dir)
+    assert killed.state == "stopped" and killed.ranks[0].stale and killed.ranks[0].why_stale == "its process is gone"
+    assert "STALE: its process is gone" in status_of(run_dir).stdout
+
+    audited = subprocess.run([sys.executable, "-c", AUDIT, str(run_dir)], capture_output=True, text=True,
+                             timeout=120, check=True)
+    committed, *touched = audited.stdout.split("\n")
+    assert int(committed) >= 2
+    # no manifest nor shard is read, nor their folders listed
+    assert not [path for path in touched if path.startswith((f"{run_dir}/manifest", f"{run_dir}/data"))]
+    assert len([path for path in touched if path]) <= 8  # plan, config, the launch's folders, a report, a heartbeat
+
+    result = run_embed(*overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    done = status_of(run_dir)
+    counts = run_counts(run_dir)
+    assert done.returncode == 0 and f"{run_dir}: complete" in done.stdout
+    assert "11 / 11 committed" in done.stdout and f"{counts.records_in:,} of 21 in committed units" in done.stdout
+    as_json = json.loads(status_of(run_dir, "format=json").stdout)
+    assert (as_json["units_committed"], as_json["written"], as_json["bytes_written"]) == (
+        counts.units, counts.written, counts.bytes)
