@@ -1,6 +1,6 @@
 """The check catalogue: every invariant batchvlm enforces, in one place, and the one exception type.
 
-A check has a stable dotted name (it appears in quarantine rows, reports and the README), the stage
+A check has a stable dotted name (it appears in quarantine rows, reports and docs/checks.md), the stage
 that runs it, the condition it asserts and the failure it guards against.
 """
 
@@ -182,7 +182,7 @@ def unexpected_failure(check: str, error: BaseException, image_index: int | None
 
 
 def markdown_table() -> str:
-    """The README's table of checks (`python -m batchvlm.checks` prints it)."""
+    """The table of checks in docs/checks.md (`python -m batchvlm.checks` prints it)."""
     lines = ["| check | stage | condition | guards against | what to do |", "|---|---|---|---|---|"]
     lines += [f"| `{c.name}` | {c.stage} | {c.condition} | {c.guards_against} | {c.remedy} |" for c in CATALOGUE.values()]
     return "\n".join(lines)

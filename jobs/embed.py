@@ -1,4 +1,4 @@
-"""The main job: `python jobs/embed.py [overrides]` (see README.md, "Configuration")."""
+"""The main job: `python jobs/embed.py [overrides]` (see docs/configuration.md)."""
 
 from __future__ import annotations
 

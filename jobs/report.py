@@ -1,5 +1,5 @@
 """`python jobs/report.py run_dir=outputs/<run>`: the failure summary in the terminal and
-the run's report page (`<run>/report/index.html`), one self-contained page (see README.md, "Reviewing failures")."""
+the run's report page (`<run>/report/index.html`), one self-contained page (see docs/review.md)."""
 
 from __future__ import annotations
 

@@ -140,10 +140,10 @@ def test_a_worker_holds_the_row_groups_its_remaining_packs_need_and_reads_ahead_
 
 
 @pytest.mark.slow
-def test_the_readme_training_loop_trains_on_the_run_and_checkpoints_a_resumable_loader(qwen_run, tmp_path,
-                                                                                       monkeypatch):
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### Training on the output"):]
+def test_the_documented_training_loop_trains_on_the_run_and_checkpoints_a_resumable_loader(qwen_run, tmp_path,
+                                                                                           monkeypatch):
+    page = (REPO / "docs" / "training.md").read_text()
+    section = page[page.index("## Training on the output"):]
     code = section[section.index("```python") + len("```python"):section.index("```\n", section.index("```python"))]
     monkeypatch.chdir(tmp_path)  # the loop writes checkpoint.pt where it runs
     scope: dict = {}
