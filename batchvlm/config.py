@@ -8,6 +8,9 @@ becomes objects (`to_job_config`).
 from __future__ import annotations
 
 import dataclasses
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -418,6 +421,16 @@ def register_schemas() -> None:
         # A job names its checkpoint: merged onto a default, a model YAML's `path: ???` would leave it standing.
         schema.model.path = MISSING
         ConfigStore.instance().store(name=name, node=schema)
+
+
+@contextmanager
+def exit_on_config_error() -> Iterator[None]:
+    """A job's bad config or argument ends it with exit 2 and the message that names the key, not a traceback."""
+    try:
+        yield
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 def required_path(cfg: DictConfig, key: str, usage: str) -> Path:

@@ -7,7 +7,6 @@ TFLOP/s; the batched JPEG decode vs the safe path; the metadata operations of cl
 from __future__ import annotations
 
 import os
-import sys
 
 import hydra
 import transformers
@@ -20,7 +19,7 @@ from batchvlm.bench.e2e import bench_e2e, format_e2e
 from batchvlm.bench.metadata import bench_claims, format_claims
 from batchvlm.bench.scale import bench_scale, format_scale
 from batchvlm.bench.tower import bench_tower, format_tower
-from batchvlm.config import ConfigError
+from batchvlm.config import exit_on_config_error
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
@@ -32,7 +31,7 @@ def main(cfg: DictConfig) -> None:
     tasks = {"preprocess": (bench_preprocess, format_preprocess), "loader": (bench_loader, format_loader),
              "scale": (bench_scale, format_scale), "e2e": (bench_e2e, format_e2e), "tower": (bench_tower, format_tower),
              "jpeg": (bench_jpeg, format_jpeg), "claims": (bench_claims, format_claims)}
-    try:
+    with exit_on_config_error():
         config = OmegaConf.to_object(cfg)
         run, report = tasks[config.task]
         if config.dry_run:
@@ -40,9 +39,6 @@ def main(cfg: DictConfig) -> None:
                   f"records={config.records}, tower={config.tower}, dtype={config.dtype}: not run")
             return
         result = run(config)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
     print(report(result))
 
 

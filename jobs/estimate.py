@@ -4,13 +4,12 @@ overrides needs, from a sample of its input (batchvlm/bench/estimate.py)."""
 from __future__ import annotations
 
 import os
-import sys
 
 import hydra
 import transformers
 from omegaconf import DictConfig
 
-from batchvlm.config import ConfigError, EstimateConfig, register_schemas, to_job_config
+from batchvlm.config import EstimateConfig, exit_on_config_error, register_schemas, to_job_config
 from batchvlm.bench.estimate import estimate, format_estimate
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,11 +19,8 @@ register_schemas()
 @hydra.main(config_path="pkg://batchvlm.conf", config_name="estimate", version_base=None)
 def main(cfg: DictConfig) -> None:
     transformers.utils.logging.disable_progress_bar()
-    try:
+    with exit_on_config_error():
         result = estimate(to_job_config(cfg, EstimateConfig))
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
     print(format_estimate(result))
 
 

@@ -6,25 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
 import hydra
 from omegaconf import DictConfig
 
-from batchvlm.config import ConfigError, required_path
+from batchvlm.config import ConfigError, exit_on_config_error, required_path
 from batchvlm.review.status import format_status, run_status
 
 
 @hydra.main(config_path="pkg://batchvlm.conf", config_name="status", version_base=None)
 def main(cfg: DictConfig) -> None:
-    try:
+    with exit_on_config_error():
         run_dir = required_path(cfg, "run_dir", "run_dir=outputs/<run>")
         if cfg.format not in ("text", "json"):
             raise ConfigError(f"format must be one of text, json, not {cfg.format!r}")
         status = run_status(run_dir)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
     if cfg.format == "json":
         print(json.dumps(dataclasses.asdict(status), default=str, indent=1))
     else:

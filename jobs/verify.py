@@ -7,17 +7,14 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from batchvlm.config import ConfigError, required_path
+from batchvlm.config import exit_on_config_error, required_path
 from batchvlm.rundir.verify import run_counts, verify_run
 
 
 @hydra.main(config_path="pkg://batchvlm.conf", config_name="verify", version_base=None)
 def main(cfg: DictConfig) -> None:
-    try:
+    with exit_on_config_error():
         run_dir = required_path(cfg, "run_dir", "run_dir=outputs/<run>")
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
     problems = verify_run(run_dir)
     for problem in problems:
         print(f"FAIL {problem}")
