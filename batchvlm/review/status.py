@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from batchvlm.config import ConfigError, RuntimeConfig
 from batchvlm.rundir.claims import Beat, last_beats, rank_of_owner
+from batchvlm.rundir.frontier import claimed_so_far
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.rank_reports import AT, RECORDS_COMMITTED, UNITS_COMMITTED, RankReport, Sample, read_reports
 from batchvlm.rundir.workunits import read_plan
@@ -65,6 +66,8 @@ class RunStatus:
     ranks: list[RankStatus] = field(default_factory=list)
     lease_s: float = RuntimeConfig.lease_s
     seconds: float | None = None  # a complete run: how long it took
+    blocks_claimed: int = 0  # how far the claim frontier got (its hint: one short after a crash between a claim and it)
+    blocks_total: int = 0
 
     @property
     def stale_ranks(self) -> list[RankStatus]:
@@ -93,7 +96,8 @@ def run_status(run_dir: Path, now: float | None = None, window_s: float = WINDOW
         layout.root, _state(ranks, sum(u.committed for u in committed), len(plan.units)), len(plan.units),
         sum(u.committed for u in committed), records_total, sum(u.records_in for u in committed),
         sum(u.written for u in committed), sum(u.quarantined for u in committed), dict(sorted(by_check.items())),
-        sum(u.bytes for u in committed), ranks=ranks, lease_s=lease_s)
+        sum(u.bytes for u in committed), ranks=ranks, lease_s=lease_s, blocks_claimed=claimed_so_far(layout),
+        blocks_total=len(plan.blocks()))
     return _with_rates(status, reports, ranks, window_s)
 
 
@@ -165,6 +169,9 @@ def format_status(status: RunStatus) -> str:
     lines.append(f"units:       {status.units_committed:,} / {status.units_total:,} committed ({100 * done:.1f}%)"
                  + (f", {held:,} held" if held else "")
                  + (f", {orphaned:,} held by stale ranks (taken over once their leases expire)" if orphaned else ""))
+    if status.blocks_total:
+        lines.append(f"claimed:     {status.blocks_claimed:,} / {status.blocks_total:,} blocks of units (the claim "
+                     "frontier; blocks a dead rank held are handed out again)")
     of = f" of {status.records_total:,}" if status.records_total is not None else ""
     share = 100 * status.quarantined / status.records_in if status.records_in else 0.0
     lines.append(f"records:     {status.records_in:,}{of} in committed units: {status.written:,} written, "

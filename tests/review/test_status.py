@@ -62,6 +62,7 @@ def test_a_run_in_progress_sums_its_ranks_and_flags_the_one_whose_heartbeat_is_o
     assert (status.state, status.units_total, status.units_committed) == ("running", 10, 5)
     assert (status.records_total, status.records_in, status.quarantined) == (1000, 500, 7)
     assert status.by_check == {"decode.unreadable": 7} and status.bytes_written == 5000
+    assert (status.blocks_claimed, status.blocks_total) == (0, 10)  # no rank wrote the frontier's hint here
     first, second = status.ranks
     assert not first.stale and first.units_held == 1 and first.heartbeat_age_s < 5
     assert second.stale and "no heartbeat for" in second.why_stale and second.heartbeat_age_s > 500
@@ -146,6 +147,7 @@ def test_status_follows_a_running_job_a_killed_rank_and_the_finished_run(tmp_pat
         assert running.state == "running" and running.units_total == 11 and running.records_total == 21
         assert 2 <= running.units_committed < 11 and running.ranks[0].units_held >= 1
         assert running.ranks[0].heartbeat_age_s < 30 and not running.stale_ranks
+        assert 1 <= running.blocks_claimed <= running.blocks_total
         shown = status_of(run_dir)
         assert shown.returncode == 0 and "running, 1 rank(s) live" in shown.stdout and " / 11 committed" in shown.stdout
         os.killpg(job.pid, signal.SIGKILL)
@@ -165,7 +167,8 @@ def test_status_follows_a_running_job_a_killed_rank_and_the_finished_run(tmp_pat
     assert int(committed) >= 2
     # no manifest nor shard is read, nor their folders listed
     assert not [path for path in touched if path.startswith((f"{run_dir}/manifest", f"{run_dir}/data"))]
-    assert len([path for path in touched if path]) <= 8  # plan, config, the launch's folders, a report, a heartbeat
+    # plan, config, the claim frontier, the launch's folders, a report, a heartbeat
+    assert len([path for path in touched if path]) <= 9
 
     result = run_embed(*overrides)
     assert result.returncode == 0, result.stderr[-3000:]
