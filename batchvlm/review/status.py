@@ -12,6 +12,7 @@ clock that differs from the file server's shifts them (by what `date` and the se
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import Counter
@@ -158,7 +159,7 @@ def _with_rates(status: RunStatus, reports: list[RankReport], ranks: list[RankSt
         eta = max(0, status.records_total - status.records_in) / rate
     elif unit_rate:
         eta = max(0, status.units_total - status.units_committed) / unit_rate
-    return RunStatus(**{**status.__dict__, "rate": rate, "unit_rate": unit_rate, "eta_s": eta})
+    return dataclasses.replace(status, rate=rate, unit_rate=unit_rate, eta_s=eta)
 
 
 def format_status(status: RunStatus) -> str:
