@@ -1,9 +1,9 @@
 """Where a run stands, from any node, while it runs: `batchvlm-status run_dir=...`.
 
 It reads what the run keeps for it, never the manifests: the plan (units and their records, one file), each rank's
-report (rundir.rank_reports, one small file per rank of each launch), the heartbeats (one listing of the claims'
-heartbeats) and, once the run is complete, its totals (written last, RunLayout.success). A thousand ranks cost a thousand small reads, a
-run of a million units none more.
+report (rundir.rank_reports, one small file per rank of each launch), the claim frontier's hint, the heartbeats (one
+listing of the claims' heartbeats) and, once the run is complete, its totals (written last, RunLayout.success). A
+thousand ranks cost a thousand small reads, a run of a million units none more.
 
 Committed counts are the sum of the ranks' reports, each as fresh as its rank's last commit. Rates come from each
 rank's last samples (its own clock); heartbeat ages from the file system's times against this host's clock, so a
@@ -47,6 +47,10 @@ class RankStatus:
     finished: bool
     stale: bool  # not finished, and its heartbeat older than the lease, or its process gone from this host
     why_stale: str = ""
+
+    @property
+    def live(self) -> bool:
+        return not (self.finished or self.stale)
 
 
 @dataclass(frozen=True)
@@ -126,8 +130,8 @@ def _rank_status(report: RankReport, beat: Beat | None, now: float, lease_s: flo
             why = "no heartbeat" if age is None else f"no heartbeat for {age:.0f} s (lease {lease_s:g} s)"
     return RankStatus(report.attempt, report.rank, report.host, age, max(0.0, now - report.at), report.records,
                       0 if report.finished else report.units.held, report.units.committed,
-                      None if report.finished else _rate(report.samples, RECORDS_COMMITTED, window_s), report.finished, bool(why),
-                      why)
+                      None if report.finished else _rate(report.samples, RECORDS_COMMITTED, window_s),
+                      report.finished, bool(why), why)
 
 
 def _rate(samples: list[Sample], count: int, window_s: float) -> float | None:
@@ -142,16 +146,16 @@ def _rate(samples: list[Sample], count: int, window_s: float) -> float | None:
 def _state(ranks: list[RankStatus], committed: int, total: int) -> str:
     if not ranks:
         return "not started"
-    if all(rank.finished or rank.stale for rank in ranks):
+    if not any(rank.live for rank in ranks):
         return "stopped"
     return "duplicate pass" if committed >= total else "running"
 
 
 def _with_rates(status: RunStatus, reports: list[RankReport], ranks: list[RankStatus], window_s: float) -> RunStatus:
     """The run's rates (its live ranks' together) and the ETA: by records where the plan knows them, else by units."""
-    live = [report for report, rank in zip(reports, ranks) if not (rank.finished or rank.stale)]
-    rates = [rate for report in live if (rate := _rate(report.samples, RECORDS_COMMITTED, window_s)) is not None]
-    unit_rates = [rate for report in live if (rate := _rate(report.samples, UNITS_COMMITTED, window_s)) is not None]
+    rates = [rank.rate for rank in ranks if rank.live and rank.rate is not None]
+    unit_rates = [rate for report, rank in zip(reports, ranks)
+                  if rank.live and (rate := _rate(report.samples, UNITS_COMMITTED, window_s)) is not None]
     rate = sum(rates) if rates else None
     unit_rate = sum(unit_rates) if unit_rates else None
     eta = None
@@ -201,7 +205,7 @@ def format_status(status: RunStatus) -> str:
 def _headline(status: RunStatus) -> str:
     if status.state in ("complete", "not started"):
         return status.state
-    live = sum(not (rank.finished or rank.stale) for rank in status.ranks)
+    live = sum(rank.live for rank in status.ranks)
     stale = len(status.stale_ranks)
     text = f"{status.state}, {live} rank(s) live" + (f", {stale} STALE" if stale else "")
     if status.state == "stopped":

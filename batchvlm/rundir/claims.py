@@ -79,13 +79,7 @@ class Claims:
         return all(now - beat > self.lease_s or _gone_from_this_host(path) for path, beat in self._beats(owner))
 
     def _beats(self, owner: str) -> list[tuple[Path, float]]:
-        found = []
-        for path in self.alive.glob(owner):
-            try:
-                found.append((path, path.stat().st_mtime))
-            except FileNotFoundError:
-                continue
-        return found
+        return _heartbeats(self.alive, owner)
 
     def alive_holders(self) -> list[str]:
         """The holders of every attempt whose heartbeats are live."""
@@ -212,14 +206,19 @@ class Beat:
 def last_beats(folder: Path) -> list[Beat]:
     """Every holder's last heartbeat in a claims folder: one listing of the heartbeats, a stat each (and a read of
     each that may have run on this host)."""
-    alive = folder / ALIVE
-    beats = []
-    for path in sorted(alive.iterdir()) if alive.is_dir() else []:
+    return [Beat(path.name, at, _gone_from_this_host(path)) for path, at in _heartbeats(folder / ALIVE, "*")]
+
+
+def _heartbeats(alive: Path, owner: str) -> list[tuple[Path, float]]:
+    """(heartbeat file, its modification time) of each holder `owner` names (a name or a pattern); one gone meanwhile
+    is left out."""
+    found = []
+    for path in alive.glob(owner):
         try:
-            beats.append(Beat(path.name, path.stat().st_mtime, _gone_from_this_host(path)))
+            found.append((path, path.stat().st_mtime))
         except FileNotFoundError:
             continue
-    return beats
+    return found
 
 
 def _gone_from_this_host(heartbeat: Path) -> bool:
