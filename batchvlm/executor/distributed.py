@@ -5,7 +5,6 @@ Everything else is coordinated through the shared run directory, so nothing here
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 import uuid
@@ -19,7 +18,7 @@ from batchvlm.devices import on_cpu
 from batchvlm.rundir.claims import Claims, owner_name, rank_owners
 from batchvlm.rundir.durable import durable_write_json
 from batchvlm.rundir.layout import RunLayout
-from batchvlm.rundir.rank_reports import RankReporter, RankUnits, read_reports
+from batchvlm.rundir.rank_reports import RankReporter, RankUnits, read_rank_files, read_reports
 
 
 @dataclass
@@ -128,10 +127,4 @@ class Coordinator:
             shutil.rmtree(self.layout.ranks, ignore_errors=True)
 
     def _read_all(self, kind: str) -> list[dict]:
-        found = []
-        for path in self.layout.rank_files(self.attempt, kind):
-            try:
-                found.append(json.loads(path.read_text()))
-            except (FileNotFoundError, json.JSONDecodeError):
-                continue
-        return found
+        return read_rank_files(self.layout, self.attempt, kind)

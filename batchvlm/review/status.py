@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -97,12 +98,12 @@ def run_status(run_dir: Path, now: float | None = None, window_s: float = WINDOW
              for report in reports]
     committed = [report.units for report in reports]
     by_check = sum((units.by_check for units in committed), Counter())
+    units_committed = sum(u.committed for u in committed)
     status = RunStatus(
-        layout.root, _state(ranks, sum(u.committed for u in committed), len(plan.units)), len(plan.units),
-        sum(u.committed for u in committed), records_total, sum(u.records_in for u in committed),
-        sum(u.written for u in committed), sum(u.quarantined for u in committed), dict(sorted(by_check.items())),
-        sum(u.bytes for u in committed), ranks=ranks, lease_s=lease_s, blocks_claimed=claimed_so_far(layout),
-        blocks_total=len(plan.blocks()))
+        layout.root, _state(ranks, units_committed, len(plan.units)), len(plan.units), units_committed, records_total,
+        sum(u.records_in for u in committed), sum(u.written for u in committed),
+        sum(u.quarantined for u in committed), dict(sorted(by_check.items())), sum(u.bytes for u in committed), ranks=ranks, lease_s=lease_s, blocks_claimed=claimed_so_far(layout),
+        blocks_total=math.ceil(len(plan.units) / plan.block_units))
     return _with_rates(status, reports, ranks, window_s)
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from batchvlm.rundir.claims import Claims
 from batchvlm.rundir.layout import RunLayout
-from batchvlm.rundir.manifest import Manifest, ManifestError, all_manifests, committed_units, orphans, read_manifest
+from batchvlm.rundir.manifest import (DamagedFile, Manifest, ManifestError, all_manifests, checked, committed_units,
+                                     orphans, read_manifest)
 
 log = logging.getLogger("batchvlm")
 
@@ -24,13 +25,10 @@ log = logging.getLogger("batchvlm")
 def not_whole(layout: RunLayout, manifest: Manifest) -> str | None:
     """Why a committed unit is not whole (a listed file missing, or not at its recorded size), or None."""
     for listing in manifest.listings():
-        path = layout.listed(listing.path)
         try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            return f"{listing.path} is missing"
-        if size != listing.bytes:
-            return f"{listing.path} has {size} bytes, its manifest says {listing.bytes}"
+            checked(layout, listing)
+        except DamagedFile as damaged:
+            return str(damaged)
     return None
 
 

@@ -119,12 +119,23 @@ class RankReporter:
         replace_json(self.path, report.to_json())
 
 
-def read_reports(layout: RunLayout, attempt: str) -> list[RankReport]:
-    """The reports of one launch's ranks, by rank (a file being replaced or torn is skipped)."""
+def read_rank_files(layout: RunLayout, attempt: str, kind: str) -> list[dict]:
+    """One launch's rank files of a kind (RunLayout.rank_file), a file gone or torn meanwhile left out."""
     found = []
-    for path in layout.rank_files(attempt, PROGRESS):
+    for path in layout.rank_files(attempt, kind):
         try:
-            found.append(RankReport.from_json(json.loads(path.read_text())))
-        except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+            found.append(json.loads(path.read_text()))
+        except (FileNotFoundError, json.JSONDecodeError):
+            continue
+    return found
+
+
+def read_reports(layout: RunLayout, attempt: str) -> list[RankReport]:
+    """The reports of one launch's ranks, by rank (one not in this shape is left out)."""
+    found = []
+    for raw in read_rank_files(layout, attempt, PROGRESS):
+        try:
+            found.append(RankReport.from_json(raw))
+        except (KeyError, TypeError, ValueError):
             continue
     return sorted(found, key=lambda report: report.rank)
