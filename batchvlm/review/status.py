@@ -103,7 +103,8 @@ def run_status(run_dir: Path, now: float | None = None, window_s: float = WINDOW
         layout.root, _state(ranks, units_committed, len(plan.units)), len(plan.units), units_committed, records_total,
         sum(u.records_in for u in committed), sum(u.written for u in committed),
         sum(u.quarantined for u in committed), dict(sorted(by_check.items())), sum(u.bytes for u in committed),
-        ranks=ranks, lease_s=lease_s, blocks_claimed=claimed_so_far(layout), blocks_total=math.ceil(len(plan.units) / plan.block_units))
+        ranks=ranks, lease_s=lease_s, blocks_claimed=claimed_so_far(layout),
+        blocks_total=math.ceil(len(plan.units) / plan.block_units))
     return _with_rates(status, reports, ranks, window_s)
 
 
