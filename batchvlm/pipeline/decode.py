@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import faulthandler
+import functools
 import hashlib
 import io
 import os
@@ -72,6 +73,13 @@ def read_bytes(ref: ImageRef, cfg: DecodeConfig, image_index: int) -> bytes:
                           expected="a readable file", observed=type(error).__name__, image_index=image_index)
 
 
+@functools.lru_cache(maxsize=64)
+def _real_root(root: str) -> str:
+    """An image root with its links followed, once per root: a source's images share it, and each link followed is a
+    metadata operation."""
+    return os.path.realpath(root)
+
+
 def _within_root(ref: ImageRef, image_index: int) -> None:
     """A path under its root, links followed (locally) or `..` resolved (a URL): else it is never opened."""
     if ref.root is None:
@@ -81,7 +89,7 @@ def _within_root(ref: ImageRef, image_index: int) -> None:
         root = posixpath.normpath(ref.root.split("://", 1)[1])
         within = ref.path.split("://", 1)[0] == ref.root.split("://", 1)[0] and inside.startswith(root + "/")
     else:
-        inside, root = os.path.realpath(ref.path), os.path.realpath(ref.root)
+        inside, root = os.path.realpath(ref.path), _real_root(ref.root)
         within = os.path.commonpath([inside, root]) == root
     if not within:
         raise CheckFailed("decode.path_outside_root", f"the image path {ref.path} is not under the image root "
@@ -143,10 +151,7 @@ def decode_image(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> Decode
             image = _open_allowed(data, cfg, image_index)
             image_format = image.format
             width, height = image.size
-            require(width * height <= cfg.max_pixels, "decode.too_many_pixels",
-                    f"image is {width}x{height} = {width * height} pixels, over decode.max_pixels",
-                    expected=f"<= {cfg.max_pixels} pixels", observed=f"{width * height} pixels",
-                    image_index=image_index)
+            _within_pixels(width, height, cfg, image_index)
             image.load()  # frame 0: the frame policy is "first frame only"
             pixels = to_rgb_or_rgba(ImageOps.exif_transpose(image))
         except CheckFailed:
@@ -160,6 +165,12 @@ def decode_image(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> Decode
         except DECODER_ERRORS as error:
             raise fail("decode.failed", f"{type(error).__name__}: {error}", "a decodable image", type(error).__name__)
     return DecodedImage(pixels=pixels, format=image_format, sha256=hashlib.sha256(data).hexdigest())
+
+
+def _within_pixels(width: int, height: int, cfg: DecodeConfig, image_index: int) -> None:
+    require(width * height <= cfg.max_pixels, "decode.too_many_pixels",
+            f"image is {width}x{height} = {width * height} pixels, over decode.max_pixels",
+            expected=f"<= {cfg.max_pixels} pixels", observed=f"{width * height} pixels", image_index=image_index)
 
 
 def upright_size(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> tuple[int, int]:
@@ -177,9 +188,7 @@ def upright_size(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> tuple[
         except (OSError, *DECODER_ERRORS, Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
             raise CheckFailed("decode.failed", f"{type(error).__name__}: {error}", expected="a readable header",
                               observed=type(error).__name__, image_index=image_index) from None
-    require(width * height <= cfg.max_pixels, "decode.too_many_pixels", f"image is {width}x{height} = "
-            f"{width * height} pixels, over decode.max_pixels", expected=f"<= {cfg.max_pixels} pixels",
-            observed=f"{width * height} pixels", image_index=image_index)
+    _within_pixels(width, height, cfg, image_index)
     return (width, height) if turned else (height, width)
 
 
