@@ -423,14 +423,20 @@ def register_schemas() -> None:
         ConfigStore.instance().store(name=name, node=schema)
 
 
+def fail(message: str, status: int) -> None:
+    """End a job with `status` and one line on stderr, not a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(status)
+
+
 @contextmanager
-def exit_on_config_error() -> Iterator[None]:
-    """A job's bad config or argument ends it with exit 2 and the message that names the key, not a traceback."""
+def exit_on_config_error(*also: type[Exception]) -> Iterator[None]:
+    """A job's bad config or argument (or an error of the kinds `also` names) ends it with exit 2 and the message that
+    names the key, not a traceback."""
     try:
         yield
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    except (ConfigError, *also) as error:
+        fail(str(error), 2)
 
 
 def required_path(cfg: DictConfig, key: str, usage: str) -> Path:

@@ -6,7 +6,6 @@ import contextlib
 import errno
 import os
 import signal
-import sys
 from pathlib import Path
 
 import hydra
@@ -14,7 +13,7 @@ import transformers
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from batchvlm.config import ConfigError, register_schemas, to_job_config
+from batchvlm.config import ConfigError, fail, register_schemas, to_job_config
 from batchvlm.executor.job import JobAborted, QuarantineOverLimit, Terminated, run_job, summarize
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -34,21 +33,16 @@ def main(cfg: DictConfig) -> None:
         _remove_if_empty(run_dir, Path(hydra_config.job_logging.handlers.file.filename))
         if isinstance(error, QuarantineOverLimit):  # the run finished: its summary, then why it failed
             print(summarize(error.summary))
-        _fail(str(error), 2)
+        fail(str(error), 2)
     except Terminated:
-        _fail("stopped by SIGTERM; the committed units are kept: rerun the same command to resume", 143)
+        fail("stopped by SIGTERM; the committed units are kept: rerun the same command to resume", 143)
     except (OSError, RuntimeError) as error:
         if (full := _disk_full(error)) is None:
             raise
-        _fail(f"no space left on the device writing {full.filename}; the committed units are kept: free space and "
+        fail(f"no space left on the device writing {full.filename}; the committed units are kept: free space and "
               "rerun the same command to resume", 1)
     if summary is not None:  # rank 0 speaks for the job
         print(summarize(summary))
-
-
-def _fail(message: str, status: int) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(status)
 
 
 def _terminate(signum, frame) -> None:

@@ -3,12 +3,10 @@ the run's report page (`<run>/report/index.html`), one self-contained page (see 
 
 from __future__ import annotations
 
-import sys
-
 import hydra
 from omegaconf import DictConfig
 
-from batchvlm.config import ConfigError, required_path
+from batchvlm.config import ConfigError, exit_on_config_error, required_path
 from batchvlm.review.report import ReportError, build_report, summary_text
 from batchvlm.review.html import render
 from batchvlm.rundir.layout import RunLayout
@@ -16,14 +14,11 @@ from batchvlm.rundir.layout import RunLayout
 
 @hydra.main(config_path="pkg://batchvlm.conf", config_name="report", version_base=None)
 def main(cfg: DictConfig) -> None:
-    try:
+    with exit_on_config_error(ReportError):
         run_dir = required_path(cfg, "run_dir", "run_dir=outputs/<run>")
         if cfg.max_cards_per_check < 0:
             raise ConfigError(f"max_cards_per_check={cfg.max_cards_per_check} must be >= 0")
         report = build_report(run_dir, cfg.max_cards_per_check)
-    except (ConfigError, ReportError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
     page = RunLayout(run_dir).report_page
     page.parent.mkdir(exist_ok=True)
     page.write_text(render(report), encoding="utf-8")
