@@ -26,8 +26,8 @@ from batchvlm.demo import DEMO_VERSION, build_once, home
 from batchvlm.format.layouts import PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
 
-SHARED = "common"
-"""The module of this package that is no family: what the families share."""
+SHARED = ("common", "checkpoint")
+"""The modules of this package that are no family: what the families share, and how they load checkpoints."""
 
 
 class Encoder(Protocol):
@@ -80,14 +80,14 @@ class Family(Protocol):
 
 
 def family_names() -> list[str]:
-    """The families batchvlm ships: every module of this package but the shared one."""
-    return sorted(module.name for module in pkgutil.iter_modules(__path__) if module.name != SHARED)
+    """The families batchvlm ships: every module of this package but the shared ones."""
+    return sorted(module.name for module in pkgutil.iter_modules(__path__) if module.name not in SHARED)
 
 
 def family_module(name: str) -> ModuleType:
     """The module of `model.family`: one of this package by name, else an importable module by its dotted path."""
     qualified = f"{__name__}.{name}" if name in family_names() else name
-    if name == SHARED or not qualified:
+    if name in SHARED or not qualified:
         raise ConfigError(f"model.family={name!r} is not a family (known: {', '.join(family_names())})")
     try:
         module = importlib.import_module(qualified)

@@ -7,6 +7,7 @@ import torch
 from skimage import data
 from transformers import Kimi_K25ForConditionalGeneration
 
+from hf_models import pretrained
 from photos import demo_images, preprocessed
 
 from batchvlm.families.kimi_k25 import KimiProcessorParams, navit_plan
@@ -38,7 +39,7 @@ def test_non_square_images_are_not_transposed(kimi_family):
 def test_packed_embeddings_equal_the_hf_model_run_on_each_image_alone(kimi_family):
     """Many very different sizes in one packed batch vs the full HF model's get_image_features, image by image."""
     encoder = kimi_family.load_encoder(torch.device("cpu"), torch.float32)
-    reference = Kimi_K25ForConditionalGeneration.from_pretrained(kimi_family.checkpoint, dtype=torch.float32).eval()
+    reference = pretrained(kimi_family.checkpoint, Kimi_K25ForConditionalGeneration, dtype=torch.float32)
     photos = [p for _, p in demo_images()[:8]] + [data.rocket()[150:230], data.chelsea()[140:160, 200:220]]
     rows, grids = preprocessed(kimi_family, photos)
     packed = encoder(torch.cat(rows), torch.tensor(grids))["image_embeds"]
@@ -50,17 +51,17 @@ def test_packed_embeddings_equal_the_hf_model_run_on_each_image_alone(kimi_famil
             assert (ours - alone).abs().max() <= 1e-4 * scale + 1e-6
 
 
-def test_a_sharded_moe_checkpoint_yields_its_own_tower_and_projector(tmp_path, kimi_family):
-    """Loaded with no LLM layers and a one-token vocabulary, the vision weights still come through
-    transformers' conversion exactly; the packed output equals the full model's."""
+def test_a_sharded_moe_checkpoint_saved_by_transformers_yields_its_own_tower_and_projector(tmp_path, kimi_family):
+    """A fine-tuned model as transformers 5 saves it (its own config.json fields, some names Moonshot's and some its
+    own, shards and an index): the vision weights are found in it exactly; the packed output equals the model's."""
     import json
-
-    from transformers import AutoConfig
 
     from batchvlm.config import ModelConfig
     from batchvlm.families import load_family
+    from batchvlm.families.common import read_config
+    from batchvlm.families.kimi_k25 import hf_config
 
-    config = AutoConfig.from_pretrained(kimi_family.checkpoint)
+    config = hf_config(read_config(kimi_family.checkpoint), kimi_family.checkpoint)
     config.text_config.num_hidden_layers = 3  # layers 1 and 2 are mixture-of-experts layers
     torch.manual_seed(1)
     full = Kimi_K25ForConditionalGeneration(config).eval()
@@ -71,6 +72,7 @@ def test_a_sharded_moe_checkpoint_yields_its_own_tower_and_projector(tmp_path, k
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(processor))
     family = load_family(ModelConfig(path=str(tmp_path)))
     encoder = family.load_encoder(torch.device("cpu"), torch.float32)
+    assert len({stored.file for stored in encoder.checked.stored}) < len(list(tmp_path.glob("*.safetensors")))
     rows, grids = preprocessed(family, [data.coffee()[:200, :300]])
     with torch.inference_mode():
         ours = encoder(rows[0], torch.tensor(grids))["image_embeds"][0]
