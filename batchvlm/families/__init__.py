@@ -105,6 +105,15 @@ def load_family(model: ModelConfig) -> Family:
     return family_module(model.family).from_config(model)
 
 
+def check_checkpoint(family: Family, dtype: torch.dtype) -> tuple[dict[str, int], str]:
+    """The widths of the family's outputs and what its checkpoint holds, from config.json and the safetensors headers
+    alone: the encoder built on the meta device, no tensor read. A checkpoint the job would refuse is refused here,
+    by the same check (families/checkpoint.py)."""
+    encoder = family.load_encoder(torch.device("meta"), dtype)
+    checked = getattr(encoder, "checked", None)  # a user's family may load its weights its own way
+    return encoder.hidden_sizes, checked.describe() if checked else "not checked (the family loads it its own way)"
+
+
 def tiny_checkpoint(name: str) -> Path:
     """The family's tiny checkpoint, built on first use (once, whatever the number of processes asking)."""
     module = family_module(name)

@@ -120,6 +120,7 @@ class Checked:
 
     folder: Path
     sources: dict[str, Source]
+    layouts: tuple[Layout, ...]
 
     @cached_property
     def stored(self) -> list[Stored]:
@@ -180,7 +181,7 @@ def check_weights(folder: Path, layouts: tuple[Layout, ...], expected: dict[str,
                                         else [])
         raise CheckpointError(f"model.path={folder}: the checkpoint's vision tensors do not fit the modules its "
                               "config.json describes (nothing was run):\n  " + "\n  ".join(shown))
-    return Checked(folder, sources)
+    return Checked(folder, sources, layouts)
 
 
 def stacked(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -246,12 +247,9 @@ def _read(checked: Checked, expected: dict[str, tuple[int, ...]]) -> dict[str, t
     return tensors
 
 
-def write_weights(path: Path, layout: Layout, parts: dict[str, torch.nn.Module],
-                  extra: dict[str, torch.Tensor] | None = None) -> None:
-    """The parts' tensors under the layout's names (fused ones stacked as it stores them), and `extra` tensors (a
-    language model) as they are named, in one safetensors file: a checkpoint as its publisher ships it."""
-    from safetensors.torch import save_file
-
+def released_tensors(layout: Layout, parts: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """The parts' tensors under the layout's names, fused ones stacked as it stores them (the inverse of reading);
+    on the meta device, their shapes alone."""
     grouped: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     renames = {}
     for prefix, module in parts.items():
@@ -262,8 +260,17 @@ def write_weights(path: Path, layout: Layout, parts: dict[str, torch.nn.Module],
             rename, stored, part = found
             grouped[stored][part] = tensor.detach()
             renames[stored] = rename
-    tensors = {stored: renames[stored].join([pieces[part] for part in sorted(pieces)])
-               for stored, pieces in grouped.items()}
+    return {stored: renames[stored].join([pieces[part] for part in sorted(pieces)])
+            for stored, pieces in grouped.items()}
+
+
+def write_weights(path: Path, layout: Layout, parts: dict[str, torch.nn.Module],
+                  extra: dict[str, torch.Tensor] | None = None) -> None:
+    """The parts' tensors under the layout's names, and `extra` tensors (a language model) as they are named, in one
+    safetensors file: a checkpoint as its publisher ships it."""
+    from safetensors.torch import save_file
+
+    tensors = released_tensors(layout, parts)
     tensors.update({name: tensor.detach().contiguous() for name, tensor in (extra or {}).items()})
     save_file(tensors, str(path), metadata={"format": "pt"})
 

@@ -16,6 +16,7 @@ from batchvlm.config import FLASH_ATTENTION, ConfigError, ModelConfig
 from batchvlm.demo import caption_corpus
 from batchvlm.devices import to_device
 from batchvlm.families import resolve_checkpoint
+from batchvlm.families.checkpoint import load_weights
 from batchvlm.format.layouts import PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
 
@@ -73,6 +74,15 @@ class PatchFamily:
     def reference_preprocess(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.reference_processor()(images=processor_inputs(images), return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
+
+    def load_parts(self, vision_parts, device: torch.device, dtype: torch.dtype):
+        """The family's vision parts built from config.json by `vision_parts(raw, path, dtype, attention) -> (parts,
+        layouts)` and loaded strictly (checkpoint.load_weights); on the meta device, built there and checked from the
+        headers alone. Returns the parts and what the check found."""
+        with built_on(device):
+            parts, layouts = vision_parts(read_config(self.checkpoint), self.checkpoint, dtype,
+                                          self.attn_implementation)
+        return parts, load_weights(self.checkpoint, layouts, parts, read=device.type != "meta")
 
     def check_image_token(self, image_token_id: int) -> None:
         """The checkpoint's LLM must read image embeddings where this tokenizer puts the image token."""
@@ -228,20 +238,38 @@ def check_tower_inputs(tower: torch.nn.Module, pixel_values: torch.Tensor, kwarg
                               + "; ".join(wrong))
 
 
-def tiny_tokenizer(media_tokens: list[str], chat_template: str | None = None):
+def tiny_tokenizer(media_tokens: list[str], chat_template: str | None = None, ids: dict[str, int] | None = None):
     """A small byte-level BPE with the family's special tokens, trained on the demo captions: a tiny checkpoint's,
-    with the chat template of the checkpoints it stands for."""
+    with the chat template of the checkpoints it stands for. `ids` places special tokens at the ids a released
+    checkpoint gives them (its vocabulary padded with tokens no text encodes to)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    ids = ids or {}
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    specials = ["[PAD]", "[BOS]", "[EOS]"] + media_tokens
+    specials = ["[PAD]", "[BOS]", "[EOS]"] + [token for token in media_tokens if token not in ids]
     # show_progress=False: off a terminal, the trainer's bars reach stdout as three blank lines
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     core.train_from_iterator(caption_corpus(), trainer=trainer)
+    if ids:
+        core = _padded(core, ids)
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", bos_token="[BOS]",
                                    eos_token="[EOS]", additional_special_tokens=media_tokens,
                                    chat_template=chat_template)
+
+
+def _padded(core, ids: dict[str, int]):
+    """The trained BPE with its vocabulary run on to the largest of `ids`, those tokens at their ids, fillers
+    between (no merge makes them, so no text encodes to them)."""
+    from tokenizers import Tokenizer, models
+
+    model = json.loads(core.to_str())["model"]
+    vocab, at = dict(model["vocab"]), {index: token for token, index in ids.items()}
+    vocab.update({at.get(index, f"<|filler_{index}|>"): index for index in range(len(vocab), max(ids.values()) + 1)})
+    merges = [tuple(merge.split(" ")) if isinstance(merge, str) else tuple(merge) for merge in model["merges"]]
+    padded = Tokenizer(models.BPE(vocab, merges))
+    padded.pre_tokenizer, padded.decoder = core.pre_tokenizer, core.decoder
+    return padded

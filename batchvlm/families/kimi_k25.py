@@ -17,8 +17,8 @@ import torch
 
 from batchvlm.config import ConfigError, ModelConfig
 from batchvlm.devices import to_device
-from batchvlm.families.checkpoint import Layout, Rename, load_weights, nontrivial, write_released
-from batchvlm.families.common import (PatchFamily, built_on, checkpoint_and_tokenizer, choose_projector, config_field,
+from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_released
+from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, choose_projector, config_field,
                                       processor_params, published_template, read_config, tiny_tokenizer, token_id,
                                       tokenizer_digest, tower_inputs)
 from batchvlm.format.layouts import RASTER_CHW, PatchLayout
@@ -178,16 +178,9 @@ class KimiK25(PatchFamily):
     def load_encoder(self, device: torch.device, dtype: torch.dtype) -> KimiEncoder:
         """On the meta device: the header check alone, no tensor read (what batchvlm-estimate runs)."""
         raw = read_config(self.checkpoint)
-        config = hf_config(raw, self.checkpoint)
         if raw.get("model_type") == "kimi_k25":
-            self.check_image_token(config.image_token_id)
-        elif raw.get("model_type") != "kimi_k25_vision":
-            raise ConfigError(f"model.path={self.checkpoint} holds a {raw.get('model_type')!r} checkpoint, "
-                              "not kimi_k25 or kimi_k25_vision")
-        with built_on(device):
-            parts = vision_parts(config, dtype, self.attn_implementation, raw["model_type"] == "kimi_k25")
-        checked = load_weights(self.checkpoint, layouts(raw["model_type"], config.vision_config.num_attention_heads),
-                               parts, read=device.type != "meta")
+            self.check_image_token(hf_config(raw, self.checkpoint).image_token_id)
+        parts, checked = self.load_parts(vision_parts, device, dtype)
         projector = choose_projector(self.embedding, parts.get(PROJECTOR))
         encoder = KimiEncoder(parts[TOWER], projector, self.params.merge_size, self.embedding == "both",
                               self.attn_implementation).to(device).eval()
@@ -223,6 +216,9 @@ def hf_config(raw: dict, path: Path):
     less its quantization_config (the job reads no tensor of it, and so needs none of its quantization code)."""
     from transformers import Kimi_K25Config
 
+    if raw.get("model_type") not in ("kimi_k25", "kimi_k25_vision"):
+        raise ConfigError(f"model.path={path} holds a {raw.get('model_type')!r} checkpoint, not kimi_k25 or "
+                          "kimi_k25_vision")
     vision = raw if raw.get("model_type") == "kimi_k25_vision" else raw.get("vision_config") or {}
     for key, value in VARIANT.items():
         if vision.get(key, value) != value:
@@ -243,16 +239,19 @@ def hf_config(raw: dict, path: Path):
         tie_word_embeddings=raw.get("tie_word_embeddings", False))
 
 
-def vision_parts(config, dtype: torch.dtype, attention: str, projector: bool = True) -> dict[str, torch.nn.Module]:
-    """The tower (and the projector) transformers runs, built from the config (their init is overwritten by load)."""
+def vision_parts(raw: dict, path: Path, dtype: torch.dtype = torch.float32,
+                 attention: str = "sdpa") -> tuple[dict[str, torch.nn.Module], tuple[Layout, ...]]:
+    """The tower (and the projector) transformers runs, built from config.json (their init is overwritten by the
+    load), and the layouts their tensors are stored in, the released one first."""
     from transformers import Kimi_K25VisionModel
     from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25MultimodalProjection
 
+    config = hf_config(raw, path)
     parts = {TOWER: Kimi_K25VisionModel._from_config(config.vision_config, dtype=dtype,
                                                       attn_implementation=attention)}
-    if projector:
+    if raw["model_type"] == "kimi_k25":
         parts[PROJECTOR] = Kimi_K25MultimodalProjection(config).to(dtype)
-    return parts
+    return parts, layouts(raw["model_type"], config.vision_config.num_attention_heads)
 
 
 def layouts(model_type: str, heads: int) -> tuple[Layout, ...]:
@@ -346,7 +345,7 @@ def write_checkpoint(folder: Path, config: dict, language_model: bool = True, se
         llm = {f"language_model.model.{name}": tensor for name, tensor in
                model.model.language_model.state_dict().items()} | {"language_model.lm_head.weight": model.lm_head.weight}
     else:
-        parts = {prefix: nontrivial(part, seed) for prefix, part in vision_parts(hf, torch.float32, "sdpa").items()}
+        parts = {prefix: nontrivial(part, seed) for prefix, part in vision_parts(config, folder)[0].items()}
     write_released(folder, config, layouts("kimi_k25", hf.vision_config.num_attention_heads)[0], parts, llm)
 
 

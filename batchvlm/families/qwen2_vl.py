@@ -22,8 +22,8 @@ import torch
 from batchvlm.checks import require
 from batchvlm.config import ConfigError, ModelConfig
 from batchvlm.devices import to_device
-from batchvlm.families.checkpoint import Layout, Rename, load_weights, nontrivial, write_released
-from batchvlm.families.common import (PatchFamily, built_on, checkpoint_and_tokenizer, config_field, processor_params,
+from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_released
+from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, config_field, processor_params,
                                       published_template, read_config, tiny_tokenizer, token_id, tokenizer_digest,
                                       tower_inputs)
 from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
@@ -230,9 +230,7 @@ class Qwen2VL(PatchFamily):
             raise ConfigError("model.embedding=tower/both: Qwen2.5-VL's tower keeps its features in window order; "
                               "batchvlm stores its merger tokens only (model.embedding=auto)")
         embedding = "projector" if self.embedding == "auto" else self.embedding  # the merger is the projector
-        with built_on(device):
-            parts = vision_parts(config, dtype, self.attn_implementation)
-        checked = load_weights(self.checkpoint, LAYOUTS, parts, read=device.type != "meta")
+        parts, checked = self.load_parts(vision_parts, device, dtype)
         encoder = QwenEncoder(parts[TOWER], embedding, self.params.merge_size, self.version,
                               self.attn_implementation).to(device).eval()
         encoder.checked = checked
@@ -262,6 +260,12 @@ def _model_type(checkpoint: Path) -> str:
         raise ConfigError(f"model.path={checkpoint} holds a {model_type!r} checkpoint, not one of "
                           f"{', '.join(VERSIONS)}")
     return model_type
+
+
+def from_config(model: ModelConfig) -> Qwen2VL:
+    checkpoint, tokenizer = checkpoint_and_tokenizer(model)
+    params = QwenProcessorParams.from_checkpoint(checkpoint, dict(model.processor))
+    return Qwen2VL(checkpoint, params, tokenizer, model.embedding, model.attn_implementation)
 
 
 # -- the checkpoint: config.json's fields, the tensors' names ------------------------------------
@@ -295,17 +299,16 @@ def hf_config(raw: dict, path: Path):
     return AutoConfig.for_model(**text, vision_config=vision)
 
 
-def vision_parts(config, dtype: torch.dtype, attention: str) -> dict[str, torch.nn.Module]:
-    """The tower with its merger(s) transformers runs, built from the config (its init is overwritten by load)."""
+def vision_parts(raw: dict, path: Path, dtype: torch.dtype = torch.float32,
+                 attention: str = "sdpa") -> tuple[dict[str, torch.nn.Module], tuple[Layout, ...]]:
+    """The tower with its merger(s) transformers runs, built from config.json (its init is overwritten by the load),
+    and the layouts its tensors are stored in, the version's released one first."""
+    config = hf_config(raw, path)
     module, cls = VERSIONS[config.model_type]
-    tower_class = getattr(importlib.import_module(module), cls)
-    return {TOWER: tower_class._from_config(config.vision_config, dtype=dtype, attn_implementation=attention)}
-
-
-def from_config(model: ModelConfig) -> Qwen2VL:
-    checkpoint, tokenizer = checkpoint_and_tokenizer(model)
-    params = QwenProcessorParams.from_checkpoint(checkpoint, dict(model.processor))
-    return Qwen2VL(checkpoint, params, tokenizer, model.embedding, model.attn_implementation)
+    tower = getattr(importlib.import_module(module), cls)._from_config(config.vision_config, dtype=dtype,
+                                                                          attn_implementation=attention)
+    released = RELEASED[config.model_type]
+    return {TOWER: tower}, (released, *(layout for layout in LAYOUTS if layout is not released))
 
 
 # -- tiny checkpoint ---------------------------------------------------------------------------
@@ -357,5 +360,5 @@ def write_checkpoint(folder: Path, config: dict, language_model: bool = True, se
         llm = {LANGUAGE_MODEL[hf.model_type] + name: tensor for name, tensor in
                model.model.language_model.state_dict().items()} | {"lm_head.weight": model.lm_head.weight}
     else:
-        parts = {prefix: nontrivial(part, seed) for prefix, part in vision_parts(hf, torch.float32, "sdpa").items()}
+        parts = {prefix: nontrivial(part, seed) for prefix, part in vision_parts(config, folder)[0].items()}
     write_released(folder, config, RELEASED[hf.model_type], parts, llm)

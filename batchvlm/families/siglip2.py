@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from batchvlm.config import ConfigError, ModelConfig
-from batchvlm.families.checkpoint import Layout, Rename, load_weights, nontrivial, write_released
-from batchvlm.families.common import (PatchFamily, built_on, checkpoint_and_tokenizer, processor_inputs,
+from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_released
+from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, processor_inputs,
                                       processor_params, read_config, tiny_tokenizer, token_id, tokenizer_digest,
                                       tower_inputs)
 from batchvlm.format.layouts import RASTER_HWC, PatchLayout
@@ -238,9 +238,7 @@ class Siglip2(PatchFamily):
         if vision_config.patch_size != self.params.patch_size:
             raise ConfigError(f"{self.checkpoint}: the tower's patch_size={vision_config.patch_size} but the processor's "
                               f"is {self.params.patch_size}")
-        with built_on(device):
-            parts = vision_parts(vision_config, dtype, self.attn_implementation)
-        checked = load_weights(self.checkpoint, LAYOUTS, parts, read=device.type != "meta")
+        parts, checked = self.load_parts(vision_parts, device, dtype)
         encoder = SiglipEncoder(parts[TOWER]).to(device).eval()
         encoder.checked = checked
         return encoder
@@ -283,11 +281,14 @@ def hf_vision_config(raw: dict, path: Path):
     return Siglip2VisionConfig(**{key: value for key, value in vision.items() if key != "model_type"})
 
 
-def vision_parts(vision_config, dtype: torch.dtype, attention: str) -> dict[str, torch.nn.Module]:
-    """The vision model transformers runs, built from its config (its init is overwritten by load)."""
+def vision_parts(raw: dict, path: Path, dtype: torch.dtype = torch.float32,
+                 attention: str = "sdpa") -> tuple[dict[str, torch.nn.Module], tuple[Layout, ...]]:
+    """The vision model transformers runs, built from config.json (its init is overwritten by the load), and the
+    layouts its tensors are stored in, the released one first."""
     from transformers import Siglip2VisionModel
 
-    return {TOWER: Siglip2VisionModel._from_config(vision_config, dtype=dtype, attn_implementation=attention)}
+    tower = Siglip2VisionModel._from_config(hf_vision_config(raw, path), dtype=dtype, attn_implementation=attention)
+    return {TOWER: tower}, LAYOUTS
 
 
 # -- tiny checkpoint ---------------------------------------------------------------------------
@@ -330,6 +331,5 @@ def write_checkpoint(folder: Path, config: dict, language_model: bool = True, se
         parts = {TOWER: model.vision_model}
         text = {name: tensor for name, tensor in model.state_dict().items() if not name.startswith(TOWER)}
     else:
-        parts = {prefix: nontrivial(part, seed) for prefix, part in
-                 vision_parts(hf_vision_config(config, folder), torch.float32, "sdpa").items()}
+        parts = {prefix: nontrivial(part, seed) for prefix, part in vision_parts(config, folder)[0].items()}
     write_released(folder, config, LAYOUTS[0], parts, text)

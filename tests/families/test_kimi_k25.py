@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from skimage import data
@@ -78,3 +80,113 @@ def test_a_sharded_moe_checkpoint_saved_by_transformers_yields_its_own_tower_and
         ours = encoder(rows[0], torch.tensor(grids))["image_embeds"][0]
         expected = full.get_image_features(rows[0], torch.tensor(grids)).pooler_output[0]
     assert torch.allclose(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+# -- the checkpoint's config.json, read by the fields Moonshot releases it with ---------------------------------------
+def config_copy(source, target, edit):
+    """A copy of a checkpoint folder whose config.json `edit` changed (a dict, edited in place)."""
+    import json
+    import shutil
+
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    edit(config)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def load_from(folder):
+    from batchvlm.config import ModelConfig
+    from batchvlm.families import load_family
+
+    family = load_family(ModelConfig(path=str(folder)))
+    return family, family.load_encoder(torch.device("cpu"), torch.float32)
+
+
+def test_the_tower_dims_and_image_token_are_read_from_the_released_fields(kimi_family):
+    from batchvlm.families.common import read_config
+
+    raw = read_config(kimi_family.checkpoint)
+    vision = raw["vision_config"]
+    assert "hidden_size" not in vision and "image_token_id" not in raw  # transformers' own names are not there
+    encoder = kimi_family.load_encoder(torch.device("meta"), torch.float32)
+    tower = encoder.tower
+    assert (tower.config.hidden_size, tower.config.num_hidden_layers, tower.config.num_attention_heads,
+            tower.config.intermediate_size) == (vision["vt_hidden_size"], vision["vt_num_hidden_layers"],
+                                                vision["vt_num_attention_heads"], vision["vt_intermediate_size"])
+    assert tuple(tower.patch_embed.pos_emb.position_embeddings.shape) == (
+        vision["init_pos_emb_height"], vision["init_pos_emb_width"], vision["vt_hidden_size"])
+    assert encoder.projector.pre_norm.normalized_shape == (vision["mm_hidden_size"],)
+    assert encoder.hidden_size == vision["text_hidden_size"]
+    assert kimi_family.image_token_id == raw["media_placeholder_token_id"] != 163605  # not transformers' default
+
+
+@pytest.mark.slow  # a tokenizer of 700 ids, a tower
+def test_a_moonvit_of_other_sizes_and_another_image_token_loads_by_its_own_config(tmp_path, kimi_family):
+    """A user's MoonViT (or a K3's): other widths, depth, heads, position table, LLM width, and its image token at
+    another id; every one taken from its config.json."""
+    import shutil
+
+    from batchvlm.families.common import published_template, tiny_tokenizer
+    from batchvlm.families.kimi_k25 import IMAGE_TOKEN, MEDIA_TOKENS, released_config, write_checkpoint
+
+    tokenizer = tiny_tokenizer(MEDIA_TOKENS, published_template("kimi_k25"), ids={IMAGE_TOKEN: 700})
+    config = released_config(dict(vt_hidden_size=48, vt_intermediate_size=96, vt_num_hidden_layers=1,
+                                  vt_num_attention_heads=3, init_pos_emb_height=8, init_pos_emb_width=8), tokenizer)
+    config["vision_config"]["text_hidden_size"] = config["text_config"]["hidden_size"] = 40
+    write_checkpoint(tmp_path, config, language_model=False)
+    tokenizer.save_pretrained(tmp_path)
+    shutil.copy(kimi_family.checkpoint / "preprocessor_config.json", tmp_path)
+    family, encoder = load_from(tmp_path)
+    assert family.image_token_id == config["media_placeholder_token_id"] == 700
+    assert encoder.tower.config.hidden_size == 48 and encoder.hidden_sizes == {"image_embeds": 40}
+    rows, grids = preprocessed(family, [data.coffee()[:120, :200]])
+    assert encoder(rows[0], torch.tensor(grids))["image_embeds"][0].shape == (family.plan(120, 200).num_tokens, 40)
+
+
+def test_a_position_table_the_config_sizes_otherwise_is_refused(tmp_path, kimi_family):
+    from batchvlm.families.checkpoint import CheckpointError
+
+    def larger_table(config):
+        config["vision_config"].update(init_pos_emb_height=32, init_pos_emb_width=32)
+
+    folder = config_copy(kimi_family.checkpoint, tmp_path / "ckpt", larger_table)
+    with pytest.raises(CheckpointError, match=r"shape: vision_tower\.patch_embed\.pos_emb\.weight in model\.safetensors "
+                                              r"is \[16, 16, 32\], config\.json makes it \[32, 32, 32\]"):
+        load_from(folder)
+
+
+@pytest.mark.slow  # two towers run
+def test_the_language_models_quantization_config_is_ignored(tmp_path, kimi_family):
+    """Kimi-K2.5's LLM is published INT4 in compressed-tensors format; the job reads no tensor of it, so it needs none
+    of that format's code: the tiny checkpoint with the released text_config.quantization_config embeds as without."""
+    import sys
+
+    from released import released_config
+
+    quantization = released_config("kimi_k25")["text_config"]["quantization_config"]
+    assert quantization["quant_method"] == "compressed-tensors"
+    folder = config_copy(kimi_family.checkpoint, tmp_path / "ckpt",
+                         lambda config: config["text_config"].update(quantization_config=quantization))
+    family, encoder = load_from(folder)
+    rows, grids = preprocessed(family, [data.coffee()[:120, :200]])
+    quantized = encoder(rows[0], torch.tensor(grids))["image_embeds"][0]
+    plain = kimi_family.load_encoder(torch.device("cpu"), torch.float32)(rows[0], torch.tensor(grids))["image_embeds"]
+    assert torch.equal(quantized, plain[0])
+    assert "compressed_tensors" not in sys.modules
+
+
+@pytest.mark.parametrize("edit,refusal", [
+    (lambda config: config["vision_config"].update(mm_projector_type="patchmergerv2"),
+     "vision_config.mm_projector_type='patchmergerv2', a MoonViT variant"),
+    (lambda config: config["vision_config"].pop("vt_hidden_size"), "gives none of vt_hidden_size, hidden_size"),
+    (lambda config: config["vision_config"].update(hidden_size=64), "vt_hidden_size=32 and hidden_size=64"),
+    (lambda config: config.update(media_placeholder_token_id=5), "image token is 5 but the tokenizer"),
+], ids=["variant", "no width", "two widths", "image token"])
+def test_a_config_json_that_does_not_say_the_tower_it_holds_is_refused_naming_the_field(tmp_path, kimi_family, edit,
+                                                                                       refusal):
+    from batchvlm.config import ConfigError
+
+    folder = config_copy(kimi_family.checkpoint, tmp_path / "ckpt", edit)
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        load_from(folder)
