@@ -77,13 +77,11 @@ def tiny_copy(folder: Path, name: str, tokenizers: Path) -> Path:
 
 def tokenizer(family_name: str, root: Path) -> Path:
     from batchvlm.families import family_module
-    from batchvlm.families.common import tiny_tokenizer
 
     folder = root / family_name
     if not folder.exists():
-        family = family_module(family_name)
-        tokens = {"kimi_k25": "MEDIA_TOKENS", "qwen2_vl": "QWEN_TOKENS", "siglip2": "SIGLIP_TOKENS"}[family_name]
-        tiny_tokenizer(getattr(family, tokens), ids=PUBLISHED_IDS[family_name]).save_pretrained(folder)
+        family, ids = family_module(family_name), PUBLISHED_IDS[family_name]
+        (family.demo_tokenizer(ids) if ids else family.demo_tokenizer()).save_pretrained(folder)
     return folder
 
 

@@ -320,10 +320,16 @@ def released_config(vision: dict, tokenizer) -> dict:
                                   text_hidden_size=TINY_TEXT["hidden_size"])}
 
 
+def demo_tokenizer(ids: dict[str, int] | None = None):
+    """The tiny checkpoint's tokenizer, with the published chat template; `ids` places special tokens at a release's
+    ids."""
+    return tiny_tokenizer(MEDIA_TOKENS, published_template("kimi_k25"), ids)
+
+
 def write_tiny_checkpoint(folder: Path, vision: dict = TINY_VISION) -> None:
     """MoonViT tower + projector + a one-layer LLM as Moonshot releases them (config.json, names, media_proc_cfg),
     from a config with a fixed seed; Kimi-K2.5's chat template."""
-    tokenizer = tiny_tokenizer(MEDIA_TOKENS, published_template("kimi_k25"))
+    tokenizer = demo_tokenizer()
     write_checkpoint(folder, released_config(vision, tokenizer))
     tokenizer.save_pretrained(folder)
     media = {"in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,

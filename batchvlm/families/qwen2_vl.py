@@ -334,12 +334,18 @@ def released_config(tokenizer) -> dict:
             "vision_config": TINY_VISION, "vocab_size": len(tokenizer)}
 
 
+def demo_tokenizer(ids: dict[str, int] | None = None):
+    """The tiny checkpoint's tokenizer, with the published chat template; `ids` places special tokens at a release's
+    ids."""
+    return tiny_tokenizer(QWEN_TOKENS, published_template("qwen2_vl"), ids)
+
+
 def write_tiny_checkpoint(folder: Path) -> None:
     """Vision tower + merger + a 2-layer LLM as Qwen releases Qwen2-VL (config.json, names), from a config with a fixed
     seed; Qwen2-VL's chat template."""
     from transformers import Qwen2VLImageProcessor
 
-    tokenizer = tiny_tokenizer(QWEN_TOKENS, published_template("qwen2_vl"))
+    tokenizer = demo_tokenizer()
     write_checkpoint(folder, released_config(tokenizer))
     tokenizer.save_pretrained(folder)
     # A small max_pixels keeps the demo fast on a CPU and sends its larger photos down the shrinking branch.

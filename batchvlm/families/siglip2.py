@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.demo import caption_corpus
 from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_released
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, processor_inputs,
-                                      processor_params, read_config, tiny_tokenizer, token_id, tokenizer_digest,
+                                      processor_params, read_config, token_id, tokenizer_digest,
                                       tower_inputs)
 from batchvlm.format.layouts import RASTER_HWC, PatchLayout
 from batchvlm.records import ImagePlan
@@ -303,9 +304,29 @@ def released_config(vocab_size: int) -> dict:
     """config.json as Google releases SigLIP2's NaFlex checkpoints (both towers), tiny."""
     return {"architectures": ["Siglip2Model"], "initializer_factor": 1.0, "model_type": "siglip2",
             "text_config": dict(TINY_TOWER, model_type="siglip2_text_model", projection_size=32,
-                                vocab_size=vocab_size),
+                                vocab_size=vocab_size, pad_token_id=0, eos_token_id=1, bos_token_id=2),
             "torch_dtype": "float32",
             "vision_config": dict(TINY_TOWER, model_type="siglip2_vision_model", num_patches=256, patch_size=16)}
+
+
+def demo_tokenizer():
+    """A small BPE that splits text as SigLIP2's does (Gemma's, lowercased: transformers loads a siglip2 checkpoint's
+    tokenizer as its Siglip2Tokenizer whatever the files say), trained on the demo captions, with the image tokens
+    (which SigLIP2's config.json names no id of)."""
+    import string
+
+    from tokenizers import Tokenizer, models, normalizers, trainers
+    from transformers import Siglip2Tokenizer
+
+    core = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    core.normalizer = normalizers.Sequence([normalizers.Lowercase(), normalizers.Replace(" ", "▁")])
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<pad>", "<eos>", "<bos>", "<unk>", "<mask>",
+                                                                  *SIGLIP_TOKENS],
+                                  initial_alphabet=[*string.printable.lower(), "▁"], show_progress=False)
+    core.train_from_iterator(caption_corpus(), trainer=trainer)
+    model = json.loads(core.to_str())["model"]
+    return Siglip2Tokenizer(vocab=model["vocab"], merges=[tuple(merge) for merge in model["merges"]],
+                            extra_special_tokens=SIGLIP_TOKENS)
 
 
 def write_tiny_checkpoint(folder: Path) -> None:
@@ -313,7 +334,7 @@ def write_tiny_checkpoint(folder: Path) -> None:
     names), from a config with a fixed seed."""
     from transformers import Siglip2ImageProcessor
 
-    tokenizer = tiny_tokenizer(SIGLIP_TOKENS)
+    tokenizer = demo_tokenizer()
     write_checkpoint(folder, released_config(len(tokenizer)))
     tokenizer.save_pretrained(folder)
     Siglip2ImageProcessor(patch_size=16, max_num_patches=256).save_pretrained(folder)

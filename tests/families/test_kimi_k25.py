@@ -127,10 +127,9 @@ def test_a_moonvit_of_other_sizes_and_another_image_token_loads_by_its_own_confi
     another id; every one taken from its config.json."""
     import shutil
 
-    from batchvlm.families.common import published_template, tiny_tokenizer
-    from batchvlm.families.kimi_k25 import IMAGE_TOKEN, MEDIA_TOKENS, released_config, write_checkpoint
+    from batchvlm.families.kimi_k25 import IMAGE_TOKEN, demo_tokenizer, released_config, write_checkpoint
 
-    tokenizer = tiny_tokenizer(MEDIA_TOKENS, published_template("kimi_k25"), ids={IMAGE_TOKEN: 700})
+    tokenizer = demo_tokenizer(ids={IMAGE_TOKEN: 700})
     config = released_config(dict(vt_hidden_size=48, vt_intermediate_size=96, vt_num_hidden_layers=1,
                                   vt_num_attention_heads=3, init_pos_emb_height=8, init_pos_emb_width=8), tokenizer)
     config["vision_config"]["text_hidden_size"] = config["text_config"]["hidden_size"] = 40
