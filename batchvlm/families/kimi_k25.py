@@ -226,16 +226,19 @@ def hf_config(raw: dict, path: Path):
                               f"batchvlm does not implement (it runs {key}={value!r})")
     dims = {ours: config_field(path, (vision, released, ours)) for released, ours in VISION_FIELDS}
     text = {key: value for key, value in (raw.get("text_config") or {}).items() if key != "quantization_config"}
-    text["hidden_size"] = config_field(path, (vision, "text_hidden_size"), (text, "hidden_size"),
-                                       default=text.get("hidden_size", dims["hidden_size"]))
+    # A tower saved alone has no projector and reads no token: only the full checkpoint must name them.
+    alone = {"default": None} if raw["model_type"] == "kimi_k25_vision" else {}
+    text["hidden_size"] = config_field(path, (vision, "text_hidden_size"), (text, "hidden_size"), **alone)
+    token = config_field(path, (raw, "media_placeholder_token_id", "image_token_id"), **alone)
     return Kimi_K25Config(
-        text_config=text, vision_config={**dims, "hidden_act": vision.get("hidden_act", "gelu_pytorch_tanh")},
+        text_config={key: value for key, value in text.items() if value is not None},
+        vision_config={**dims, "hidden_act": vision.get("hidden_act", "gelu_pytorch_tanh")},
+        # the projector's norm runs over the tower's width: that is its width where the file does not say
         projection_hidden_size=config_field(path, (vision, "mm_hidden_size"), (raw, "projection_hidden_size"),
                                             default=dims["hidden_size"]),
         projection_layer_norm_eps=config_field(path, (vision, "projector_ln_eps"), (raw, "projection_layer_norm_eps"),
                                                default=1e-5),
-        image_token_id=config_field(path, (raw, "media_placeholder_token_id", "image_token_id"),
-                                    default=Kimi_K25Config.image_token_id),
+        image_token_id=Kimi_K25Config.image_token_id if token is None else token,
         tie_word_embeddings=raw.get("tie_word_embeddings", False))
 
 

@@ -189,3 +189,41 @@ def test_a_config_json_that_does_not_say_the_tower_it_holds_is_refused_naming_th
     folder = config_copy(kimi_family.checkpoint, tmp_path / "ckpt", edit)
     with pytest.raises(ConfigError, match=re.escape(refusal)):
         load_from(folder)
+
+
+@pytest.mark.parametrize("field", ["media_placeholder_token_id", "text_hidden_size"])
+def test_a_full_checkpoint_must_name_its_image_token_and_its_llm_width(tmp_path, kimi_family, field):
+    """Neither is taken from transformers' defaults (163605, 7168): a checkpoint that does not say is refused."""
+    from batchvlm.config import ConfigError
+
+    def without(config):
+        config.pop(field, None)
+        config["vision_config"].pop(field, None)
+        config["text_config"].pop("hidden_size")
+
+    folder = config_copy(kimi_family.checkpoint, tmp_path / "ckpt", without)
+    with pytest.raises(ConfigError, match=f"gives none of {field}"):
+        load_from(folder)
+
+
+def test_a_tower_saved_alone_by_transformers_loads_with_its_own_weights(tmp_path, kimi_family):
+    """Kimi_K25VisionModel.save_pretrained (config.json of model_type kimi_k25_vision, no prefix on its names): its
+    tower's tokens, no projector."""
+    import shutil
+
+    from transformers import Kimi_K25VisionModel
+
+    from batchvlm.families.common import read_config
+    from batchvlm.families.kimi_k25 import hf_config
+
+    torch.manual_seed(2)
+    tower = Kimi_K25VisionModel(hf_config(read_config(kimi_family.checkpoint), kimi_family.checkpoint).vision_config)
+    tower.eval().save_pretrained(tmp_path)
+    kimi_family.tokenizer.save_pretrained(tmp_path)
+    shutil.copy(kimi_family.checkpoint / "preprocessor_config.json", tmp_path)
+    family, encoder = load_from(tmp_path)
+    assert encoder.projector is None
+    rows, grids = preprocessed(family, [data.coffee()[:120, :200]])
+    with torch.inference_mode():
+        expected = tower(rows[0], grid_thw=torch.tensor(grids)).pooler_output.flatten(1)
+    assert torch.equal(encoder(rows[0], torch.tensor(grids))["image_embeds"][0], expected)
