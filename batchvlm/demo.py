@@ -17,7 +17,8 @@ import numpy as np
 
 from batchvlm.config import ConfigError
 
-DEMO_VERSION = "v2"  # v2: the tiny tokenizers carry chat tokens and templates
+DEMO_VERSION = "v3"  # v2: the tiny tokenizers carry chat tokens and templates; v3: the tiny checkpoints in
+# their released layouts, no tensor left constant
 
 
 def home() -> Path:

@@ -1,6 +1,7 @@
 """Sizing a job before it runs: a sample of the real input, its images read to their headers (never decoded),
 planned and laid out as the job's workers do it, and its rows built with embeddings of the output's width and written
-as the sink writes them. No tower runs.
+as the sink writes them. No tower runs, and no tensor is read: the checkpoint's vision tensors are checked against its
+config.json from the safetensors headers alone (families.check_checkpoint), as the job checks them before it starts.
 
 What it tells: tokens per image (p50, p90, max) under the run's resize settings, bytes per record and in all
 (extrapolated from the plan's row counts), the data a unit writes and in how many files, the loader's memory per worker; given a rate of
@@ -22,7 +23,7 @@ import torch
 from batchvlm.config import EstimateConfig
 from batchvlm.executor.rows import Assembler
 from batchvlm.executor.worker import checked_id, prepare
-from batchvlm.families import load_family
+from batchvlm.families import check_checkpoint, load_family
 from batchvlm.format.schema import DATA_SCHEMA, EMBED_DTYPES, QUARANTINE_SCHEMA
 from batchvlm.pipeline.decode import read_bytes, upright_size
 from batchvlm.pipeline.encode import expected_rows
@@ -79,6 +80,7 @@ class Estimate:
     shard_limit: int  # output.shard_bytes: a unit's rows of one kind are cut into files of at most this
     images_per_s: float | None
     devices: int
+    checkpoint: str = ""  # what the header check of its vision tensors found
 
     @property
     def written_fraction(self) -> float:
@@ -113,7 +115,7 @@ class Estimate:
 
 def estimate(config: EstimateConfig) -> Estimate:
     family = load_family(config.model)
-    hidden_sizes = family.load_encoder(torch.device("cpu"), EMBED_DTYPES[config.model.dtype]).hidden_sizes
+    hidden_sizes, checkpoint = check_checkpoint(family, EMBED_DTYPES[config.model.dtype])
     source = make_source(config.dataset, max_bytes=config.decode.max_bytes)
     units = source.plan()
     picked = units[::max(1, len(units) // config.records)]
@@ -142,7 +144,7 @@ def estimate(config: EstimateConfig) -> Estimate:
         quarantine_bytes_per_record=_per_row(quarantine, QUARANTINE_SCHEMA, config.output.compression, empty),
         file_bytes=empty, units=len(units), unit_records=config.dataset.unit_records,
         shard_limit=config.output.shard_bytes,
-        images_per_s=config.images_per_s, devices=config.devices)
+        images_per_s=config.images_per_s, devices=config.devices, checkpoint=checkpoint)
 
 
 def _encoded(outcome: PreparedRecord | QuarantinedRecord, hidden_sizes: dict[str, int]):
@@ -183,6 +185,7 @@ def format_estimate(result: Estimate) -> str:
     quantile = (lambda q: tokens[min(len(tokens) - 1, int(q * len(tokens)))]) if tokens else (lambda q: 0)
     lines = [f"estimate: {result.family}, output width {result.hidden_sizes['image_embeds']} in {result.embed_dtype}"
              + "".join(f", {name} {size}" for name, size in result.hidden_sizes.items() if name != "image_embeds"),
+             f"checkpoint: {result.checkpoint}",
              f"sample: {result.sampled} records ({result.quarantined} would be quarantined), "
              f"{result.images_per_record:.2f} images per record",
              f"tokens per image: p50 {quantile(0.5)}  p90 {quantile(0.9)}  max {max(tokens, default=0)}",

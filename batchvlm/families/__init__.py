@@ -26,8 +26,8 @@ from batchvlm.demo import DEMO_VERSION, build_once, home
 from batchvlm.format.layouts import PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
 
-SHARED = "common"
-"""The module of this package that is no family: what the families share."""
+SHARED = ("common", "checkpoint")
+"""The modules of this package that are no family: what the families share, and how they load checkpoints."""
 
 
 class Encoder(Protocol):
@@ -80,14 +80,14 @@ class Family(Protocol):
 
 
 def family_names() -> list[str]:
-    """The families batchvlm ships: every module of this package but the shared one."""
-    return sorted(module.name for module in pkgutil.iter_modules(__path__) if module.name != SHARED)
+    """The families batchvlm ships: every module of this package but the shared ones."""
+    return sorted(module.name for module in pkgutil.iter_modules(__path__) if module.name not in SHARED)
 
 
 def family_module(name: str) -> ModuleType:
     """The module of `model.family`: one of this package by name, else an importable module by its dotted path."""
     qualified = f"{__name__}.{name}" if name in family_names() else name
-    if name == SHARED or not qualified:
+    if name in SHARED or not qualified:
         raise ConfigError(f"model.family={name!r} is not a family (known: {', '.join(family_names())})")
     try:
         module = importlib.import_module(qualified)
@@ -103,6 +103,15 @@ def family_module(name: str) -> ModuleType:
 
 def load_family(model: ModelConfig) -> Family:
     return family_module(model.family).from_config(model)
+
+
+def check_checkpoint(family: Family, dtype: torch.dtype) -> tuple[dict[str, int], str]:
+    """The widths of the family's outputs and what its checkpoint holds, from config.json and the safetensors headers
+    alone: the encoder built on the meta device, no tensor read. A checkpoint the job would refuse is refused here,
+    by the same check (families/checkpoint.py)."""
+    encoder = family.load_encoder(torch.device("meta"), dtype)
+    checked = getattr(encoder, "checked", None)  # a user's family may load its weights its own way
+    return encoder.hidden_sizes, checked.describe() if checked else "not checked (the family loads it its own way)"
 
 
 def tiny_checkpoint(name: str) -> Path:

@@ -3,6 +3,7 @@ subclasses `PatchFamily` and states only its own rules, and builds its tiny chec
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -15,6 +16,7 @@ from batchvlm.config import FLASH_ATTENTION, ConfigError, ModelConfig
 from batchvlm.demo import caption_corpus
 from batchvlm.devices import to_device
 from batchvlm.families import resolve_checkpoint
+from batchvlm.families.checkpoint import load_weights
 from batchvlm.format.layouts import PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
 
@@ -73,10 +75,19 @@ class PatchFamily:
         out = self.reference_processor()(images=processor_inputs(images), return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 
-    def check_image_token(self, config) -> None:
+    def load_parts(self, vision_parts, device: torch.device, dtype: torch.dtype):
+        """The family's vision parts built from config.json by `vision_parts(raw, path, dtype, attention) -> (parts,
+        layouts)` and loaded strictly (checkpoint.load_weights); on the meta device, built there and checked from the
+        headers alone. Returns the parts and what the check found."""
+        with built_on(device):
+            parts, layouts = vision_parts(read_config(self.checkpoint), self.checkpoint, dtype,
+                                          self.attn_implementation)
+        return parts, load_weights(self.checkpoint, layouts, parts, read=device.type != "meta")
+
+    def check_image_token(self, image_token_id: int) -> None:
         """The checkpoint's LLM must read image embeddings where this tokenizer puts the image token."""
-        if config.image_token_id != self.image_token_id:
-            raise ConfigError(f"{self.checkpoint}: config image_token_id={config.image_token_id} but the tokenizer "
+        if image_token_id != self.image_token_id:
+            raise ConfigError(f"{self.checkpoint}: config.json's image token is {image_token_id} but the tokenizer "
                               f"maps its image token to {self.image_token_id} (model.tokenizer_path)")
 
 
@@ -134,34 +145,37 @@ def choose_projector(embedding: str, projector: torch.nn.Module | None) -> torch
     return projector
 
 
-def load_submodule(checkpoint: Path, module_class, config, prefixes: tuple[str, ...], dtype: torch.dtype,
-                   attn_implementation: str) -> torch.nn.Module:
-    """Build one part of a checkpoint (the vision tower) from its sub-config and read only its weights.
+def read_config(checkpoint: Path) -> dict:
+    """config.json as it is published: the family reads the fields it needs by their released names."""
+    try:
+        return json.loads((checkpoint / "config.json").read_text())
+    except ValueError as error:
+        raise ConfigError(f"model.path={checkpoint}: config.json is not JSON ({error})") from None
 
-    The language model of a VLM checkpoint is most of its bytes; only the shards that hold the part's
-    tensors are opened, and only those tensors are read.
-    """
-    from safetensors import safe_open
 
-    module = module_class._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    index = checkpoint / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        shards = sorted({shard for key, shard in weight_map.items() if key.startswith(prefixes)})
-    else:
-        shards = ["model.safetensors"]
-    state = {}
-    for shard in shards:
-        with safe_open(checkpoint / shard, framework="pt") as tensors:
-            for key in tensors.keys():
-                prefix = next((p for p in prefixes if key.startswith(p)), None)
-                if prefix is not None:
-                    state[key[len(prefix):]] = tensors.get_tensor(key)
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected or not state:
-        raise ConfigError(f"{checkpoint}: the weights under {' or '.join(prefixes)} do not fit "
-                          f"{module_class.__name__} (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    return module.to(dtype)
+NO_DEFAULT = object()
+
+
+def config_field(path: Path, *sources: tuple, default=NO_DEFAULT):
+    """A config.json field by any of its names: each source is (dict, name, ...), the released spelling first. Two
+    names given different values, or none given where there is no default, are refused, naming the keys."""
+    found = {name: values[name] for values, *names in sources for name in names if name in values}
+    if len({json.dumps(value) for value in found.values()}) > 1:
+        raise ConfigError(f"{path / 'config.json'}: {' and '.join(f'{k}={v!r}' for k, v in found.items())} "
+                          "name one dimension with two values")
+    if found:
+        return next(iter(found.values()))
+    if default is NO_DEFAULT:
+        names = [name for _, *names in sources for name in names]
+        raise ConfigError(f"{path / 'config.json'} gives none of {', '.join(names)}: the vision tower's shape "
+                          "cannot be known")
+    return default
+
+
+def built_on(device: torch.device):
+    """Where a family builds its vision parts: on the meta device, where only their shapes are wanted (no memory, no
+    init); elsewhere as transformers builds them, before the checkpoint overwrites every tensor."""
+    return torch.device("meta") if device.type == "meta" else contextlib.nullcontext()
 
 
 def published_template(name: str) -> str:
@@ -224,20 +238,38 @@ def check_tower_inputs(tower: torch.nn.Module, pixel_values: torch.Tensor, kwarg
                               + "; ".join(wrong))
 
 
-def tiny_tokenizer(media_tokens: list[str], chat_template: str | None = None):
+def tiny_tokenizer(media_tokens: list[str], chat_template: str | None = None, ids: dict[str, int] | None = None):
     """A small byte-level BPE with the family's special tokens, trained on the demo captions: a tiny checkpoint's,
-    with the chat template of the checkpoints it stands for."""
+    with the chat template of the checkpoints it stands for. `ids` places special tokens at the ids a released
+    checkpoint gives them (its vocabulary padded with tokens no text encodes to)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    ids = ids or {}
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    specials = ["[PAD]", "[BOS]", "[EOS]"] + media_tokens
+    specials = ["[PAD]", "[BOS]", "[EOS]"] + [token for token in media_tokens if token not in ids]
     # show_progress=False: off a terminal, the trainer's bars reach stdout as three blank lines
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     core.train_from_iterator(caption_corpus(), trainer=trainer)
+    if ids:
+        core = _padded(core, ids)
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", bos_token="[BOS]",
                                    eos_token="[EOS]", additional_special_tokens=media_tokens,
                                    chat_template=chat_template)
+
+
+def _padded(core, ids: dict[str, int]):
+    """The trained BPE with its vocabulary run on to the largest of `ids`, those tokens at their ids, fillers
+    between (no merge makes them, so no text encodes to them)."""
+    from tokenizers import Tokenizer, models
+
+    model = json.loads(core.to_str())["model"]
+    vocab, at = dict(model["vocab"]), {index: token for token, index in ids.items()}
+    vocab.update({at.get(index, f"<|filler_{index}|>"): index for index in range(len(vocab), max(ids.values()) + 1)})
+    merges = [tuple(merge.split(" ")) if isinstance(merge, str) else tuple(merge) for merge in model["merges"]]
+    padded = Tokenizer(models.BPE(vocab, merges))
+    padded.pre_tokenizer, padded.decoder = core.pre_tokenizer, core.decoder
+    return padded

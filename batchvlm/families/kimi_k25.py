@@ -17,9 +17,10 @@ import torch
 
 from batchvlm.config import ConfigError, ModelConfig
 from batchvlm.devices import to_device
-from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, choose_projector, processor_params,
-                                      published_template, tiny_tokenizer, token_id, tokenizer_digest,
-                                      tower_inputs)
+from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_released
+from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, choose_projector, config_field,
+                                      processor_params, published_template, read_config, tiny_tokenizer, token_id,
+                                      tokenizer_digest, tower_inputs)
 from batchvlm.format.layouts import RASTER_CHW, PatchLayout
 from batchvlm.records import ImagePlan
 from batchvlm.format.schema import FRAME, IMAGE
@@ -175,21 +176,16 @@ class KimiK25(PatchFamily):
 
     # -- tower ----------------------------------------------------------------------------------
     def load_encoder(self, device: torch.device, dtype: torch.dtype) -> KimiEncoder:
-        from transformers import AutoConfig, Kimi_K25VisionModel
-
-        config = AutoConfig.from_pretrained(self.checkpoint)
-        kwargs = dict(dtype=dtype, attn_implementation=self.attn_implementation, use_safetensors=True)
-        if config.model_type == "kimi_k25_vision":
-            tower, projector = Kimi_K25VisionModel.from_pretrained(self.checkpoint, **kwargs), None
-        elif config.model_type == "kimi_k25":
-            self.check_image_token(config)
-            tower, projector = _tower_and_projector(self.checkpoint, config, kwargs)
-        else:
-            raise ConfigError(f"model.path={self.checkpoint} holds a {config.model_type!r} checkpoint, "
-                              "not kimi_k25 or kimi_k25_vision")
-        projector = choose_projector(self.embedding, projector)
-        return KimiEncoder(tower, projector, self.params.merge_size, self.embedding == "both",
-                           self.attn_implementation).to(device).eval()
+        """On the meta device: the header check alone, no tensor read (what batchvlm-estimate runs)."""
+        raw = read_config(self.checkpoint)
+        if raw.get("model_type") == "kimi_k25":
+            self.check_image_token(hf_config(raw, self.checkpoint).image_token_id)
+        parts, checked = self.load_parts(vision_parts, device, dtype)
+        projector = choose_projector(self.embedding, parts.get(PROJECTOR))
+        encoder = KimiEncoder(parts[TOWER], projector, self.params.merge_size, self.embedding == "both",
+                              self.attn_implementation).to(device).eval()
+        encoder.checked = checked
+        return encoder
 
     def just_over_budget(self) -> tuple[int, int]:
         side, p = math.isqrt(self.params.max_patches), self.params.patch_size
@@ -200,23 +196,94 @@ class KimiK25(PatchFamily):
                 "embedding": self.embedding, "tokenizer": tokenizer_digest(self.tokenizer)}
 
 
-def _tower_and_projector(checkpoint: Path, config, kwargs: dict):
-    """The checkpoint's tower and projector, through transformers' own weight conversion (Moonshot's names,
-    fused qkv), with a language model of no layers and a one-token vocabulary: a 1T-parameter checkpoint
-    costs only its vision weights in memory; the LLM's tensors are skipped as unexpected or mismatched."""
-    from transformers import Kimi_K25ForConditionalGeneration
-    from transformers.utils import logging as hf_logging
+# -- the checkpoint: config.json's fields, the tensors' names ------------------------------------
+TOWER, PROJECTOR = "vision_tower.", "mm_projector."
+VISION_FIELDS = (("vt_hidden_size", "hidden_size"), ("vt_num_hidden_layers", "num_hidden_layers"),
+                 ("vt_num_attention_heads", "num_attention_heads"), ("vt_intermediate_size", "intermediate_size"),
+                 ("init_pos_emb_height", "pos_emb_height"), ("init_pos_emb_width", "pos_emb_width"),
+                 ("init_pos_emb_time", "pos_emb_time"), ("patch_size", "patch_size"),
+                 ("merge_kernel_size", "merge_kernel_size"))
+"""The tower's dims as Moonshot's released vision_config names them, and as transformers' Kimi_K25VisionConfig does."""
+VARIANT = {"merge_type": "sd2_tpool", "mm_projector_type": "patchmerger", "pos_emb_type": "divided_fixed",
+           "projector_hidden_act": "gelu"}
+"""Released vision_config fields that name a MoonViT variant: the values transformers' modules implement."""
 
-    config.text_config.num_hidden_layers = 0
-    config.text_config.vocab_size = 1
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its load report lists every skipped LLM tensor, on purpose skipped
-    try:
-        full = Kimi_K25ForConditionalGeneration.from_pretrained(checkpoint, config=config,
-                                                                ignore_mismatched_sizes=True, **kwargs)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    return full.model.vision_tower, full.model.mm_projector
+
+def hf_config(raw: dict, path: Path):
+    """transformers' Kimi_K25Config of a checkpoint's config.json, its vision dims, projector and image token taken
+    from the fields the release names them by (`vt_*`, `init_pos_emb_*`, `mm_hidden_size`, `text_hidden_size`,
+    `projector_ln_eps`, `media_placeholder_token_id`) or from transformers' own; the language model's config as it is,
+    less its quantization_config (the job reads no tensor of it, and so needs none of its quantization code)."""
+    from transformers import Kimi_K25Config
+
+    if raw.get("model_type") not in ("kimi_k25", "kimi_k25_vision"):
+        raise ConfigError(f"model.path={path} holds a {raw.get('model_type')!r} checkpoint, not kimi_k25 or "
+                          "kimi_k25_vision")
+    vision = raw if raw.get("model_type") == "kimi_k25_vision" else raw.get("vision_config") or {}
+    for key, value in VARIANT.items():
+        if vision.get(key, value) != value:
+            raise ConfigError(f"{path / 'config.json'}: vision_config.{key}={vision[key]!r}, a MoonViT variant "
+                              f"batchvlm does not implement (it runs {key}={value!r})")
+    dims = {ours: config_field(path, (vision, released, ours)) for released, ours in VISION_FIELDS}
+    text = {key: value for key, value in (raw.get("text_config") or {}).items() if key != "quantization_config"}
+    # A tower saved alone has no projector and reads no token: only the full checkpoint must name them.
+    alone = {"default": None} if raw["model_type"] == "kimi_k25_vision" else {}
+    text["hidden_size"] = config_field(path, (vision, "text_hidden_size"), (text, "hidden_size"), **alone)
+    token = config_field(path, (raw, "media_placeholder_token_id", "image_token_id"), **alone)
+    return Kimi_K25Config(
+        text_config={key: value for key, value in text.items() if value is not None},
+        vision_config={**dims, "hidden_act": vision.get("hidden_act", "gelu_pytorch_tanh")},
+        # the projector's norm runs over the tower's width: that is its width where the file does not say
+        projection_hidden_size=config_field(path, (vision, "mm_hidden_size"), (raw, "projection_hidden_size"),
+                                            default=dims["hidden_size"]),
+        projection_layer_norm_eps=config_field(path, (vision, "projector_ln_eps"), (raw, "projection_layer_norm_eps"),
+                                               default=1e-5),
+        image_token_id=Kimi_K25Config.image_token_id if token is None else token,
+        tie_word_embeddings=raw.get("tie_word_embeddings", False))
+
+
+def vision_parts(raw: dict, path: Path, dtype: torch.dtype = torch.float32,
+                 attention: str = "sdpa") -> tuple[dict[str, torch.nn.Module], tuple[Layout, ...]]:
+    """The tower (and the projector) transformers runs, built from config.json (their init is overwritten by the
+    load), and the layouts their tensors are stored in, the released one first."""
+    from transformers import Kimi_K25VisionModel
+    from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25MultimodalProjection
+
+    config = hf_config(raw, path)
+    parts = {TOWER: Kimi_K25VisionModel._from_config(config.vision_config, dtype=dtype,
+                                                      attn_implementation=attention)}
+    if raw["model_type"] == "kimi_k25":
+        parts[PROJECTOR] = Kimi_K25MultimodalProjection(config).to(dtype)
+    return parts, layouts(raw["model_type"], config.vision_config.num_attention_heads)
+
+
+def layouts(model_type: str, heads: int) -> tuple[Layout, ...]:
+    """The names Kimi's vision tensors are stored under: Moonshot's release (MoonViT's blocks, the fused wqkv with
+    each head's rotary pairs interleaved, proj.0/proj.2), transformers' (model.vision_tower.layers.*, q/k/v apart),
+    what transformers 5's save_pretrained writes of the full model (the release's names, some under another prefix),
+    and transformers' vision model saved alone (kimi_k25_vision)."""
+    tower = lambda name: TOWER + name  # noqa: E731
+    if model_type == "kimi_k25_vision":
+        return (Layout("transformers", ("patch_embed.", "layers.", "final_layernorm."),
+                       tuple(Rename(root, tower(root)) for root in ("patch_embed.", "layers.", "final_layernorm."))),)
+    blocks = "vision_tower.encoder.blocks.{}."
+    released = Layout("released", (TOWER, PROJECTOR), (
+        Rename("vision_tower.patch_embed.proj.", tower("patch_embed.proj.")),
+        Rename("vision_tower.patch_embed.pos_emb.weight", tower("patch_embed.pos_emb.position_embeddings")),
+        Rename(blocks + "norm0.", tower("layers.{}.norm1.")),
+        Rename(blocks + "norm1.", tower("layers.{}.norm2.")),
+        Rename(blocks + "wqkv.", tuple(tower(f"layers.{{}}.attn.{x}_proj.") for x in "qkv"), interleaved_heads=heads),
+        Rename(blocks + "wo.", tower("layers.{}.attn.proj.")),
+        Rename(blocks + "mlp.fc0.", tower("layers.{}.mlp.fc1.")),
+        Rename(blocks + "mlp.fc1.", tower("layers.{}.mlp.fc2.")),
+        Rename("vision_tower.encoder.final_layernorm.", tower("final_layernorm.")),
+        Rename("mm_projector.pre_norm.", PROJECTOR + "pre_norm."),
+        Rename("mm_projector.proj.0.", PROJECTOR + "in_proj."),
+        Rename("mm_projector.proj.2.", PROJECTOR + "out_proj.")))
+    transformers = Layout("transformers", ("model.vision_tower.", "model.mm_projector."),
+                          (Rename("model.vision_tower.", TOWER), Rename("model.mm_projector.", PROJECTOR)))
+    saved = Layout("transformers-saved", (), (Rename("vision_tower.encoder.patch_embed.", tower("patch_embed.")),))
+    return released, transformers, saved
 
 
 def from_config(model: ModelConfig, family_class: type[KimiK25] = KimiK25) -> KimiK25:
@@ -231,35 +298,64 @@ MEDIA_TOKENS = ["<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|medi
                 "<|kimi_k25_video_placeholder|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
                 "<|im_end|>"]
 
-TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        pos_emb_height=16, pos_emb_width=16)
-BASE_VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                        pos_emb_height=64, pos_emb_width=64)
+TINY_VISION = dict(vt_hidden_size=32, vt_intermediate_size=64, vt_num_hidden_layers=2, vt_num_attention_heads=2,
+                   init_pos_emb_height=16, init_pos_emb_width=16)
+BASE_VISION = dict(vt_hidden_size=768, vt_intermediate_size=3072, vt_num_hidden_layers=12, vt_num_attention_heads=12,
+                   init_pos_emb_height=64, init_pos_emb_width=64)
 """A ViT-B-sized MoonViT for the end-to-end benchmark, where the tower must cost what a real one does."""
+K25_VISION = dict(VARIANT, patch_size=14, merge_kernel_size=[2, 2], init_pos_emb_time=4, projector_ln_eps=1e-5,
+                  video_attn_type="spatial_temporal", model_type="")
+"""Kimi-K2.5's released vision_config, less its dims."""
+TINY_TEXT = dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                 num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+                 qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=8192, n_group=1,
+                 topk_group=1)
+
+
+def released_config(vision: dict, tokenizer) -> dict:
+    """config.json as Moonshot releases Kimi-K2.5's, with `vision`'s dims, a one-layer LLM and the tokenizer's ids."""
+    return {"architectures": ["KimiK25ForConditionalGeneration"], "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id, "media_placeholder_token_id": tokenizer.convert_tokens_to_ids(
+                IMAGE_TOKEN), "model_type": "kimi_k25", "pad_token_id": tokenizer.pad_token_id,
+            "text_config": dict(TINY_TEXT, vocab_size=len(tokenizer)), "tie_word_embeddings": False,
+            "vision_config": dict(K25_VISION, **vision, mm_hidden_size=vision["vt_hidden_size"],
+                                  text_hidden_size=TINY_TEXT["hidden_size"])}
+
+
+def demo_tokenizer(ids: dict[str, int] | None = None):
+    """The tiny checkpoint's tokenizer, with the published chat template; `ids` places special tokens at a release's
+    ids."""
+    return tiny_tokenizer(MEDIA_TOKENS, published_template("kimi_k25"), ids)
 
 
 def write_tiny_checkpoint(folder: Path, vision: dict = TINY_VISION) -> None:
-    """MoonViT tower + projector + a one-layer MoE LLM, from a config with a fixed seed; Kimi-K2.5's chat template."""
-    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration, Kimi_K25ImageProcessor
-
-    tokenizer = tiny_tokenizer(MEDIA_TOKENS, published_template("kimi_k25"))
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in MEDIA_TOKENS}
-    config = Kimi_K25Config(
-        text_config=dict(model_type="deepseek_v3", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-                         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-                         kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-                         max_position_embeddings=8192, n_group=1, topk_group=1),
-        vision_config=dict(**vision, patch_size=14, rope_parameters={"rope_type": "axial", "rope_theta": 10000.0}),
-        projection_hidden_size=vision["hidden_size"], image_token_id=ids["<|media_pad|>"],
-        video_token_id=ids["<|kimi_k25_video_placeholder|>"], vision_start_token_id=ids["<|media_begin|>"],
-        vision_end_token_id=ids["<|media_end|>"], tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = Kimi_K25ForConditionalGeneration(config).eval()
-    model.save_pretrained(folder, safe_serialization=True)
+    """MoonViT tower + projector + a one-layer LLM as Moonshot releases them (config.json, names, media_proc_cfg),
+    from a config with a fixed seed; Kimi-K2.5's chat template."""
+    tokenizer = demo_tokenizer()
+    write_checkpoint(folder, released_config(vision, tokenizer))
     tokenizer.save_pretrained(folder)
-    Kimi_K25ImageProcessor(patch_size=14, merge_size=2, max_patches=16384,
-                           size={"max_height": 512, "max_width": 512}).save_pretrained(folder)
+    media = {"in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+             "merge_kernel_size": 2, "fixed_output_tokens": None, "patch_limit_on_one_side": 512}
+    (folder / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": media}, indent=2))
+
+
+def write_checkpoint(folder: Path, config: dict, language_model: bool = True, seed: int = 0) -> None:
+    """A checkpoint of `config` (config.json as released) in the released layout, every tensor of non-trivial values,
+    deterministic; with `language_model`, its LLM too (under language_model.*), which the job never reads."""
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    hf = hf_config(config, folder)
+    torch.manual_seed(seed)
+    llm = {}
+    if language_model:
+        model = nontrivial(Kimi_K25ForConditionalGeneration(hf), seed)
+        parts = {TOWER: model.model.vision_tower, PROJECTOR: model.model.mm_projector}
+        llm = {f"language_model.model.{name}": tensor for name, tensor in
+               model.model.language_model.state_dict().items()} | {"language_model.lm_head.weight": model.lm_head.weight}
+    else:
+        parts = {prefix: nontrivial(part, seed) for prefix, part in vision_parts(config, folder)[0].items()}
+    write_released(folder, config, layouts("kimi_k25", hf.vision_config.num_attention_heads)[0], parts, llm)
 
 
 def write_base_checkpoint(folder: Path) -> None:

@@ -22,8 +22,9 @@ import torch
 from batchvlm.checks import require
 from batchvlm.config import ConfigError, ModelConfig
 from batchvlm.devices import to_device
-from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_params,
-                                      published_template, tiny_tokenizer, token_id, tokenizer_digest,
+from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_released
+from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, config_field, processor_params,
+                                      published_template, read_config, tiny_tokenizer, token_id, tokenizer_digest,
                                       tower_inputs)
 from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
@@ -221,21 +222,19 @@ class Qwen2VL(PatchFamily):
             image_mean=list(p.image_mean), image_std=list(p.image_std))
 
     def load_encoder(self, device: torch.device, dtype: torch.dtype) -> QwenEncoder:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(self.checkpoint)
-        self.check_image_token(config)
+        """On the meta device: the header check alone, no tensor read (what batchvlm-estimate runs)."""
+        config = hf_config(read_config(self.checkpoint), self.checkpoint)
+        self.check_image_token(config.image_token_id)
         _check_against_tower(self.params, config.vision_config)
-        module, cls = VERSIONS[self.version]
-        tower_class = getattr(importlib.import_module(module), cls)
         if self.embedding in ("tower", "both") and self.version == "qwen2_5_vl":
             raise ConfigError("model.embedding=tower/both: Qwen2.5-VL's tower keeps its features in window order; "
                               "batchvlm stores its merger tokens only (model.embedding=auto)")
         embedding = "projector" if self.embedding == "auto" else self.embedding  # the merger is the projector
-        tower = load_submodule(self.checkpoint, tower_class, config.vision_config, ("model.visual.", "visual."),
-                               dtype=dtype, attn_implementation=self.attn_implementation)
-        return QwenEncoder(tower, embedding, self.params.merge_size, self.version,
-                           self.attn_implementation).to(device).eval()
+        parts, checked = self.load_parts(vision_parts, device, dtype)
+        encoder = QwenEncoder(parts[TOWER], embedding, self.params.merge_size, self.version,
+                              self.attn_implementation).to(device).eval()
+        encoder.checked = checked
+        return encoder
 
     def just_over_budget(self) -> tuple[int, int]:
         factor = self.params.factor
@@ -256,7 +255,7 @@ def _check_against_tower(params: QwenProcessorParams, vision) -> None:
 
 
 def _model_type(checkpoint: Path) -> str:
-    model_type = json.loads((checkpoint / "config.json").read_text()).get("model_type")
+    model_type = read_config(checkpoint).get("model_type")
     if model_type not in VERSIONS:
         raise ConfigError(f"model.path={checkpoint} holds a {model_type!r} checkpoint, not one of "
                           f"{', '.join(VERSIONS)}")
@@ -269,28 +268,103 @@ def from_config(model: ModelConfig) -> Qwen2VL:
     return Qwen2VL(checkpoint, params, tokenizer, model.embedding, model.attn_implementation)
 
 
+# -- the checkpoint: config.json's fields, the tensors' names ------------------------------------
+TOWER = "visual."
+LAYOUTS = (Layout("released", (TOWER,), (Rename(TOWER, TOWER),)),
+           Layout("transformers", ("model.visual.",), (Rename("model.visual.", TOWER),)))
+"""Qwen2-VL and Qwen2.5-VL are released with their tower and merger under visual.*, Qwen3-VL under model.visual.*
+(transformers' names for all three); the names below either prefix are the tower's own."""
+RELEASED = {"qwen2_vl": LAYOUTS[0], "qwen2_5_vl": LAYOUTS[0], "qwen3_vl": LAYOUTS[1]}
+LANGUAGE_MODEL = {"qwen2_vl": "model.", "qwen2_5_vl": "model.", "qwen3_vl": "model.language_model."}
+"""Where each version's release keeps its LLM's tensors (lm_head.weight aside)."""
+
+
+def hf_config(raw: dict, path: Path):
+    """transformers' config of a checkpoint's config.json (its classes read Qwen's released fields, flat or nested),
+    less the LLM's quantization_config; the released vision fields transformers has no use for checked against the
+    ones it has."""
+    from transformers import AutoConfig
+
+    model_type = raw.get("model_type")
+    if model_type not in VERSIONS:
+        raise ConfigError(f"model.path={path} holds a {model_type!r} checkpoint, not one of {', '.join(VERSIONS)}")
+    vision = dict(raw.get("vision_config") or {})
+    vision["in_channels"] = config_field(path, (vision, "in_chans", "in_channels"), default=3)
+    if vision.pop("spatial_patch_size", vision.get("patch_size")) != vision.get("patch_size"):
+        raise ConfigError(f"{path / 'config.json'}: vision_config.spatial_patch_size differs from its patch_size")
+    vision.pop("in_chans", None)
+    text = {key: value for key, value in raw.items() if key not in ("vision_config", "quantization_config")}
+    if isinstance(text.get("text_config"), dict):
+        text["text_config"] = {k: v for k, v in text["text_config"].items() if k != "quantization_config"}
+    return AutoConfig.for_model(**text, vision_config=vision)
+
+
+def vision_parts(raw: dict, path: Path, dtype: torch.dtype = torch.float32,
+                 attention: str = "sdpa") -> tuple[dict[str, torch.nn.Module], tuple[Layout, ...]]:
+    """The tower with its merger(s) transformers runs, built from config.json (its init is overwritten by the load),
+    and the layouts its tensors are stored in, the version's released one first."""
+    config = hf_config(raw, path)
+    module, cls = VERSIONS[config.model_type]
+    tower = getattr(importlib.import_module(module), cls)._from_config(config.vision_config, dtype=dtype,
+                                                                          attn_implementation=attention)
+    released = RELEASED[config.model_type]
+    return {TOWER: tower}, (released, *(layout for layout in LAYOUTS if layout is not released))
+
+
 # -- tiny checkpoint ---------------------------------------------------------------------------
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>"]
 
 
-def write_tiny_checkpoint(folder: Path) -> None:
-    """Vision tower + merger + a 2-layer LLM, from a config with a fixed seed; Qwen2-VL's chat template."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor
+TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=8192, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                 rope_theta=10000.0)
+TINY_VISION = dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, in_chans=3, hidden_size=64, patch_size=14,
+                   spatial_merge_size=2, spatial_patch_size=14, temporal_patch_size=2)
 
-    tokenizer = tiny_tokenizer(QWEN_TOKENS, published_template("qwen2_vl"))
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_TOKENS}
-    config = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, embed_dim=32, num_heads=2, hidden_size=64, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False)
-    torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(config).eval().save_pretrained(folder, safe_serialization=True)
+
+def released_config(tokenizer) -> dict:
+    """config.json as Qwen releases Qwen2-VL's (flat, its vision_config by the release's names), tiny, with the
+    tokenizer's ids."""
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"))}
+    return {"architectures": ["Qwen2VLForConditionalGeneration"], "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id, **ids, "hidden_act": "silu", "model_type": "qwen2_vl",
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "float32", **TINY_TEXT,
+            "vision_config": TINY_VISION, "vocab_size": len(tokenizer)}
+
+
+def demo_tokenizer(ids: dict[str, int] | None = None):
+    """The tiny checkpoint's tokenizer, with the published chat template; `ids` places special tokens at a release's
+    ids."""
+    return tiny_tokenizer(QWEN_TOKENS, published_template("qwen2_vl"), ids)
+
+
+def write_tiny_checkpoint(folder: Path) -> None:
+    """Vision tower + merger + a 2-layer LLM as Qwen releases Qwen2-VL (config.json, names), from a config with a fixed
+    seed; Qwen2-VL's chat template."""
+    from transformers import Qwen2VLImageProcessor
+
+    tokenizer = demo_tokenizer()
+    write_checkpoint(folder, released_config(tokenizer))
     tokenizer.save_pretrained(folder)
     # A small max_pixels keeps the demo fast on a CPU and sends its larger photos down the shrinking branch.
     Qwen2VLImageProcessor(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 256}).save_pretrained(folder)
+
+
+def write_checkpoint(folder: Path, config: dict, language_model: bool = True, seed: int = 0) -> None:
+    """A checkpoint of `config` (config.json as released, any of the three versions) in its version's released layout,
+    every tensor of non-trivial values, deterministic; with `language_model`, its LLM too, which the job never reads."""
+    from transformers import AutoModelForImageTextToText
+
+    hf = hf_config(config, folder)
+    torch.manual_seed(seed)
+    llm = {}
+    if language_model:
+        model = nontrivial(AutoModelForImageTextToText.from_config(hf), seed)
+        parts = {TOWER: model.model.visual}
+        llm = {LANGUAGE_MODEL[hf.model_type] + name: tensor for name, tensor in
+               model.model.language_model.state_dict().items()} | {"lm_head.weight": model.lm_head.weight}
+    else:
+        parts = {prefix: nontrivial(part, seed) for prefix, part in vision_parts(config, folder)[0].items()}
+    write_released(folder, config, RELEASED[hf.model_type], parts, llm)

@@ -21,8 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from batchvlm.config import ConfigError, ModelConfig
-from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_inputs,
-                                      processor_params, tiny_tokenizer, token_id, tokenizer_digest, tower_inputs)
+from batchvlm.demo import caption_corpus
+from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_released
+from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, processor_inputs,
+                                      processor_params, read_config, token_id, tokenizer_digest,
+                                      tower_inputs)
 from batchvlm.format.layouts import RASTER_HWC, PatchLayout
 from batchvlm.records import ImagePlan
 from batchvlm.format.schema import FRAME, IMAGE
@@ -31,9 +34,6 @@ IMAGE_TOKEN = "<image_soft_token>"
 FRAME_TOKENS = ("<start_of_image>", "<end_of_image>")
 # The attention implementation the tower runs under once packed (registered with transformers by SiglipEncoder).
 PACKED_ATTENTION = "batchvlm_packed_images"
-# model_type: weight prefixes, the specific before the catch-all (vision models saved by transformers 4
-# keep a vision_model. prefix that 5.x strips on load)
-CHECKPOINTS = {"siglip2_vision_model": ("vision_model.", ""), "siglip2": ("vision_model.",)}
 
 
 @dataclass(frozen=True)
@@ -234,19 +234,15 @@ class Siglip2(PatchFamily):
         return torch.cat(rows), grids
 
     def load_encoder(self, device: torch.device, dtype: torch.dtype) -> SiglipEncoder:
-        from transformers import AutoConfig, Siglip2VisionModel
-
-        config = AutoConfig.from_pretrained(self.checkpoint)
-        if config.model_type not in CHECKPOINTS:
-            raise ConfigError(f"model.path={self.checkpoint} holds a {config.model_type!r} checkpoint, not "
-                              f"{' or '.join(CHECKPOINTS)}")
-        vision_config = config.vision_config if config.model_type == "siglip2" else config
+        """On the meta device: the header check alone, no tensor read (what batchvlm-estimate runs)."""
+        vision_config = hf_vision_config(read_config(self.checkpoint), self.checkpoint)
         if vision_config.patch_size != self.params.patch_size:
             raise ConfigError(f"{self.checkpoint}: the tower's patch_size={vision_config.patch_size} but the processor's "
                               f"is {self.params.patch_size}")
-        tower = load_submodule(self.checkpoint, Siglip2VisionModel, vision_config, CHECKPOINTS[config.model_type],
-                               dtype=dtype, attn_implementation=self.attn_implementation)
-        return SiglipEncoder(tower).to(device).eval()
+        parts, checked = self.load_parts(vision_parts, device, dtype)
+        encoder = SiglipEncoder(parts[TOWER]).to(device).eval()
+        encoder.checked = checked
+        return encoder
 
     def just_over_budget(self) -> tuple[int, int]:
         side, p = math.isqrt(self.params.max_num_patches), self.params.patch_size
@@ -263,18 +259,98 @@ def from_config(model: ModelConfig) -> Siglip2:
     return Siglip2(checkpoint, params, tokenizer, model.embedding, model.attn_implementation)
 
 
+# -- the checkpoint: config.json's fields, the tensors' names ------------------------------------
+TOWER = "vision_model."
+MODEL_TYPES = ("siglip2", "siglip2_vision_model")
+"""Google's release is the two-tower model (siglip2); transformers also saves the vision model alone."""
+ROOTS = ("embeddings.", "encoder.", "post_layernorm.", "head.")
+LAYOUTS = (Layout("released", (TOWER,), (Rename(TOWER, TOWER),)),
+           Layout("transformers", ROOTS, tuple(Rename(root, TOWER + root) for root in ROOTS)))
+"""Google releases the vision tower under vision_model.* (beside text_model.*); transformers 5 saves the vision model
+alone without that prefix."""
+
+
+def hf_vision_config(raw: dict, path: Path):
+    """transformers' Siglip2VisionConfig of a checkpoint's config.json: its vision_config, or the whole file for a
+    vision model saved alone."""
+    from transformers import Siglip2VisionConfig
+
+    model_type = raw.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"model.path={path} holds a {model_type!r} checkpoint, not {' or '.join(MODEL_TYPES)}")
+    vision = raw if model_type == "siglip2_vision_model" else raw.get("vision_config") or {}
+    return Siglip2VisionConfig(**{key: value for key, value in vision.items() if key != "model_type"})
+
+
+def vision_parts(raw: dict, path: Path, dtype: torch.dtype = torch.float32,
+                 attention: str = "sdpa") -> tuple[dict[str, torch.nn.Module], tuple[Layout, ...]]:
+    """The vision model transformers runs, built from config.json (its init is overwritten by the load), and the
+    layouts its tensors are stored in, the released one first."""
+    from transformers import Siglip2VisionModel
+
+    tower = Siglip2VisionModel._from_config(hf_vision_config(raw, path), dtype=dtype, attn_implementation=attention)
+    return {TOWER: tower}, LAYOUTS
+
+
 # -- tiny checkpoint ---------------------------------------------------------------------------
 SIGLIP_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
 
 
-def write_tiny_checkpoint(folder: Path) -> None:
-    """A NaFlex vision tower with its attention-pooling head, from a config with a fixed seed."""
-    from transformers import Siglip2ImageProcessor, Siglip2VisionConfig, Siglip2VisionModel
+TINY_TOWER = dict(hidden_act="gelu_pytorch_tanh", hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                  num_hidden_layers=2)
 
-    tokenizer = tiny_tokenizer(SIGLIP_TOKENS)
-    config = Siglip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                 patch_size=16, num_patches=256, vision_use_head=True)
-    torch.manual_seed(0)
-    Siglip2VisionModel(config).eval().save_pretrained(folder, safe_serialization=True)
+
+def released_config(vocab_size: int) -> dict:
+    """config.json as Google releases SigLIP2's NaFlex checkpoints (both towers), tiny."""
+    return {"architectures": ["Siglip2Model"], "initializer_factor": 1.0, "model_type": "siglip2",
+            "text_config": dict(TINY_TOWER, model_type="siglip2_text_model", projection_size=32,
+                                vocab_size=vocab_size, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+            "torch_dtype": "float32",
+            "vision_config": dict(TINY_TOWER, model_type="siglip2_vision_model", num_patches=256, patch_size=16)}
+
+
+def demo_tokenizer():
+    """A small BPE that splits text as SigLIP2's does (Gemma's, lowercased: transformers loads a siglip2 checkpoint's
+    tokenizer as its Siglip2Tokenizer whatever the files say), trained on the demo captions, with the image tokens
+    (which SigLIP2's config.json names no id of)."""
+    import string
+
+    from tokenizers import Tokenizer, models, normalizers, trainers
+    from transformers import Siglip2Tokenizer
+
+    core = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    core.normalizer = normalizers.Sequence([normalizers.Lowercase(), normalizers.Replace(" ", "▁")])
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<pad>", "<eos>", "<bos>", "<unk>", "<mask>",
+                                                                  *SIGLIP_TOKENS],
+                                  initial_alphabet=[*string.printable.lower(), "▁"], show_progress=False)
+    core.train_from_iterator(caption_corpus(), trainer=trainer)
+    model = json.loads(core.to_str())["model"]
+    return Siglip2Tokenizer(vocab=model["vocab"], merges=[tuple(merge) for merge in model["merges"]],
+                            extra_special_tokens=SIGLIP_TOKENS)
+
+
+def write_tiny_checkpoint(folder: Path) -> None:
+    """A NaFlex vision tower with its attention-pooling head, beside a text tower, as Google releases them (config.json,
+    names), from a config with a fixed seed."""
+    from transformers import Siglip2ImageProcessor
+
+    tokenizer = demo_tokenizer()
+    write_checkpoint(folder, released_config(len(tokenizer)))
     tokenizer.save_pretrained(folder)
     Siglip2ImageProcessor(patch_size=16, max_num_patches=256).save_pretrained(folder)
+
+
+def write_checkpoint(folder: Path, config: dict, language_model: bool = True, seed: int = 0) -> None:
+    """A checkpoint of `config` (config.json as released) in the released layout, every tensor of non-trivial values,
+    deterministic; with `language_model`, its text tower too, which the job never reads."""
+    from transformers import Siglip2Config, Siglip2Model
+
+    torch.manual_seed(seed)
+    text = {}
+    if language_model:
+        model = nontrivial(Siglip2Model(Siglip2Config(**config)), seed)
+        parts = {TOWER: model.vision_model}
+        text = {name: tensor for name, tensor in model.state_dict().items() if not name.startswith(TOWER)}
+    else:
+        parts = {prefix: nontrivial(part, seed) for prefix, part in vision_parts(config, folder)[0].items()}
+    write_released(folder, config, LAYOUTS[0], parts, text)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from skimage import data
 from transformers import Kimi_K25ForConditionalGeneration
 
+from hf_models import pretrained
 from photos import demo_images, preprocessed
 
 from batchvlm.families.kimi_k25 import KimiProcessorParams, navit_plan
@@ -38,7 +41,7 @@ def test_non_square_images_are_not_transposed(kimi_family):
 def test_packed_embeddings_equal_the_hf_model_run_on_each_image_alone(kimi_family):
     """Many very different sizes in one packed batch vs the full HF model's get_image_features, image by image."""
     encoder = kimi_family.load_encoder(torch.device("cpu"), torch.float32)
-    reference = Kimi_K25ForConditionalGeneration.from_pretrained(kimi_family.checkpoint, dtype=torch.float32).eval()
+    reference = pretrained(kimi_family.checkpoint, Kimi_K25ForConditionalGeneration, dtype=torch.float32)
     photos = [p for _, p in demo_images()[:8]] + [data.rocket()[150:230], data.chelsea()[140:160, 200:220]]
     rows, grids = preprocessed(kimi_family, photos)
     packed = encoder(torch.cat(rows), torch.tensor(grids))["image_embeds"]
@@ -50,17 +53,17 @@ def test_packed_embeddings_equal_the_hf_model_run_on_each_image_alone(kimi_famil
             assert (ours - alone).abs().max() <= 1e-4 * scale + 1e-6
 
 
-def test_a_sharded_moe_checkpoint_yields_its_own_tower_and_projector(tmp_path, kimi_family):
-    """Loaded with no LLM layers and a one-token vocabulary, the vision weights still come through
-    transformers' conversion exactly; the packed output equals the full model's."""
+def test_a_sharded_moe_checkpoint_saved_by_transformers_yields_its_own_tower_and_projector(tmp_path, kimi_family):
+    """A fine-tuned model as transformers 5 saves it (its own config.json fields, some names Moonshot's and some its
+    own, shards and an index): the vision weights are found in it exactly; the packed output equals the model's."""
     import json
-
-    from transformers import AutoConfig
 
     from batchvlm.config import ModelConfig
     from batchvlm.families import load_family
+    from batchvlm.families.common import read_config
+    from batchvlm.families.kimi_k25 import hf_config
 
-    config = AutoConfig.from_pretrained(kimi_family.checkpoint)
+    config = hf_config(read_config(kimi_family.checkpoint), kimi_family.checkpoint)
     config.text_config.num_hidden_layers = 3  # layers 1 and 2 are mixture-of-experts layers
     torch.manual_seed(1)
     full = Kimi_K25ForConditionalGeneration(config).eval()
@@ -71,8 +74,156 @@ def test_a_sharded_moe_checkpoint_yields_its_own_tower_and_projector(tmp_path, k
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(processor))
     family = load_family(ModelConfig(path=str(tmp_path)))
     encoder = family.load_encoder(torch.device("cpu"), torch.float32)
+    assert len({stored.file for stored in encoder.checked.stored}) < len(list(tmp_path.glob("*.safetensors")))
     rows, grids = preprocessed(family, [data.coffee()[:200, :300]])
     with torch.inference_mode():
         ours = encoder(rows[0], torch.tensor(grids))["image_embeds"][0]
         expected = full.get_image_features(rows[0], torch.tensor(grids)).pooler_output[0]
     assert torch.allclose(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+# -- the checkpoint's config.json, read by the fields Moonshot releases it with ---------------------------------------
+def config_copy(source, target, edit):
+    """A copy of a checkpoint folder whose config.json `edit` changed (a dict, edited in place)."""
+    import json
+    import shutil
+
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    edit(config)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def load_from(folder):
+    from batchvlm.config import ModelConfig
+    from batchvlm.families import load_family
+
+    family = load_family(ModelConfig(path=str(folder)))
+    return family, family.load_encoder(torch.device("cpu"), torch.float32)
+
+
+def test_the_tower_dims_and_image_token_are_read_from_the_released_fields(kimi_family):
+    from batchvlm.families.common import read_config
+
+    raw = read_config(kimi_family.checkpoint)
+    vision = raw["vision_config"]
+    assert "hidden_size" not in vision and "image_token_id" not in raw  # transformers' own names are not there
+    encoder = kimi_family.load_encoder(torch.device("meta"), torch.float32)
+    tower = encoder.tower
+    assert (tower.config.hidden_size, tower.config.num_hidden_layers, tower.config.num_attention_heads,
+            tower.config.intermediate_size) == (vision["vt_hidden_size"], vision["vt_num_hidden_layers"],
+                                                vision["vt_num_attention_heads"], vision["vt_intermediate_size"])
+    assert tuple(tower.patch_embed.pos_emb.position_embeddings.shape) == (
+        vision["init_pos_emb_height"], vision["init_pos_emb_width"], vision["vt_hidden_size"])
+    assert encoder.projector.pre_norm.normalized_shape == (vision["mm_hidden_size"],)
+    assert encoder.hidden_size == vision["text_hidden_size"]
+    assert kimi_family.image_token_id == raw["media_placeholder_token_id"] != 163605  # not transformers' default
+
+
+@pytest.mark.slow  # a tokenizer of 700 ids, a tower
+def test_a_moonvit_of_other_sizes_and_another_image_token_loads_by_its_own_config(tmp_path, kimi_family):
+    """A user's MoonViT (or a K3's): other widths, depth, heads, position table, LLM width, and its image token at
+    another id; every one taken from its config.json."""
+    import shutil
+
+    from batchvlm.families.kimi_k25 import IMAGE_TOKEN, demo_tokenizer, released_config, write_checkpoint
+
+    tokenizer = demo_tokenizer(ids={IMAGE_TOKEN: 700})
+    config = released_config(dict(vt_hidden_size=48, vt_intermediate_size=96, vt_num_hidden_layers=1,
+                                  vt_num_attention_heads=3, init_pos_emb_height=8, init_pos_emb_width=8), tokenizer)
+    config["vision_config"]["text_hidden_size"] = config["text_config"]["hidden_size"] = 40
+    write_checkpoint(tmp_path, config, language_model=False)
+    tokenizer.save_pretrained(tmp_path)
+    shutil.copy(kimi_family.checkpoint / "preprocessor_config.json", tmp_path)
+    family, encoder = load_from(tmp_path)
+    assert family.image_token_id == config["media_placeholder_token_id"] == 700
+    assert encoder.tower.config.hidden_size == 48 and encoder.hidden_sizes == {"image_embeds": 40}
+    rows, grids = preprocessed(family, [data.coffee()[:120, :200]])
+    assert encoder(rows[0], torch.tensor(grids))["image_embeds"][0].shape == (family.plan(120, 200).num_tokens, 40)
+
+
+def test_a_position_table_the_config_sizes_otherwise_is_refused(tmp_path, kimi_family):
+    from batchvlm.families.checkpoint import CheckpointError
+
+    def larger_table(config):
+        config["vision_config"].update(init_pos_emb_height=32, init_pos_emb_width=32)
+
+    folder = config_copy(kimi_family.checkpoint, tmp_path / "ckpt", larger_table)
+    with pytest.raises(CheckpointError, match=r"shape: vision_tower\.patch_embed\.pos_emb\.weight in model\.safetensors "
+                                              r"is \[16, 16, 32\], config\.json makes it \[32, 32, 32\]"):
+        load_from(folder)
+
+
+@pytest.mark.slow  # two towers run
+def test_the_language_models_quantization_config_is_ignored(tmp_path, kimi_family):
+    """Kimi-K2.5's LLM is published INT4 in compressed-tensors format; the job reads no tensor of it, so it needs none
+    of that format's code: the tiny checkpoint with the released text_config.quantization_config embeds as without."""
+    import sys
+
+    from released import released_config
+
+    quantization = released_config("kimi_k25")["text_config"]["quantization_config"]
+    assert quantization["quant_method"] == "compressed-tensors"
+    folder = config_copy(kimi_family.checkpoint, tmp_path / "ckpt",
+                         lambda config: config["text_config"].update(quantization_config=quantization))
+    family, encoder = load_from(folder)
+    rows, grids = preprocessed(family, [data.coffee()[:120, :200]])
+    quantized = encoder(rows[0], torch.tensor(grids))["image_embeds"][0]
+    plain = kimi_family.load_encoder(torch.device("cpu"), torch.float32)(rows[0], torch.tensor(grids))["image_embeds"]
+    assert torch.equal(quantized, plain[0])
+    assert "compressed_tensors" not in sys.modules
+
+
+@pytest.mark.parametrize("edit,refusal", [
+    (lambda config: config["vision_config"].update(mm_projector_type="patchmergerv2"),
+     "vision_config.mm_projector_type='patchmergerv2', a MoonViT variant"),
+    (lambda config: config["vision_config"].pop("vt_hidden_size"), "gives none of vt_hidden_size, hidden_size"),
+    (lambda config: config["vision_config"].update(hidden_size=64), "vt_hidden_size=32 and hidden_size=64"),
+    (lambda config: config.update(media_placeholder_token_id=5), "image token is 5 but the tokenizer"),
+], ids=["variant", "no width", "two widths", "image token"])
+def test_a_config_json_that_does_not_say_the_tower_it_holds_is_refused_naming_the_field(tmp_path, kimi_family, edit,
+                                                                                       refusal):
+    from batchvlm.config import ConfigError
+
+    folder = config_copy(kimi_family.checkpoint, tmp_path / "ckpt", edit)
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        load_from(folder)
+
+
+@pytest.mark.parametrize("field", ["media_placeholder_token_id", "text_hidden_size"])
+def test_a_full_checkpoint_must_name_its_image_token_and_its_llm_width(tmp_path, kimi_family, field):
+    """Neither is taken from transformers' defaults (163605, 7168): a checkpoint that does not say is refused."""
+    from batchvlm.config import ConfigError
+
+    def without(config):
+        config.pop(field, None)
+        config["vision_config"].pop(field, None)
+        config["text_config"].pop("hidden_size")
+
+    folder = config_copy(kimi_family.checkpoint, tmp_path / "ckpt", without)
+    with pytest.raises(ConfigError, match=f"gives none of {field}"):
+        load_from(folder)
+
+
+def test_a_tower_saved_alone_by_transformers_loads_with_its_own_weights(tmp_path, kimi_family):
+    """Kimi_K25VisionModel.save_pretrained (config.json of model_type kimi_k25_vision, no prefix on its names): its
+    tower's tokens, no projector."""
+    import shutil
+
+    from transformers import Kimi_K25VisionModel
+
+    from batchvlm.families.common import read_config
+    from batchvlm.families.kimi_k25 import hf_config
+
+    torch.manual_seed(2)
+    tower = Kimi_K25VisionModel(hf_config(read_config(kimi_family.checkpoint), kimi_family.checkpoint).vision_config)
+    tower.eval().save_pretrained(tmp_path)
+    kimi_family.tokenizer.save_pretrained(tmp_path)
+    shutil.copy(kimi_family.checkpoint / "preprocessor_config.json", tmp_path)
+    family, encoder = load_from(tmp_path)
+    assert encoder.projector is None
+    rows, grids = preprocessed(family, [data.coffee()[:120, :200]])
+    with torch.inference_mode():
+        expected = tower(rows[0], grid_thw=torch.tensor(grids)).pooler_output.flatten(1)
+    assert torch.equal(encoder(rows[0], torch.tensor(grids))["image_embeds"][0], expected)

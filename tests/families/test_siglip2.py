@@ -9,7 +9,8 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Siglip2VisionModel
+from hf_models import pretrained
+from transformers import Siglip2Model
 
 from photos import demo_images, photo_of_size, preprocessed
 
@@ -72,7 +73,7 @@ def test_naflex_size_matches_the_worked_examples(width, height, budget, size):
 @pytest.mark.slow
 def test_packed_forward_equals_the_hf_padded_forward_on_each_image_alone(siglip):
     """Patch tokens and pooled vectors (fp32) of a packed batch of very different sizes."""
-    reference = Siglip2VisionModel.from_pretrained(siglip.checkpoint, dtype=torch.float32).eval()
+    reference = pretrained(siglip.checkpoint, Siglip2Model, dtype=torch.float32).vision_model
     encoder = siglip.load_encoder(torch.device("cpu"), torch.float32)
     photos = [p for _, p in demo_images()[:6]] + [photo_of_size(30, 4000), photo_of_size(1, 1)]
     rows, grids = preprocessed(siglip, photos)

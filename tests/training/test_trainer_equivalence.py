@@ -8,7 +8,8 @@ import inspect
 import pytest
 import torch
 from conftest import all_families, run_embed
-from transformers import AutoConfig, AutoModelForImageTextToText
+from hf_models import pretrained
+from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from batchvlm.config import DecodeConfig, ModelConfig
@@ -48,7 +49,7 @@ def test_stored_embeddings_give_the_full_models_logits(tmp_path, family_name):
     result = run_embed(f"output.root={tmp_path}", "run_name=train", f"model.family={family_name}",
                        "output.embed_dtype=float32", "preprocess.backend=reference")
     assert result.returncode == 0, result.stderr[-3000:]
-    model = AutoModelForImageTextToText.from_pretrained(family.checkpoint, dtype=torch.float32).eval()
+    model = pretrained(family.checkpoint, dtype=torch.float32)
     rows = {row["id"]: row for row in demo_rows()}
     checked = 0
     with torch.inference_mode():

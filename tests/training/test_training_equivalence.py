@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import all_families, run_embed
+from hf_models import pretrained
 from transformers import AutoConfig, AutoModelForImageTextToText
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
@@ -78,7 +79,7 @@ def family_run(request, tmp_path_factory):
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_packed_batch_gives_each_record_its_own_logits(family_run, attention):
     name, model_class, checkpoint, records = family_run
-    model = model_class.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation=attention).eval()
+    model = pretrained(checkpoint, model_class, dtype=torch.float32, attn_implementation=attention)
     chosen = [r for r in records if len(r.grid_thw)][:3] + [r for r in records if not len(r.grid_thw)][:1]
     batch = pack(chosen, MAX_TOKENS)
     assert len(batch.ids) >= 3 and (batch.deepstack_embeds is not None) == (name == "qwen3_vl")
@@ -101,8 +102,7 @@ def test_packed_batch_gives_each_record_its_own_logits(family_run, attention):
 def test_packed_batch_under_flash_attention_gives_each_record_its_own_logits(family_run):
     """The GPU path: varlen flash-attention from the batch's cu_seqlens (bf16, so a looser bound than fp32)."""
     name, model_class, checkpoint, records = family_run
-    model = model_class.from_pretrained(checkpoint, dtype=torch.bfloat16,
-                                        attn_implementation="flash_attention_2").cuda().eval()
+    model = pretrained(checkpoint, model_class, dtype=torch.bfloat16, attn_implementation="flash_attention_2").cuda()
     chosen = [r for r in records if len(r.grid_thw)][:3]
     batch = pack(chosen, MAX_TOKENS).to("cuda")
     with torch.inference_mode():
