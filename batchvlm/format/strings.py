@@ -43,3 +43,14 @@ def _all_encodable(value) -> bool:
     if isinstance(value, (list, tuple)):
         return all(_all_encodable(item) for item in value)
     return True
+
+
+def escaped_value(value):
+    """The value with every string in it (nested lists and objects, their keys too) escaped."""
+    if isinstance(value, str):
+        return escaped(value)
+    if isinstance(value, dict):
+        return {escaped_value(key): escaped_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [escaped_value(item) for item in value]
+    return value
