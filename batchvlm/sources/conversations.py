@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 from batchvlm.checks import CheckFailed, require
+from batchvlm.format.strings import unencodable_fields
 from batchvlm.records import Turn
 
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
@@ -51,6 +52,8 @@ def _turn_list(value, column: str) -> list:
         except json.JSONDecodeError as error:
             raise CheckFailed("text.roles", f"the {column!r} column is not a list of turns: {error}",
                               expected="a list of turns", observed="malformed JSON") from None
+        require(not unencodable_fields({column: value}), "source.invalid_unicode", f"the {column!r} column's JSON "
+                "holds a lone surrogate (an escape such as \\ud800)", expected="UTF-8 text", observed="a surrogate")
     require(isinstance(value, (list, tuple)) and all(isinstance(turn, dict) for turn in value), "text.roles",
             f"the {column!r} column is not a list of turns", expected="a list of turns",
             observed=type(value).__name__)

@@ -88,7 +88,7 @@ def test_an_id_that_is_neither_a_string_nor_an_integer_is_named(tmp_path, value)
     (tmp_path / "a.jsonl").write_text(json.dumps({"id": value, "image": "cat.png", "conversations": turns()}) + "\n"
                                       + json.dumps({"id": 7, "image": "cat.png", "conversations": turns()}) + "\n")
     bad, good = read(tmp_path / "a.jsonl", **LLAVA)
-    assert bad.failure.check == "source.invalid_id" and bad.id == str(value)
+    assert bad.failure.check == "source.invalid_id" and bad.id == str(value)  # as a reader would look it up
     assert good.failure is None and good.id == "7"
 
 
@@ -97,5 +97,17 @@ def test_a_plain_text_that_is_not_a_string_is_named_and_a_null_one_is_no_text(tm
     rows = [{"id": "bad", "image": "cat.png", "text": value}, {"id": "none", "image": "cat.png", "text": None}]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     bad, none = read(tmp_path / "a.jsonl", id_column="id", images_column="image", text_column="text")
-    assert bad.failure.check == "text.not_a_string" and bad.text == str(value)
+    assert bad.failure.check == "text.not_a_string" and bad.text == json.dumps(value)
     assert none.failure is None and none.text == ""
+
+
+def test_a_surrogate_escaped_inside_a_json_string_column_is_named_too(tmp_path):
+    """A turns column may hold its list as a JSON string: its `\\ud800` escape is a surrogate once that is read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    conversations = [json.dumps(turns("<image>\nWhat is \ud800?")), json.dumps(turns())]
+    pq.write_table(pa.table({"id": ["bad", "good"], "image": ["a.png", "b.png"], "conversations": conversations}),
+                   tmp_path / "a.parquet")
+    bad, good = read(tmp_path / "a.parquet", kind="parquet", **LLAVA)
+    assert bad.failure.check == "source.invalid_unicode" and good.failure is None and bad.text.encode()
