@@ -81,6 +81,8 @@ def messages_of(turns: list[Turn], texts: list[str] | None = None) -> list[dict]
 
 PROBE_IMAGE = (56, 56)
 """The size of the image in the conversation the tokenizer is probed with at start."""
+SHAPES = 4096
+"""Conversation shapes (roles, where the images sit) whose template text a renderer keeps."""
 MARKS = range(0xE000, 0xF900)
 """Unicode's private use area: a turn's text is rendered as its index between two of one of these characters, one
 that neither the template nor the conversation holds."""
@@ -150,6 +152,7 @@ class ChatRenderer:
         self.closes[family.image_token_id] = False
         self.bos = tokenizer.bos_token
         self.template_chars = set(template)
+        self.shapes: dict[tuple, tuple[str, ...]] = {}  # _around's
         # Whether the tokenizer adds special tokens at all (its post-processor costs as much as the encoding itself
         # where it adds none).
         backend = tokenizer.backend_tokenizer
@@ -194,30 +197,46 @@ class ChatRenderer:
 
     def placed(self, turns: list[Turn]) -> tuple[str, list[tuple[int, str]], list[tuple[int, int]]]:
         """The rendered conversation, its texts (text_slots) and the characters [start, end) of each in it, by
-        construction: rendered again with markers, the template's own text between the markers and the texts put
-        back in between must give the rendering, character for character."""
+        construction: the template's own text around the turns' texts (from a rendering with markers), the texts put
+        back in between, must give the rendering, character for character."""
         text = self.render(turns)
         slots = text_slots(turns)
-        mark = self._mark([piece for _, piece in slots])
-        marked = self.render(turns, [f"{mark}{k}{mark}" for k in range(len(slots))])
-        found = [(int(m.group(1)), m.start(), m.end()) for m in re.finditer(f"{mark}([0-9]+){mark}", marked)]
-        if [k for k, _, _ in found] != list(range(len(slots))):
-            counts = np.bincount([k for k, _, _ in found], minlength=len(slots))
-            wrong = next((k for k in range(len(slots)) if counts[k] != 1), len(slots) - 1)
-            raise CheckFailed("text.chat_template", f"the chat template renders turn {slots[wrong][0]}'s text "
-                              f"{counts[wrong]} times, or out of order", expected="each turn's text once, in order",
-                              observed=f"{counts[wrong]} time(s)", turn_index=slots[wrong][0])
-        spans, at, after = [], 0, 0
-        for (_, start, end), (index, piece) in zip(found, slots):
-            between = marked[after:start]
+        spans, at = [], 0
+        around = self._around(turns, self._mark([piece for _, piece in slots]), len(slots))
+        for between, (index, piece) in zip(around, slots):
             if not (text.startswith(between, at) and text.startswith(piece, at + len(between))):
                 raise self._rewritten(turns, index)
             at += len(between)
             spans.append((at, at + len(piece)))
-            at, after = at + len(piece), end
-        if text[at:] != marked[after:]:
+            at += len(piece)
+        if text[at:] != around[-1]:
             raise self._rewritten(turns, slots[-1][0] if slots else 0)
         return text, slots, spans
+
+    def _around(self, turns: list[Turn], mark: str, count: int) -> tuple[str, ...]:
+        """The template's own text before, between and after the conversation's `count` texts: its rendering with
+        each text replaced by a marker (`mark`, the text's index, `mark`). It depends on the turns' roles and where
+        their images sit, not on their texts: kept by that shape, so a dataset's conversations, mostly of a few
+        shapes, cost one rendering each."""
+        shape = (mark, *((turn.role, turn.num_images and tuple(part is None for part in turn.content))
+                         for turn in turns))
+        if (around := self.shapes.get(shape)) is not None:
+            return around
+        marked = self.render(turns, [f"{mark}{k}{mark}" for k in range(count)])
+        found = list(re.finditer(f"{mark}([0-9]+){mark}", marked))
+        if [int(m.group(1)) for m in found] != list(range(count)):
+            slots = text_slots(turns)
+            counts = np.bincount([int(m.group(1)) for m in found], minlength=count)
+            wrong = next((k for k in range(count) if counts[k] != 1), count - 1)
+            raise CheckFailed("text.chat_template", f"the chat template renders turn {slots[wrong][0]}'s text "
+                              f"{counts[wrong]} times, or out of order", expected="each turn's text once, in order",
+                              observed=f"{counts[wrong]} time(s)", turn_index=slots[wrong][0])
+        ends = [0, *(m.end() for m in found)]
+        starts = [*(m.start() for m in found), len(marked)]
+        if len(self.shapes) >= SHAPES:
+            self.shapes.clear()
+        around = self.shapes[shape] = tuple(marked[end:start] for end, start in zip(ends, starts))
+        return around
 
     def _mark(self, texts: list[str]) -> str:
         """A private-use character in neither the template nor the texts."""
