@@ -11,9 +11,10 @@ character, which proves where each text lies (a template that rewrites a text, t
 `</think>`, fails text.chat_template, naming the turn). The rendering is tokenized once, with character offsets: the
 tokens holding a character of a text are its tokens (a token that merges a header character with the text's first,
 BPE across the boundary, is the text's), and a special token among them is a control token the text forged
-(text.control_token; text.control_tokens=text tokenizes those texts' control strings as plain text). Two renderings
-per conversation, whatever its number of turns: no `{% generation %}` markers needed (no shipped Qwen-VL or Kimi
-template has them), no rendering of prefixes (quadratic in the turns). Each image token is expanded to its
+(text.control_token; text.control_tokens=text tokenizes those texts' control strings as plain text). At most two
+renderings per conversation, whatever its number of turns (the marked one is kept by the conversation's shape: its
+roles and where its images sit): no `{% generation %}` markers needed (no shipped Qwen-VL or Kimi template has
+them), no rendering of prefixes (quadratic in the turns). Each image token is expanded to its
 grid-sized span last, so the mask moves with the tokens and an image cannot shift it (transformers computes
 `assistant_masks` before the expansion, which shifts or empties them: transformers #44521, #46559).
 

@@ -196,7 +196,7 @@ def _nbytes(text: str) -> int:
 def _parsed(line: bytes):
     try:
         return json.loads(line.decode("utf-8-sig", UNDECODED))
-    except ValueError as error:  # JSONDecodeError, and UnicodeDecodeError on bytes that are not UTF-8
+    except ValueError as error:  # JSONDecodeError (bytes that are not UTF-8 are read, not refused)
         return f"{type(error).__name__}: {error}"
 
 
