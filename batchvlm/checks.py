@@ -47,6 +47,13 @@ CATALOGUE: dict[str, Check] = {
         Check("source.unrecognised_sample", "a sample has a part the config names: an image part, the text part or "
               "its .json", "a sample of unknown parts written as an empty, image-less row",
               "name its parts in dataset.images_column / dataset.text_column, or drop the sample"),
+        Check("source.invalid_id", "the record's id is a string or an integer",
+              "a float, bool, list or object id written as its str(): ids that collide (1 and 1.0) or that no one "
+              "looks up", "give the records string or integer ids, or choose another dataset.id_column"),
+        Check("source.invalid_unicode", "every string the record holds (its id, text or turns, image paths) is text "
+              "UTF-8 can encode: no lone surrogate (`\\ud800` is valid JSON), no byte that is not UTF-8",
+              "a string no Parquet file can store, stopping the job at the write on every relaunch",
+              "fix the record's encoding; its quarantine row holds those strings with backslash escapes"),
         Check("decode.unreadable", "the bytes are an image Pillow can identify",
               "bytes that are not an image (HTML saved as .jpg, random bytes, empty files)", "fix or drop the file"),
         Check("decode.format_not_allowed", "the format, read from the content, is in decode.formats",
@@ -84,6 +91,18 @@ CATALOGUE: dict[str, Check] = {
               "turn an assistant or tool turn, a user turn anything but a user turn",
               "turns a chat template renders into a sequence no trainer would build, or silently renders wrong",
               "fix the record's turns (or the roles' names)"),
+        Check("text.not_a_string", "each turn's role and text is there and is a string (llava: from, value; "
+              "messages: role, and content or each text block's text; cauldron: user, assistant), and so is a plain "
+              "record's text (or null)",
+              "a number rendered as its str(), a null as an empty turn, a list or object reaching the tokenizer",
+              "fix the record's turns"),
+        Check("text.video", "no turn holds a video (a `<video>` placeholder or a `{type: video}` block): video is not "
+              "supported yet", "a video's placeholder embedded as plain text and its frames never",
+              "leave video records out of the run until video is supported"),
+        Check("text.control_token", "no text of a record (any turn's content, a plain text) tokenizes into one of the "
+              "tokenizer's special tokens (`<|im_end|>`, `<|im_start|>`, `<|image_pad|>`...)",
+              "a record forging turns or images with the template's control strings, and a mask that trains them",
+              "clean the text, or set text.control_tokens=text to tokenize such strings as plain text"),
         Check("text.chat_template", "the chat template renders the conversation, with one image token per image "
               "and every turn's text verbatim",
               "a template that raises on the record, drops an image (Qwen3-VL renders none in assistant or system "

@@ -131,10 +131,15 @@ class TextConfig:
     """A record over text.max_tokens: quarantine (text.too_long) | drop_turns (a conversation keeps its longest prefix
     of whole turns that ends with an assistant turn and fits; never part of an image; the row records how many
     turns it lost)."""
+    control_tokens: str = "quarantine"
+    """A text (any turn's content, a plain text) holding a string the tokenizer reads as one of its special tokens
+    (`<|im_end|>`, `<|image_pad|>`...): quarantine (text.control_token: it would forge turns or images) | text
+    (tokenized as plain text, as any other characters)."""
 
     def __post_init__(self) -> None:
         one_of("text.train_on", self.train_on, ("auto", "assistant", "last_assistant", "all"))
         one_of("text.overflow", self.overflow, ("quarantine", "drop_turns"))
+        one_of("text.control_tokens", self.control_tokens, ("quarantine", "text"))
         if self.max_tokens is not None:
             positive("text.max_tokens", self.max_tokens)
         if self.overflow == "drop_turns" and self.max_tokens is None:

@@ -64,3 +64,34 @@ def write_checkpoint(folder: Path, tiny: Path) -> None:
     torch.manual_seed(0)
     Qwen2VLForConditionalGeneration(config).eval().save_pretrained(folder, safe_serialization=True)
     Qwen2VLImageProcessor.from_pretrained(tiny).save_pretrained(folder)
+
+
+def write_kimi_checkpoint(folder: Path, qwen_checkpoint: Path, tiny: Path) -> None:
+    """The tiny Kimi-K2.5 checkpoint over Qwen2's real BPE: Kimi's special tokens added after Qwen2's (its `<|im_end|>`
+    is Qwen2's), every token id of its config moved to them, and Kimi-K2.5's published chat template."""
+    import json
+    import shutil
+
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    from batchvlm.families.kimi_k25 import MEDIA_TOKENS
+
+    shutil.copytree(tiny, folder, dirs_exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    toy = AutoTokenizer.from_pretrained(tiny)
+    tokenizer = AutoTokenizer.from_pretrained(qwen_checkpoint)
+    tokenizer.add_tokens([AddedToken(token, special=True, normalized=False) for token in MEDIA_TOKENS],
+                         special_tokens=True)
+    tokenizer.chat_template = published_template("kimi_k25")
+    tokenizer.save_pretrained(folder)
+    moved = {toy.convert_tokens_to_ids(token): tokenizer.convert_tokens_to_ids(token) for token in MEDIA_TOKENS}
+
+    def move(config: dict) -> dict:
+        return {key: move(value) if isinstance(value, dict) else
+                moved.get(value, value) if key.endswith("token_id") and isinstance(value, int) else value
+                for key, value in config.items()}
+
+    config = folder / "config.json"
+    config.write_text(json.dumps(move(json.loads(config.read_text())), indent=2))

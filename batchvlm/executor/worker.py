@@ -45,7 +45,7 @@ def plan_and_lay_out(record: SourceRecord, content: str | list[Turn], images: li
     with its chat template (raises CheckFailed)."""
     plans = [family.plan(image.height, image.width) for image in images]
     if chat is None:
-        layout = build_layout(content, job.dataset.placeholder, plans, family)
+        layout = build_layout(content, job.dataset.placeholder, plans, family, job.text.control_tokens)
         require_fits(layout, job.text.max_tokens)
     else:
         layout = chat.lay_out(content, plans)

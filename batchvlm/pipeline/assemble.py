@@ -7,6 +7,7 @@ import torch
 
 from batchvlm.checks import require
 from batchvlm.format.schema import EXTRA_OUTPUTS, IMAGE
+from batchvlm.format.strings import escaped_value, unencodable_fields
 from batchvlm.records import ChatLayout, EncodedRecord, QuarantinedRecord, SourceRecord, TokenLayout
 
 
@@ -80,9 +81,11 @@ def data_row(encoded: EncodedRecord, dtype: torch.dtype, hidden_sizes: dict[str,
 
 
 def quarantine_row(item: QuarantinedRecord, bytes_cap: int, fingerprint: str, placeholder: str = "<image>") -> dict:
+    """The record's row in its unit's quarantine shard: whatever it held, the strings UTF-8 cannot encode stored with
+    backslash escapes (format.strings), the message saying which fields."""
     source: SourceRecord = item.source
     failure = item.failure
-    return {
+    row = {
         "id": source.id,
         "source": source.source,
         "row": source.row,
@@ -103,3 +106,8 @@ def quarantine_row(item: QuarantinedRecord, bytes_cap: int, fingerprint: str, pl
         "turn_index": failure.turn_index,
         "fingerprint": fingerprint,
     }
+    unencodable = unencodable_fields(row)
+    if unencodable:
+        row = {name: escaped_value(value) if name in unencodable else value for name, value in row.items()}
+        row["message"] += f" (stored escaped: {', '.join(unencodable)})"
+    return row

@@ -1,13 +1,22 @@
 """The text side of a conversation: rendered with the checkpoint's own chat template, tokenized, images expanded,
 and the tokens a trainer learns from marked on the expanded sequence.
 
-The template is rendered once per conversation, by transformers' own renderer (`apply_chat_template`), with each
-image as a `{type: image}` block, which every shipped VLM template renders as its family's single image token. The
-rendered text is tokenized once, with character offsets; each turn's text is then found in the rendered text in turn
-order, so a turn's tokens are known without `{% generation %}` markers (which no shipped Qwen-VL or Kimi template
-has) and without rendering prefixes again (which would cost quadratic time in the turns). Each image token is
-expanded to its grid-sized span last, so the mask moves with the tokens and an image cannot shift it (transformers
-computes `assistant_masks` before the expansion, which shifts or empties them: transformers #44521, #46559).
+The template is rendered by transformers' own renderer (`apply_chat_template`), with each image as a `{type: image}`
+block, which every shipped VLM template renders as its family's single image token. Where each turn's text lies is
+known by construction, never by searching the rendered text for it (an answer "a" or "im" is also in the template's
+own text): the conversation is rendered a second time with each text replaced by a marker the template cannot hold
+(a private-use character around the text's index), the markers give the template's own text between the turns' texts,
+and the template's text and the turns' texts put back together must give the first rendering, character for
+character, which proves where each text lies (a template that rewrites a text, trimming it or splitting it at
+`</think>`, fails text.chat_template, naming the turn). The rendering is tokenized once, with character offsets: the
+tokens holding a character of a text are its tokens (a token that merges a header character with the text's first,
+BPE across the boundary, is the text's), and a special token among them is a control token the text forged
+(text.control_token; text.control_tokens=text tokenizes those texts' control strings as plain text). At most two
+renderings per conversation, whatever its number of turns (the marked one is kept by the conversation's shape: its
+roles and where its images sit): no `{% generation %}` markers needed (no shipped Qwen-VL or Kimi template has
+them), no rendering of prefixes (quadratic in the turns). Each image token is expanded to its
+grid-sized span last, so the mask moves with the tokens and an image cannot shift it (transformers computes
+`assistant_masks` before the expansion, which shifts or empties them: transformers #44521, #46559).
 
 Trained, as LLaMA-Factory, the Qwen finetune scripts and TRL's training templates do: the content of an assistant
 turn and its end-of-turn token (the first special token after the content). Not trained: system, user and tool
@@ -17,6 +26,7 @@ turns, image tokens, the assistant header and whatever the template puts before 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -24,7 +34,7 @@ import numpy as np
 from batchvlm.checks import CheckFailed, require
 from batchvlm.config import ConfigError, JobConfig, TextConfig
 from batchvlm.format.schema import FRAME, IMAGE, TEXT
-from batchvlm.pipeline.tokens import checked_spans
+from batchvlm.pipeline.tokens import checked_spans, special_ids, specials_as_text
 from batchvlm.records import ROLES, ChatLayout, ImagePlan, TokenLayout, Turn, TurnSpan
 
 FOLLOWS = {"system": (None,), "user": (None, "system", "assistant", "tool"), "assistant": ("user", "tool"),
@@ -49,23 +59,69 @@ def check_roles(turns: list[Turn]) -> None:
         previous = turn.role
 
 
-def messages_of(turns: list[Turn]) -> list[dict]:
-    """HF `messages`: a turn without images as a string, one with images as text and `{type: image}` blocks."""
+def text_slots(turns: list[Turn]) -> list[tuple[int, str]]:
+    """(turn index, text) of each text the template renders, in order: a turn without images is one text (its parts
+    joined, maybe empty), a turn with images one text per text part."""
+    return [(index, part) for index, turn in enumerate(turns)
+            for part in (turn.content if turn.num_images else ("".join(turn.content),)) if part is not None]
+
+
+def messages_of(turns: list[Turn], texts: list[str] | None = None) -> list[dict]:
+    """HF `messages`: a turn without images as a string, one with images as text and `{type: image}` blocks; with
+    `texts`, the turns' texts (text_slots' order) replaced by them."""
+    replaced = iter(texts) if texts is not None else None
+
+    def text(part: str) -> str:
+        return part if replaced is None else next(replaced)
+
     return [{"role": turn.role,
-             "content": "".join(turn.content) if not turn.num_images else
-             [{"type": "image"} if part is None else {"type": "text", "text": part} for part in turn.content]}
+             "content": text("".join(turn.content)) if not turn.num_images else
+             [{"type": "image"} if part is None else {"type": "text", "text": text(part)} for part in turn.content]}
             for turn in turns]
 
 
-def token_range(encoded, start: int, end: int, length: int) -> tuple[int | None, int]:
-    """The tokens [first, last) that overlap the characters [start, end) of a text of `length` characters: a token that
-    merges a header character with the content's first letter (BPE across the boundary) is the content's, and so is
-    one that runs past its end."""
-    first = encoded.char_to_token(start)
-    after = encoded.char_to_token(end) if end < length else None
-    if after is None:
-        return first, len(encoded.ids)
-    return first, after + int(encoded.token_to_chars(after)[0] < end)
+PROBE_IMAGE = (56, 56)
+"""The size of the image in the conversation the tokenizer is probed with at start."""
+SHAPES = 4096
+"""Conversation shapes (roles, where the images sit) whose template text a renderer keeps."""
+MARKS = range(0xE000, 0xF900)
+"""Unicode's private use area: a turn's text is rendered as its index between two of one of these characters, one
+that neither the template nor the conversation holds."""
+
+
+@dataclass
+class Encoded:
+    """A rendered conversation's tokens, each with the characters [start, end) of the rendering it covers (made
+    non-decreasing: a token the post-processor adds covers none), and whether the post-processor added it."""
+
+    ids: np.ndarray  # [n] int64
+    starts: np.ndarray  # [n]
+    ends: np.ndarray  # [n]
+    added: np.ndarray  # [n] bool
+
+    @classmethod
+    def of(cls, encoding, at: int = 0) -> Encoded:
+        """A tokenizer's encoding of the piece of the rendering that starts at character `at`."""
+        offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2) + at
+        return cls.joined([cls(np.asarray(encoding.ids, dtype=np.int64), offsets[:, 0], offsets[:, 1],
+                               np.asarray(encoding.special_tokens_mask, dtype=bool))])
+
+    @classmethod
+    def joined(cls, pieces: list[Encoded]) -> Encoded:
+        ids, starts, ends, added = (np.concatenate([getattr(piece, name) for piece in pieces])
+                                    for name in ("ids", "starts", "ends", "added"))
+        return cls(ids, np.maximum.accumulate(starts), np.maximum.accumulate(ends), added)
+
+    def __getitem__(self, tokens) -> Encoded:
+        return Encoded(self.ids[tokens], self.starts[tokens], self.ends[tokens], self.added[tokens])
+
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        """The tokens [first, last) holding a character of [start, end): a token that merges a template character
+        with the text's (BPE across the boundary) is the text's; an empty text is the empty range where it falls."""
+        if start == end:
+            at = int(np.searchsorted(self.starts, start, "left"))
+            return at, at
+        return int(np.searchsorted(self.ends, start, "right")), int(np.searchsorted(self.starts, end, "left"))
 
 
 @dataclass
@@ -74,7 +130,7 @@ class Rendered:
 
     ids: np.ndarray  # [n] int64
     content: list[tuple[int, int] | None]  # per turn, its content's token range [start, end); None: no content
-    ends: list[int]  # per turn, one past its last token (its end-of-turn token, where it has one)
+    ends: list[int]  # per turn, one past its last token (its end-of-turn token)
 
 
 class ChatRenderer:
@@ -86,17 +142,18 @@ class ChatRenderer:
         self.train_on = text.trained(format)
         tokenizer = family.tokenizer
         self.tokenizer = tokenizer
-        self.image_token = tokenizer.convert_ids_to_tokens(family.image_token_id)
-        # Lookup tables over the vocabulary: which ids close a turn (special, but no image or frame token), which
-        # are frame tokens. A table costs a byte an id and answers a whole sequence in one gather.
+        # Lookup tables over the vocabulary: which ids are special tokens, which of those close a turn (no image or
+        # frame token), which are frame tokens. A table costs a byte an id and answers a whole sequence in one gather.
         size = max(len(tokenizer), max(tokenizer.added_tokens_decoder, default=0) + 1)
         self.is_frame = np.zeros(size, dtype=bool)
         self.is_frame[sorted(family.frame_token_ids)] = True
-        self.closes = np.zeros(size, dtype=bool)
-        self.closes[[i for i, token in tokenizer.added_tokens_decoder.items() if token.special]] = True
-        self.closes[self.is_frame] = False
+        self.is_special = np.zeros(size, dtype=bool)
+        self.is_special[sorted(special_ids(tokenizer))] = True
+        self.closes = self.is_special & ~self.is_frame
         self.closes[family.image_token_id] = False
         self.bos = tokenizer.bos_token
+        self.template_chars = set(template)
+        self.shapes: dict[tuple, tuple[str, ...]] = {}  # _around's
         # Whether the tokenizer adds special tokens at all (its post-processor costs as much as the encoding itself
         # where it adds none).
         backend = tokenizer.backend_tokenizer
@@ -113,66 +170,163 @@ class ChatRenderer:
             raise ConfigError(f"dataset.format={format} renders conversations with the checkpoint's chat template, and "
                               f"{family.checkpoint} has none (or several by name): give one with "
                               "model.chat_template=<file.jinja>")
-        return cls(family, template, text, format)
+        chat = cls(family, template, text, format)
+        chat.probe()
+        return chat
+
+    def probe(self) -> None:
+        """ConfigError before any work where the tokenizer cannot encode the template (a template of another family,
+        or of no special token closing a turn): a question on an image and its answer must lay out, the answer
+        trained, as every record's would."""
+        try:
+            self._expanded([Turn("user", (None, "What is it?")), Turn("assistant", ("A photo.",))],
+                           [self.family.plan(*PROBE_IMAGE)])
+        except CheckFailed as failed:
+            raise ConfigError(f"model.chat_template / model.tokenizer_path: the tokenizer of {self.family.checkpoint} "
+                              f"cannot encode the chat template: [{failed.check}] {failed.message}") from None
 
     # -- render and tokenize ------------------------------------------------------------------------
-    def render(self, turns: list[Turn]) -> str:
+    def render(self, turns: list[Turn], texts: list[str] | None = None) -> str:
+        """The conversation rendered, its texts replaced by `texts` where given."""
         try:
-            return self.tokenizer.apply_chat_template(messages_of(turns), tokenize=False, chat_template=self.template)
+            return self.tokenizer.apply_chat_template(messages_of(turns, texts), tokenize=False,
+                                                      chat_template=self.template)
         except Exception as error:  # Jinja's errors and the template's own raise_exception
             raise CheckFailed("text.chat_template", f"the chat template does not render the conversation: "
                               f"{type(error).__name__}: {error}", expected="a rendered conversation",
                               observed=type(error).__name__) from None
 
-    def tokenize(self, turns: list[Turn]) -> Rendered:
+    def placed(self, turns: list[Turn]) -> tuple[str, list[tuple[int, str]], list[tuple[int, int]]]:
+        """The rendered conversation, its texts (text_slots) and the characters [start, end) of each in it, by
+        construction: the template's own text around the turns' texts (from a rendering with markers), the texts put
+        back in between, must give the rendering, character for character."""
         text = self.render(turns)
+        slots = text_slots(turns)
+        spans, at = [], 0
+        around = self._around(turns, self._mark([piece for _, piece in slots]), len(slots))
+        for between, (index, piece) in zip(around, slots):
+            if not (text.startswith(between, at) and text.startswith(piece, at + len(between))):
+                raise self._rewritten(turns, index)
+            at += len(between)
+            spans.append((at, at + len(piece)))
+            at += len(piece)
+        if text[at:] != around[-1]:
+            raise self._rewritten(turns, slots[-1][0] if slots else 0)
+        return text, slots, spans
+
+    def _around(self, turns: list[Turn], mark: str, count: int) -> tuple[str, ...]:
+        """The template's own text before, between and after the conversation's `count` texts: its rendering with
+        each text replaced by a marker (`mark`, the text's index, `mark`). It depends on the turns' roles and where
+        their images sit, not on their texts: kept by that shape, so a dataset's conversations, mostly of a few
+        shapes, cost one rendering each."""
+        shape = (mark, *((turn.role, turn.num_images and tuple(part is None for part in turn.content))
+                         for turn in turns))
+        if (around := self.shapes.get(shape)) is not None:
+            return around
+        marked = self.render(turns, [f"{mark}{k}{mark}" for k in range(count)])
+        found = list(re.finditer(f"{mark}([0-9]+){mark}", marked))
+        if [int(m.group(1)) for m in found] != list(range(count)):
+            slots = text_slots(turns)
+            counts = np.bincount([int(m.group(1)) for m in found], minlength=count)
+            wrong = next((k for k in range(count) if counts[k] != 1), count - 1)
+            raise CheckFailed("text.chat_template", f"the chat template renders turn {slots[wrong][0]}'s text "
+                              f"{counts[wrong]} times, or out of order", expected="each turn's text once, in order",
+                              observed=f"{counts[wrong]} time(s)", turn_index=slots[wrong][0])
+        ends = [0, *(m.end() for m in found)]
+        starts = [*(m.start() for m in found), len(marked)]
+        if len(self.shapes) >= SHAPES:
+            self.shapes.clear()
+        around = self.shapes[shape] = tuple(marked[end:start] for end, start in zip(ends, starts))
+        return around
+
+    def _mark(self, texts: list[str]) -> str:
+        """A private-use character in neither the template nor the texts."""
+        for code in MARKS:
+            if (mark := chr(code)) not in self.template_chars and not any(mark in text for text in texts):
+                return mark
+        raise CheckFailed("text.chat_template", "the conversation holds every private-use character: its turns "
+                          "cannot be marked", expected="a free private-use character", observed="none")
+
+    @staticmethod
+    def _rewritten(turns: list[Turn], index: int) -> CheckFailed:
+        return CheckFailed("text.chat_template", f"the chat template does not render turn {index} "
+                           f"({turns[index].role}) verbatim: it rewrites its text (trims it, splits it...)",
+                           expected="every turn's text verbatim", observed="rewritten", turn_index=index)
+
+    def _encode(self, text: str) -> Encoded:
         # As transformers' processors do: a template that renders the BOS itself gets no second one. (The fast
         # tokenizer's own encoder: what its __call__ runs, without the Python around it.)
-        encoded = self.tokenizer.backend_tokenizer.encode(
-            text, add_special_tokens=self.adds_special and not (self.bos and text.startswith(self.bos)))
-        ids = np.asarray(encoded.ids, dtype=np.int64)
-        # The end of a turn is the first special token after its content that is no image or frame token.
+        adds = self.adds_special and not (self.bos and text.startswith(self.bos))
+        return Encoded.of(self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=adds))
+
+    def _as_text(self, text: str, encoded: Encoded, inside: np.ndarray) -> Encoded:
+        """text.control_tokens=text: the rendering tokenized again with the turns' texts' control strings as plain
+        text. The template's special tokens split a tokenization into independent runs, so the runs between them
+        are tokenized apart, by the tokenizer with its special tokens off; the template's special tokens, and those
+        the post-processor adds around the whole, stay as they were."""
+        real = np.flatnonzero(~encoded.added)
+        first, last = (int(real[0]), int(real[-1]) + 1) if real.size else (0, 0)
+        pieces, at = [encoded[:first]], 0
+        with specials_as_text(self.tokenizer.backend_tokenizer) as plain:
+            for token in np.flatnonzero(self.is_special[encoded.ids] & ~inside & ~encoded.added):
+                start = int(encoded.starts[token])
+                pieces += [Encoded.of(plain.encode(text[at:start], add_special_tokens=False), at), encoded[[token]]]
+                at = int(encoded.ends[token])
+            pieces += [Encoded.of(plain.encode(text[at:], add_special_tokens=False), at), encoded[last:]]
+        return Encoded.joined(pieces)
+
+    def tokenize(self, turns: list[Turn]) -> Rendered:
+        text, slots, spans = self.placed(turns)
+        encoded = self._encode(text)
+        ranges = [encoded.span(*span) for span in spans]
+        inside = np.zeros(len(encoded.ids) + 1, dtype=np.int64)
+        for first, last in ranges:
+            inside[first] += 1
+            inside[last] -= 1
+        inside = np.cumsum(inside[:-1]) > 0
+        if (forged := np.flatnonzero(inside & self.is_special[encoded.ids])).size:
+            if self.text.control_tokens != "text":
+                raise self._forged(encoded, forged[0], ranges, slots)
+            encoded = self._as_text(text, encoded, inside)
+            ranges = [encoded.span(*span) for span in spans]
+        images = np.flatnonzero(encoded.ids == self.family.image_token_id)
+        if len(images) != sum(turn.num_images for turn in turns):
+            raise CheckFailed("text.chat_template", f"the chat template renders {len(images)} image token(s) for "
+                              f"{sum(turn.num_images for turn in turns)} image(s)",
+                              expected=sum(turn.num_images for turn in turns), observed=len(images))
+        return self._turns(turns, encoded.ids, slots, ranges, images)
+
+    def _forged(self, encoded: Encoded, token: int, ranges: list[tuple[int, int]],
+                slots: list[tuple[int, str]]) -> CheckFailed:
+        index = next(turn for (turn, _), (first, last) in zip(slots, ranges) if first <= token < last)
+        name = self.tokenizer.convert_ids_to_tokens(int(encoded.ids[token]))
+        return CheckFailed("text.control_token", f"turn {index}'s text holds {name!r}, a special token of the "
+                           "tokenizer: it would be read as the template's own (text.control_tokens=text reads it as "
+                           "plain text)", expected="plain text", observed=name, turn_index=index)
+
+    def _turns(self, turns: list[Turn], ids: np.ndarray, slots: list[tuple[int, str]],
+               ranges: list[tuple[int, int]], images: np.ndarray) -> Rendered:
+        """Each turn's tokens: from its first text or image token to its last, then its end-of-turn token, the first
+        special token after them that is no image or frame token (before the next turn's)."""
+        bounds = [[len(ids), 0] for _ in turns]
+        pieces = [*zip((index for index, _ in slots), ranges),
+                  *zip((index for index, turn in enumerate(turns) for part in turn.content if part is None),
+                       ((int(i), int(i) + 1) for i in images))]
+        for index, (first, last) in pieces:
+            bounds[index] = [min(bounds[index][0], first), max(bounds[index][1], last)]
         closing = np.flatnonzero(self.closes[ids])
-        content, ends, cursor, token_cursor = [], [], 0, 0
-        for index, turn in enumerate(turns):
-            span, cursor = self._find_content(text, turn, cursor, index)
-            if span is None:
-                content.append(None)
-                ends.append(token_cursor)
-                continue
-            first, last = token_range(encoded, *span, len(text))
-            if first is None:  # a normalizer that dropped the content's first character
-                raise CheckFailed("text.chat_template", f"turn {index} ({turn.role}): its content maps to no token",
-                                  expected="the content's tokens", observed="none", turn_index=index)
+        content, ends = [], []
+        for index, (turn, (first, last)) in enumerate(zip(turns, bounds)):
             after = int(np.searchsorted(closing, last))
-            if after == len(closing):
+            following = bounds[index + 1][0] if index + 1 < len(turns) else len(ids)
+            if after == len(closing) or closing[after] >= following:
                 raise CheckFailed("text.chat_template", f"turn {index} ({turn.role}) has no end-of-turn token after "
                                   "its content", expected="a special token closing the turn",
-                                  observed="end of sequence", turn_index=index)
-            content.append((first, last))
-            token_cursor = int(closing[after]) + 1
-            ends.append(token_cursor)
-        return Rendered(ids, content, ends)
-
-    def _find_content(self, text: str, turn: Turn, cursor: int, index: int) -> tuple[tuple[int, int] | None, int]:
-        """The characters [start, end) of the turn's content in the rendered text, searched from `cursor` on in turn
-        order, and where the search goes on; None where the turn has no content."""
-        start = end = None
-        for part in turn.content:
-            piece = self.image_token if part is None else part
-            if not piece:
-                continue
-            found = text.find(piece, cursor)
-            if found < 0:
-                raise CheckFailed("text.chat_template", f"the chat template does not render turn {index} "
-                                  f"({turn.role}) verbatim: " + ("an image of it renders no image token" if part is None
-                                                                 else f"its text {piece[:80]!r} is not in the rendered "
-                                                                 "conversation"),
-                                  expected="every turn's text and images, in order", observed="missing",
+                                  observed="end of sequence" if after == len(closing) else "the next turn",
                                   turn_index=index)
-            start = found if start is None else start
-            end = cursor = found + len(piece)
-        return (None if start is None else (start, end)), cursor
+            content.append((first, last) if last > first else None)
+            ends.append(int(closing[after]) + 1)
+        return Rendered(ids, content, ends)
 
     # -- expand and mask ------------------------------------------------------------------------------
     def lay_out(self, turns: list[Turn], plans: list[ImagePlan]) -> TokenLayout:
@@ -184,7 +338,9 @@ class ChatRenderer:
         if limit is None or len(layout.input_ids) <= limit:
             return layout
         spans = layout.chat.turns
-        over = next(i for i, span in enumerate(spans) if span.end > limit)
+        # The turn where the limit falls; past the last turn's end (a template's last newline belongs to no turn),
+        # the last turn.
+        over = next((i for i, span in enumerate(spans) if span.end > limit), len(spans) - 1)
         if self.text.overflow == "drop_turns":
             # The longest prefix of whole turns that ends with an assistant turn and fits. A template may render a
             # turn differently by its position, so the prefix is rendered again, not cut out of this rendering.
@@ -206,9 +362,6 @@ class ChatRenderer:
         rendered = self.tokenize(turns)
         ids = rendered.ids
         is_image = ids == self.family.image_token_id
-        if (rendered_images := int(is_image.sum())) != len(plans):
-            raise CheckFailed("text.chat_template", f"the chat template renders {rendered_images} image token(s) for "
-                              f"{len(plans)} image(s)", expected=len(plans), observed=rendered_images)
         mask = self._mask(turns, rendered, is_image)
         # Each image token becomes its grid-sized span: every index after it moves by the span's length - 1.
         repeats = np.ones(len(ids), dtype=np.int64)
@@ -242,8 +395,8 @@ class ChatRenderer:
 
 def text_fingerprint(job: JobConfig, family) -> dict:
     """What the text side adds to a run's fingerprint: the format, the text settings and the chat template, where they
-    change the rows (nothing for plain text without a length limit)."""
-    if job.dataset.format == "text" and job.text.max_tokens is None:
+    change the rows (nothing for plain text without a length limit, its control tokens quarantined)."""
+    if job.dataset.format == "text" and job.text.max_tokens is None and job.text.control_tokens == "quarantine":
         return {}
     template = family.tokenizer.chat_template if job.dataset.format != "text" else None
     return {"text": {"format": job.dataset.format, **asdict(job.text), "chat_template_sha256":

@@ -6,6 +6,9 @@ and finds the spans again in the ids, so that a layout bug cannot hide behind it
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from functools import cache
+
 import numpy as np
 
 from batchvlm.checks import CheckFailed, require
@@ -38,13 +41,47 @@ def place_images(text: str, placeholder: str, num_images: int, missing_policy: s
     return text
 
 
-def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family) -> TokenLayout:
+@contextmanager
+def specials_as_text(backend):
+    """The fast tokenizer reading its special tokens' strings as plain text, for the block's length (the flag stays
+    set on the tokenizer otherwise, as transformers' `split_special_tokens=True` leaves it)."""
+    backend.encode_special_tokens = True
+    try:
+        yield backend
+    finally:
+        backend.encode_special_tokens = False
+
+
+@cache
+def special_ids(tokenizer) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens (its control tokens: `<|im_end|>`, `<|image_pad|>`...)."""
+    return frozenset(i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
+
+
+def text_ids(family, text: str, control_tokens: str = "quarantine") -> list[int]:
+    """A plain text's ids, with the checkpoint's tokenizer; text.control_token where the text holds a special token's
+    string (text.control_tokens=text: read as plain text)."""
+    ids = family.encode_text(text)
+    specials = special_ids(family.tokenizer)
+    forged = next((i for i in ids if i in specials), None)
+    if forged is None:
+        return ids
+    if control_tokens == "text":
+        with specials_as_text(family.tokenizer.backend_tokenizer) as plain:
+            return plain.encode(text, add_special_tokens=False).ids
+    name = family.tokenizer.convert_ids_to_tokens(forged)
+    raise CheckFailed("text.control_token", f"the text holds {name!r}, a special token of the tokenizer "
+                      "(text.control_tokens=text reads it as plain text)", expected="plain text", observed=name)
+
+
+def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family,
+                 control_tokens: str = "quarantine") -> TokenLayout:
     """Tokenize text pieces with the checkpoint's tokenizer and expand each placeholder via the family."""
     pieces = text.split(placeholder)
     input_ids: list[int] = []
     tags: list[int] = []
     for index, piece in enumerate(pieces):
-        ids = family.encode_text(piece)
+        ids = text_ids(family, piece, control_tokens)
         input_ids += ids
         tags += [TEXT] * len(ids)
         if index < len(plans):

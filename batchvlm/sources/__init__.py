@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import os
 import posixpath
 import re
@@ -24,8 +25,9 @@ import pyarrow as pa
 
 from batchvlm.checks import CheckFailed, failure
 from batchvlm.config import ConfigError, DatasetConfig
+from batchvlm.format.strings import escaped_value, unencodable_fields
 from batchvlm.records import Failure, ImageRef, InputFile, SourceRecord, WorkUnit
-from batchvlm.sources.conversations import read_turns, turns_text
+from batchvlm.sources.conversations import VIDEO_PLACEHOLDER, read_turns, turns_text
 
 KINDS = {"demo": "parquet", "parquet": "parquet", "webdataset": "webdataset", "json": "jsonl", "disk": "hf",
          "imagefolder": "hf", "hub": "hf"}
@@ -242,21 +244,69 @@ def cut_units(name: str, groups: list[tuple[int, int]], max_records: int, max_by
 
 def record_from_row(cfg: DatasetConfig, row: dict, unit_id: str, source: str, index: int, seq: int,
                     base: str, id_value=None) -> SourceRecord:
-    """A dataset row (column -> value, as pyarrow or datasets give it) as a SourceRecord."""
-    images = _as_list(row.get(cfg.images_column))
+    """A dataset row (column -> value, as pyarrow or datasets give it) as a SourceRecord: one that fails a check as
+    read carries its failure, and only strings a Parquet file can store (see format.strings)."""
     record_id = row.get(cfg.id_column) if id_value is None else id_value
+    read = {cfg.id_column or "id": record_id, cfg.text_column: row.get(cfg.text_column),
+            cfg.images_column: row.get(cfg.images_column)}
+    unencodable = unencodable_fields(read)
+    if unencodable:  # kept, escaped, to be quarantined
+        row = {**row, **{column: escaped_value(value) for column, value in read.items()}}
+        record_id = escaped_value(record_id)
+    images = _as_list(row.get(cfg.images_column))
+    text = row.get(cfg.text_column)
     record = SourceRecord(id=None if record_id is None or str(record_id) == "" else str(record_id),
-                          unit_id=unit_id, source=source, row=index, text=row.get(cfg.text_column) or "",
+                          unit_id=unit_id, source=source, row=index, text=_as_text(text),
                           images=[image_ref(image, base, cfg) for image in images], seq=seq)
-    record.failure = source_failure(cfg, row, record)
-    if cfg.format != "text" and record.failure is None:
+    record.failure = (unencodable_failure(unencodable, read) if unencodable else None) or id_failure(record_id) \
+        or text_failure(cfg, text) or source_failure(cfg, row, record)
+    if cfg.format != "text" and (record.failure is None or unencodable):  # an escaped conversation shows its turns
         try:
-            record.turns = read_turns(cfg.format, row.get(cfg.text_column), cfg.placeholder, len(images),
-                                      cfg.image_first, cfg.text_column)
-            record.text = turns_text(record.turns, cfg.placeholder)
+            record.turns = read_turns(cfg.format, text, cfg.placeholder, len(images), cfg.image_first,
+                                      cfg.text_column)
         except CheckFailed as failed:
-            record.text, record.failure = str(row.get(cfg.text_column)), failed.to_failure()
+            record.failure = record.failure or failed.to_failure()
+        else:
+            if not unencodable:  # (an escaped one's text is its whole column, which its turns may not show)
+                record.text = turns_text(record.turns, cfg.placeholder)
     return record
+
+
+def _as_text(value) -> str:
+    """A text column's value as the record's text: a string as it is, anything else as JSON."""
+    return "" if value is None else value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
+                                                                                       default=str)
+
+
+def unencodable_failure(fields: list[str], read: dict) -> Failure:
+    """source.invalid_unicode, naming the fields (their strings are stored escaped)."""
+    return failure("source.invalid_unicode", f"the record's {', '.join(map(repr, fields))} hold text UTF-8 cannot "
+                   "encode (a lone surrogate, or a byte that is not UTF-8); the record is stored with those strings "
+                   "as backslash escapes", expected="UTF-8 text",
+                   observed=str(escaped_value(read[fields[0]]))[:200])
+
+
+def id_failure(record_id) -> Failure | None:
+    """source.invalid_id: an id is a string or an integer (a null or empty one is source.missing_id's)."""
+    if record_id is None or isinstance(record_id, str) or (isinstance(record_id, int) and
+                                                            not isinstance(record_id, bool)):
+        return None
+    return failure("source.invalid_id", f"the id {str(record_id)[:80]!r} is a {type(record_id).__name__}",
+                   expected="a string or an integer", observed=type(record_id).__name__)
+
+
+def text_failure(cfg: DatasetConfig, text) -> Failure | None:
+    """A plain text's (dataset.format=text) own checks: text.not_a_string where it is neither a string nor null,
+    text.video where it holds a video placeholder."""
+    if cfg.format != "text" or text is None:
+        return None
+    if not isinstance(text, str):
+        return failure("text.not_a_string", f"the {cfg.text_column!r} column holds a {type(text).__name__}, not a "
+                       "string", expected="a string (or null)", observed=type(text).__name__)
+    if VIDEO_PLACEHOLDER in text:
+        return failure("text.video", f"the text holds a {VIDEO_PLACEHOLDER} placeholder: video is not supported yet",
+                       expected="text and images", observed=VIDEO_PLACEHOLDER)
+    return None
 
 
 def source_failure(cfg: DatasetConfig, row: dict, record: SourceRecord) -> Failure | None:

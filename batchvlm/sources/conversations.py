@@ -17,10 +17,15 @@ from __future__ import annotations
 import json
 
 from batchvlm.checks import CheckFailed, require
+from batchvlm.format.strings import unencodable_fields
 from batchvlm.records import Turn
 
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 IMAGE_BLOCKS = ("image", "image_url")
+VIDEO_BLOCKS = ("video", "video_url")
+VIDEO_PLACEHOLDER = "<video>"
+"""LLaVA's and Qwen's video placeholder (LLaMA-Factory's default too): a record with a video is quarantined
+(text.video) until batchvlm embeds videos."""
 
 
 def split_placeholders(text: str, placeholder: str) -> tuple[str | None, ...]:
@@ -47,23 +52,43 @@ def _turn_list(value, column: str) -> list:
         except json.JSONDecodeError as error:
             raise CheckFailed("text.roles", f"the {column!r} column is not a list of turns: {error}",
                               expected="a list of turns", observed="malformed JSON") from None
+        require(not unencodable_fields({column: value}), "source.invalid_unicode", f"the {column!r} column's JSON "
+                "holds a lone surrogate (an escape such as \\ud800)", expected="UTF-8 text", observed="a surrogate")
     require(isinstance(value, (list, tuple)) and all(isinstance(turn, dict) for turn in value), "text.roles",
             f"the {column!r} column is not a list of turns", expected="a list of turns",
             observed=type(value).__name__)
     return list(value)
 
 
-def _field(turn: dict, key: str, index: int):
-    require(key in turn, "text.roles", f"turn {index} has no {key!r} field (it has {', '.join(turn) or 'none'})",
-            expected=key, observed=", ".join(turn), turn_index=index)
-    return turn[key]
+def _string(turn: dict, key: str, index: int) -> str:
+    """text.not_a_string: the turn's field is there and a string (never its str(): a number, a null, a list)."""
+    value = turn.get(key)
+    if not isinstance(value, str):
+        raise CheckFailed("text.not_a_string", f"turn {index}'s {key!r} is " + (
+            f"{type(value).__name__} {str(value)[:80]!r}, not a string" if key in turn
+            else f"missing (the turn has {', '.join(map(str, turn)) or 'no field'})"),
+            expected=f"{key}: a string", observed=type(value).__name__ if key in turn else "missing",
+            turn_index=index)
+    return value
+
+
+def _no_video(text: str, index: int) -> str:
+    """text.video: the text holds no video placeholder."""
+    require(VIDEO_PLACEHOLDER not in text, "text.video", f"turn {index} holds a {VIDEO_PLACEHOLDER} placeholder: "
+            "video is not supported yet", expected="text and images", observed=VIDEO_PLACEHOLDER, turn_index=index)
+    return text
+
+
+def _text(text: str, placeholder: str, index: int) -> tuple[str | None, ...]:
+    """A turn's text as parts, None where each image placeholder was."""
+    return split_placeholders(_no_video(text, index), placeholder)
 
 
 def llava_turns(value, placeholder: str, image_first: bool = False, column: str = "conversations") -> list[Turn]:
     turns = []
     for index, turn in enumerate(_turn_list(value, column)):
-        speaker = _field(turn, "from", index)
-        parts = split_placeholders(str(_field(turn, "value", index) or ""), placeholder)
+        speaker = _string(turn, "from", index)
+        parts = _text(_string(turn, "value", index), placeholder, index)
         turns.append(Turn(LLAVA_ROLES.get(speaker, speaker), _image_first(parts) if image_first else parts))
     return turns
 
@@ -75,7 +100,10 @@ def _blocks(content: list, index: int) -> tuple[str | None, ...]:
         if kind in IMAGE_BLOCKS or (isinstance(block, dict) and kind is None and "image" in block):
             parts.append(None)
         elif kind == "text":
-            parts.append(block.get("text") or "")
+            parts.append(_no_video(_string(block, "text", index), index))
+        elif kind in VIDEO_BLOCKS:
+            raise CheckFailed("text.video", f"turn {index} holds a {kind} block: video is not supported yet",
+                              expected="text and images", observed=kind, turn_index=index)
         else:
             raise CheckFailed("text.placeholder_count", f"turn {index} has a content block of type {kind!r}: "
                               "batchvlm takes text and image blocks", expected="text | image",
@@ -86,20 +114,20 @@ def _blocks(content: list, index: int) -> tuple[str | None, ...]:
 def messages_turns(value, placeholder: str, column: str = "messages") -> list[Turn]:
     turns = []
     for index, turn in enumerate(_turn_list(value, column)):
-        content = _field(turn, "content", index)
+        role, content = _string(turn, "role", index), turn.get("content")
         parts = _blocks(content, index) if isinstance(content, (list, tuple)) else \
-            split_placeholders(str(content or ""), placeholder)
-        turns.append(Turn(_field(turn, "role", index), parts))
+            _text(_string(turn, "content", index), placeholder, index)
+        turns.append(Turn(role, parts))
     return turns
 
 
 def cauldron_turns(value, num_images: int, column: str = "texts") -> list[Turn]:
     turns = []
     for index, pair in enumerate(_turn_list(value, column)):
-        user = str(_field(pair, "user", index) or "")
+        user = _no_video(_string(pair, "user", 2 * index), 2 * index)
         images = (None,) * num_images if index == 0 else ()
         turns += [Turn("user", images + ((user,) if user else ())),
-                  Turn("assistant", (str(_field(pair, "assistant", index) or ""),))]
+                  Turn("assistant", (_no_video(_string(pair, "assistant", 2 * index + 1), 2 * index + 1),))]
     return turns
 
 

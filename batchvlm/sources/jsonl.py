@@ -10,7 +10,9 @@ read by seeking to it, and a requeue reads a record by its offset.
 - A JSON array: rank 0 indexes it once at planning, one streamed pass that finds where each element starts and
   ends, and cuts units at element boundaries (`dataset.unit_records`, `dataset.unit_bytes`).
 
-A line or element that is not a JSON object is quarantined under source.malformed_row.
+A line or element that is not a JSON object is quarantined under source.malformed_row. Bytes that are not UTF-8 are
+read as Python's surrogateescape reads them, so that the record they sit in is quarantined alone, under
+source.invalid_unicode, with its id.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from batchvlm.config import ConfigError
 from batchvlm.records import InputFile, SourceRecord, WorkUnit
 from batchvlm.sources import Source, list_files, open_input, parent_of, record_from_row
 
+UNDECODED = "surrogateescape"
+"""How a byte that is not UTF-8 is read: as a surrogate that gives the byte back (the record then fails
+source.invalid_unicode, alone)."""
 CHUNK = 1 << 22
 """Bytes read at a time while indexing an array."""
 WHITESPACE = " \t\r\n"
@@ -41,7 +46,7 @@ def is_array(handle) -> bool:
 def array_elements(handle, start: int = 0) -> Iterator[tuple[int, int, object]]:
     """(byte offset, byte end, value) of each element of a JSON array, read in chunks: from the array's start (0), or
     from the element at byte `start` on."""
-    decoder, utf8 = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8")()
+    decoder, utf8 = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8")(errors=UNDECODED)
     handle.seek(start)
     text, at, offset, eof = "", 0, start, False  # text[at:] is unread; offset: the byte offset of text[at]
 
@@ -50,7 +55,7 @@ def array_elements(handle, start: int = 0) -> Iterator[tuple[int, int, object]]:
         begin = at
         while at < len(text) and text[at] in chars:
             at += 1
-        offset += len(text[begin:at].encode())
+        offset += _nbytes(text[begin:at])
 
     def more() -> bool:
         nonlocal text, at, eof
@@ -78,7 +83,7 @@ def array_elements(handle, start: int = 0) -> Iterator[tuple[int, int, object]]:
             if more():  # the element goes on in the next chunk
                 continue
             raise
-        size = len(text[at:end].encode())
+        size = _nbytes(text[at:end])
         yield offset, offset + size, value
         at, offset = end, offset + size
 
@@ -183,10 +188,15 @@ class JsonSource(Source):
             yield offset, None if record_id is None or str(record_id) == "" else str(record_id)
 
 
+def _nbytes(text: str) -> int:
+    """The bytes the text was read from."""
+    return len(text.encode("utf-8", UNDECODED))
+
+
 def _parsed(line: bytes):
     try:
-        return json.loads(line)
-    except ValueError as error:  # JSONDecodeError, and UnicodeDecodeError on bytes that are not UTF-8
+        return json.loads(line.decode("utf-8-sig", UNDECODED))
+    except ValueError as error:  # JSONDecodeError (bytes that are not UTF-8 are read, not refused)
         return f"{type(error).__name__}: {error}"
 
 

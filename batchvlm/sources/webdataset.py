@@ -95,7 +95,8 @@ class WebDatasetSource(Source):
         row[self.cfg.images_column] = ({"bytes": None, "path": f"{location}#{image.name}", "size": image.size}
                                        if isinstance(image, Unread) else image)
         text = sample.get(self.cfg.text_column, meta.get(self.cfg.text_column))
-        row[self.cfg.text_column] = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+        # Bytes that are not UTF-8 stay themselves (surrogateescape): the record fails source.invalid_unicode.
+        row[self.cfg.text_column] = text.decode("utf-8", "surrogateescape") if isinstance(text, bytes) else text
         return row
 
     def _records(self, item: InputFile, unit_id: str, rows: set[int] | None) -> Iterator[SourceRecord]:

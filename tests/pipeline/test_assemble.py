@@ -33,6 +33,25 @@ def test_a_quarantine_row_keeps_small_images_and_only_the_path_of_large_ones():
     assert (row["check"], row["stage"], row["row"], row["unit"]) == ("decode.truncated", "decode", 7, "u")
 
 
+def test_a_quarantine_row_writes_whatever_its_record_held_its_unencodable_strings_escaped_and_says_so():
+    """A tar key that is not UTF-8 (read with surrogateescape), a surrogate in an error message: the row still writes."""
+    import pyarrow as pa
+
+    from batchvlm.format.schema import QUARANTINE_SCHEMA
+    from batchvlm.records import Turn
+
+    key = b"d\xf6g".decode("utf-8", "surrogateescape")
+    source = SourceRecord(key, "u", "a.tar", 1, "", [ImageRef(path=f"a.tar#{key}.jpg")])
+    source.turns = [Turn("user", ("Hi \ud800",))]
+    item = QuarantinedRecord(source, failure("source.bad_metadata", "bad \udcff json", "an object", "\ud800"))
+    row = quarantine_row(item, bytes_cap=50, fingerprint="f")
+    table = pa.Table.from_pylist([row], schema=QUARANTINE_SCHEMA)
+    assert table.column("id").to_pylist() == ["d\\xf6g"] and row["image_paths"] == ["a.tar#d\\xf6g.jpg"]
+    assert row["turns"] == [{"role": "user", "text": "Hi \\ud800"}] and row["observed"] == "\\ud800"
+    assert row["message"].startswith("bad \\xff json") and "stored escaped: id, message, observed, image_paths, " \
+        "turns" in row["message"]
+
+
 def chat_layout(mask: list[int]):
     """user [0, 4) with an image token at 2, assistant [4, 7): tags and turns of a tiny conversation."""
     from batchvlm.records import ChatLayout, TokenLayout, TurnSpan

@@ -139,8 +139,9 @@ def test_a_conversation_without_an_answer_has_no_trained_token(qwen):
     assert caught.value.check == "text.no_trained_tokens"
 
 
-def test_the_template_renders_once_per_conversation_whatever_its_number_of_turns(qwen, monkeypatch):
-    """The mask comes from one rendering: a mask that rendered every prefix would cost quadratic time in the turns."""
+def test_the_template_renders_at_most_twice_per_conversation_whatever_its_number_of_turns(qwen, monkeypatch):
+    """The mask comes from two renderings (the conversation, and its texts marked, once per shape of conversation): a
+    mask that rendered every prefix would cost quadratic time in the turns."""
     calls = []
     render = type(qwen.tokenizer).apply_chat_template
     monkeypatch.setattr(type(qwen.tokenizer), "apply_chat_template",
@@ -150,7 +151,10 @@ def test_the_template_renders_once_per_conversation_whatever_its_number_of_turns
         calls.clear()
         turns = [Turn(role, (f"{role} {i}",)) for i in range(pairs) for role in ("user", "assistant")]
         layout = chat.lay_out(turns, [])
-        assert len(calls) == 1 and sum(s.role == "assistant" for s in layout.chat.turns) == pairs
+        assert len(calls) == 2 and sum(s.role == "assistant" for s in layout.chat.turns) == pairs
+        calls.clear()  # the same roles and images, other texts: the marked rendering is kept
+        chat.lay_out([Turn(turn.role, (f"other {turn.content[0]}",)) for turn in turns], [])
+        assert len(calls) == 1
 
 
 def test_a_template_that_drops_an_image_is_caught(qwen, tmp_path):
@@ -165,7 +169,10 @@ def test_a_template_that_drops_an_image_is_caught(qwen, tmp_path):
 def test_a_template_that_raises_is_a_chat_template_failure(qwen, tmp_path):
     template = tmp_path / "strict.jinja"
     template.write_text("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}"
-                        "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+                        "{% endif %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+                        "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|>"
+                        "<|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+                        "<|im_end|>\n{% endfor %}")
     family = load_family(ModelConfig(family="qwen2_vl", chat_template=str(template)))
     with pytest.raises(CheckFailed) as caught:
         renderer(family).lay_out([Turn("system", ("Be brief.",)), Turn("user", ("Hi",)),

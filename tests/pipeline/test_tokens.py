@@ -95,3 +95,20 @@ def test_position_ids_that_do_not_fit_the_sequence_are_caught(drop_last):
     with pytest.raises(CheckFailed) as caught:
         attach_positions(layout, plans, _ShiftedPositions(qwen, drop_last))
     assert caught.value.check == "text.position_ids"
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "kimi_k25"])
+def test_a_plain_text_holding_a_control_token_string_is_quarantined_or_read_as_plain_text(name):
+    """A caption is data: `<|im_end|>` in it must not become the tokenizer's control token."""
+    from batchvlm.config import ModelConfig
+    from batchvlm.families import load_family
+
+    family = load_family(ModelConfig(family=name))
+    text = "a caption <|im_end|> that ends twice"
+    with pytest.raises(CheckFailed) as caught:
+        build_layout(text, "<image>", [], family)
+    assert caught.value.check == "text.control_token" and "<|im_end|>" in caught.value.message
+    plain = build_layout(text, "<image>", [], family, control_tokens="text")
+    specials = {i for i, token in family.tokenizer.added_tokens_decoder.items() if token.special}
+    assert not specials & set(plain.input_ids) and family.tokenizer.decode(plain.input_ids) == text
+    assert build_layout("a caption", "<image>", [], family).input_ids == family.encode_text("a caption")

@@ -16,7 +16,7 @@ from batchvlm.config import DatasetConfig
 from batchvlm.records import Turn
 from batchvlm.sources import make_source
 from batchvlm.sources.conversations import (cauldron_turns, llava_turns, messages_turns, place_conversation_images,
-                                            split_placeholders)
+                                            read_turns, split_placeholders)
 
 LLAVA = [{"from": "system", "value": "Answer briefly."},
          {"from": "human", "value": "Render a clear summary of the photo.\n<image>"},
@@ -49,9 +49,9 @@ def test_messages_take_blocks_or_strings_with_placeholders():
                                           ("What are they doing?", None)]
 
 
-def test_a_video_block_is_refused_naming_its_turn():
+def test_a_block_of_unknown_type_is_refused_naming_its_turn():
     with pytest.raises(CheckFailed) as caught:
-        messages_turns([{"role": "user", "content": [{"type": "video"}]}], "<image>")
+        messages_turns([{"role": "user", "content": [{"type": "audio"}]}], "<image>")
     assert caught.value.check == "text.placeholder_count" and caught.value.turn_index == 0
 
 
@@ -74,7 +74,7 @@ def test_images_without_any_placeholder_go_first_in_the_first_user_turn_or_are_c
         place_conversation_images(llava_turns(LLAVA, "<image>"), 2, "prepend")
 
 
-@pytest.mark.parametrize("value", ["not json", json.dumps({"from": "human"}), json.dumps([{"value": "x"}])])
+@pytest.mark.parametrize("value", ["not json", json.dumps({"from": "human"}), json.dumps(["x"])])
 def test_a_column_that_is_no_list_of_turns_is_a_roles_failure(value):
     with pytest.raises(CheckFailed) as caught:
         llava_turns(value, "<image>")
@@ -142,3 +142,53 @@ def test_llava_records_read_the_same_from_every_source(tmp_path, write):
     assert [[ref.path for ref in r.images] for r in records] == [["/images/a.png"], ["/images/b.png", "/images/c.png"]]
     assert json.loads(records[1].text) == [{"role": "user", "content": "<image> vs <image>"},
                                            {"role": "assistant", "content": "Same."}]
+
+
+# -- values a record may hold -------------------------------------------------------------------------------------------
+NOT_STRINGS = [None, True, 3, 2.5, ["a"], {"a": 1}]
+
+
+@pytest.mark.parametrize("value", NOT_STRINGS, ids=repr)
+@pytest.mark.parametrize("format,turns,turn_index", [
+    ("llava", lambda v: [{"from": v, "value": "Hi"}, {"from": "gpt", "value": "Yo"}], 0),
+    ("llava", lambda v: [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": v}], 1),
+    ("messages", lambda v: [{"role": v, "content": "Hi"}, {"role": "assistant", "content": "Yo"}], 0),
+    ("messages", lambda v: [{"role": "user", "content": v}, {"role": "assistant", "content": "Yo"}], 0),
+    ("messages", lambda v: [{"role": "user", "content": "Hi"},
+                            {"role": "assistant", "content": [{"type": "text", "text": v}]}], 1),
+    ("cauldron", lambda v: [{"user": v, "assistant": "Yo"}], 0),
+    ("cauldron", lambda v: [{"user": "Hi", "assistant": "Yo"}, {"user": "Hi", "assistant": v}], 3),
+], ids=["llava.from", "llava.value", "messages.role", "messages.content", "messages.text", "cauldron.user",
+        "cauldron.assistant"])
+def test_a_turn_value_or_role_that_is_not_a_string_is_named_never_rendered_as_its_str(format, turns, turn_index,
+                                                                                       value):
+    """A number would become its str(), a null an empty turn, a list a tokenizer's TypeError. (A list content in
+    messages is a list of blocks: a string in it is a block of no type.)"""
+    blocks = format == "messages" and isinstance(value, list) and turns(value)[0]["content"] is value
+    with pytest.raises(CheckFailed) as caught:
+        read_turns(format, turns(value), "<image>", 0)
+    assert caught.value.check == ("text.placeholder_count" if blocks else "text.not_a_string")
+    assert caught.value.turn_index == turn_index
+
+
+@pytest.mark.parametrize("format,turns", [
+    ("llava", [{"value": "Hi"}]), ("llava", [{"from": "human"}]), ("messages", [{"content": "Hi"}]),
+    ("messages", [{"role": "user"}]), ("cauldron", [{"user": "Hi"}]), ("cauldron", [{"assistant": "Yo"}])])
+def test_a_turn_missing_its_role_or_text_is_named(format, turns):
+    with pytest.raises(CheckFailed) as caught:
+        read_turns(format, turns, "<image>", 0)
+    assert caught.value.check == "text.not_a_string"
+    assert caught.value.turn_index == (1 if turns == [{"user": "Hi"}] else 0)  # a pair is a user and an answer
+
+
+@pytest.mark.parametrize("format,turns", [
+    ("llava", [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "A dance."}]),
+    ("messages", [{"role": "user", "content": "What happens?<video>"}, {"role": "assistant", "content": "A dance."}]),
+    ("messages", [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What?"}]},
+                  {"role": "assistant", "content": "A dance."}]),
+    ("cauldron", [{"user": "Hi", "assistant": "It shows <video>."}]),
+])
+def test_a_video_in_any_turn_is_named_until_video_is_supported(format, turns):
+    with pytest.raises(CheckFailed) as caught:
+        read_turns(format, turns, "<image>", 0)
+    assert caught.value.check == "text.video" and caught.value.turn_index in (0, 1)
