@@ -3,7 +3,8 @@ one array), local or fsspec.
 
 A record's `row` is the byte offset where it starts in its file, and a unit is a byte range of one file: the
 records that start in [start, start + nbytes) (WorkUnit.stop is None: the count is known once read). So a unit is
-read by seeking to it, and a requeue reads a record by its offset.
+read by seeking to it, and a requeue reads a record by its offset where the record there still has its id; a file
+edited since moves its records, and the requeue finds them by id (sources.requeue).
 
 - JSON Lines: units are cut at byte offsets of `dataset.unit_bytes` from the file's size alone, so planning costs
   O(files); a unit's first record is the first line that starts in it.
@@ -74,8 +75,9 @@ def array_elements(handle, start: int = 0) -> Iterator[tuple[int, int, object]]:
             return
         try:
             value, end = decoder.raw_decode(text, at)
-        except json.JSONDecodeError:
-            if more():  # the element goes on in the next chunk
+        except json.JSONDecodeError as error:
+            # no value starts here (no later byte changes that), else the element may go on in the next chunk
+            if not (error.msg == "Expecting value" and error.pos == at) and more():
                 continue
             raise
         size = len(text[at:end].encode())
@@ -171,9 +173,15 @@ class JsonSource(Source):
             yield self._record(item, unit.unit_id, offset, seq, value)
 
     def records_at(self, name: str, rows: list[int]) -> Iterator[SourceRecord]:
+        """The records that start at these byte offsets; none where no record starts at one now (the file was edited:
+        a requeue then finds the record by its id)."""
         item = self.inputs[name]
         for offset in rows:
-            for _, value in self._values(item, offset, offset + 1):
+            try:
+                found = list(self._values(item, offset, offset + 1))
+            except ValueError:  # inside an element of an array: no JSON value starts there
+                continue
+            for _, value in found:
                 yield self._record(item, name, offset, offset, value)
 
     def all_ids(self, name: str) -> Iterator[tuple[int, str | None]]:

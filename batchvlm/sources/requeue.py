@@ -72,12 +72,14 @@ def written_ids(run_dir: Path) -> set[str]:
     return ids
 
 
-def _index_by_id(source: Source) -> dict[str, tuple[str, int]]:
-    """Every id of the dataset -> its first (input, row); built only when some record moved."""
+def _index_by_id(source: Source, wanted: set[str]) -> dict[str, tuple[str, int]]:
+    """The first (input, row) of each wanted id in the dataset: one scan of its ids, built only when some record moved,
+    holding the wanted ids alone."""
     index: dict[str, tuple[str, int]] = {}
     for name in source.inputs:
         for row, record_id in source.all_ids(name):
-            index.setdefault(record_id, (name, row))
+            if record_id in wanted:
+                index.setdefault(record_id, (name, row))
     return index
 
 
@@ -100,7 +102,7 @@ def locate(source: Source, wanted: list[Quarantined]) -> tuple[list[Located], li
         if here in id_at and (id_at[here] == record.id or record.check == "source.missing_id"):
             place, matched_by = here, "row"
         else:
-            by_id = _index_by_id(source) if by_id is None else by_id
+            by_id = _index_by_id(source, {item.id for item in wanted}) if by_id is None else by_id
             place, matched_by = by_id.get(record.id), "id"
         if place is None or place in taken:
             missing.append(record)

@@ -19,7 +19,8 @@ from batchvlm.executor.job import run_job
 from batchvlm.review.html import render
 from batchvlm.review.report import build_report, summary_text
 from batchvlm.rundir.verify import verify_run
-from batchvlm.sources.requeue import quarantined_records, requeue_source
+from batchvlm.sources import make_source
+from batchvlm.sources.requeue import Quarantined, locate, quarantined_records, requeue_source
 
 
 def _job(root: Path, name: str, **fields) -> JobConfig:
@@ -115,3 +116,33 @@ def test_check_selects_by_name_and_an_unknown_name_fails_naming_the_key(tmp_path
         JobConfig(check="decode.truncated")
     with pytest.raises(ConfigError, match="requeue_from=.*not a batchvlm run directory"):
         quarantined_records(tmp_path, None)
+
+
+def _quarantined(records, check: str = "text.placeholder_count") -> list[Quarantined]:
+    return [Quarantined(r.id, r.source, r.row, check, "text") for r in records]
+
+
+@pytest.mark.parametrize("name", ["data.json", "data.jsonl"])
+def test_a_record_of_a_json_file_edited_in_place_is_found_again_by_its_id(tmp_path, name):
+    """The record's identity is its id; its byte offset is only evidence: an edit before it moves it."""
+    path = tmp_path / name
+    records = [{"id": f"r{i}", "images": [], "text": f"caption {i}"} for i in range(12)]
+
+    def write() -> None:
+        path.write_text(json.dumps(records) if name.endswith(".json") else
+                        "".join(json.dumps(record) + "\n" for record in records))
+
+    write()
+    source = make_source(DatasetConfig(kind="json", path=str(path)))
+    (unit,) = source.plan()
+    wanted = _quarantined([r for r in source.records(unit) if r.id in ("r5", "r9")])
+    records[2]["text"] += "!!"  # two bytes more: the old offsets of r5 and r9 now point inside the record before
+    records[5]["text"] = "fixed"
+    write()
+    found, missing = locate(make_source(DatasetConfig(kind="json", path=str(path))), wanted)
+    assert missing == [] and [(f.was.id, f.matched_by) for f in found] == [("r5", "id"), ("r9", "id")]
+    rows = [f.row for f in found]
+    assert [path.read_bytes()[row:row + 1] for row in rows] == [b"{", b"{"]
+    again = make_source(DatasetConfig(kind="json", path=str(path)))
+    assert [(r.id, r.text) for r in again.records_at(next(iter(again.inputs)), rows)] == [("r5", "fixed"),
+                                                                                         ("r9", "caption 9")]
