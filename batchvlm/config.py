@@ -44,6 +44,8 @@ def positive(key: str, value: int | float) -> None:
 
 FORMATS = ("text", "llava", "messages", "cauldron")
 """dataset.format: what a record's text column holds."""
+MISSING_IDS = ("quarantine", "content", "position")
+"""dataset.missing_ids: what a record without an id gets."""
 
 
 @dataclass
@@ -71,6 +73,12 @@ class DatasetConfig:
     """Split to read where the dataset has several (disk, imagefolder, hub)."""
     id_column: str = "id"
     """webdataset: `__key__` (the sample's key) or a field of its .json."""
+    missing_ids: str = "quarantine"
+    """A record whose dataset.id_column is missing or empty (LLaMA-Factory's data has no id at all): quarantine
+    (source.missing_id) | content (its id is `sha256:` and a digest of the record as the source reads it: the same
+    wherever the record moves, a new one once the record itself is edited) | position (`<input>#<row>`: its place in
+    its input, a byte offset in a JSON file; stable only while the input is not edited). Recorded in the run's
+    fingerprint: the ids are the rows' identity."""
     images_column: str = "images"
     """A column of image bytes / paths / HF Image structs, or a list of them per row. webdataset: the image
     part, `jpg;png;webp` meaning the first present."""
@@ -102,6 +110,7 @@ class DatasetConfig:
         if self.image_first and self.format != "llava":
             raise ConfigError(f"dataset.image_first=true applies to dataset.format=llava, not {self.format}")
         one_of("dataset.missing_placeholder", self.missing_placeholder, ("prepend", "quarantine"))
+        one_of("dataset.missing_ids", self.missing_ids, MISSING_IDS)
         positive("dataset.unit_records", self.unit_records)
         positive("dataset.unit_bytes", self.unit_bytes)
         if self.kind != "demo" and not self.path:

@@ -59,7 +59,8 @@ def checked_id(record: SourceRecord, unit: WorkUnit, seen: set) -> QuarantinedRe
     """The source's checks of a row as read: it has an id, not seen earlier in the unit, and no source.* failure."""
     if record.id is None:
         record.id = f"{unit.source}#{record.row}"
-        return QuarantinedRecord(record, failure("source.missing_id", "the id column is empty for this row",
+        return QuarantinedRecord(record, failure("source.missing_id", "the id column is empty for this row (where "
+                                                 "the dataset has no ids, dataset.missing_ids=content makes them)",
                                                  expected="a unique, non-empty id", observed=repr(record.id)))
     if record.failure is not None:
         return QuarantinedRecord(record, record.failure)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import os
 import posixpath
 import re
@@ -240,13 +241,37 @@ def cut_units(name: str, groups: list[tuple[int, int]], max_records: int, max_by
     return units
 
 
-def record_from_row(cfg: DatasetConfig, row: dict, unit_id: str, source: str, index: int, seq: int,
+CONTENT_ID = "sha256:"
+"""How an id that dataset.missing_ids=content made begins."""
+
+
+def record_id(cfg: DatasetConfig, row: dict, name: str, index: int, id_value=None) -> str | None:
+    """A row's id: its dataset.id_column (or `id_value`, where the source knows it otherwise), else one made as
+    dataset.missing_ids says, else None (the record is quarantined under source.missing_id). `name` is its input's."""
+    given = row.get(cfg.id_column) if id_value is None else id_value
+    if given is not None and str(given) != "":
+        return str(given)
+    if cfg.missing_ids == "position":
+        return f"{name}#{index}"
+    if cfg.missing_ids == "content":
+        canonical = json.dumps(row, sort_keys=True, ensure_ascii=False, default=_canonical_value)
+        return CONTENT_ID + hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return None
+
+
+def _canonical_value(value) -> str:
+    """A value JSON has no type for, as the content digest takes it: bytes by their own digest."""
+    if isinstance(value, (bytes, bytearray)):
+        return "bytes:" + hashlib.sha256(value).hexdigest()
+    return f"{type(value).__name__}:{value}"
+
+
+def record_from_row(cfg: DatasetConfig, row: dict, unit_id: str, item: InputFile, index: int, seq: int,
                     base: str, id_value=None) -> SourceRecord:
-    """A dataset row (column -> value, as pyarrow or datasets give it) as a SourceRecord."""
+    """A dataset row (column -> value, as pyarrow or datasets give it) of input `item` as a SourceRecord."""
     images = _as_list(row.get(cfg.images_column))
-    record_id = row.get(cfg.id_column) if id_value is None else id_value
-    record = SourceRecord(id=None if record_id is None or str(record_id) == "" else str(record_id),
-                          unit_id=unit_id, source=source, row=index, text=row.get(cfg.text_column) or "",
+    record = SourceRecord(id=record_id(cfg, row, item.name, index, id_value), unit_id=unit_id, source=item.location,
+                          row=index, text=row.get(cfg.text_column) or "",
                           images=[image_ref(image, base, cfg) for image in images], seq=seq)
     record.failure = source_failure(cfg, row, record)
     if cfg.format != "text" and record.failure is None:

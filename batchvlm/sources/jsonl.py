@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from batchvlm.checks import failure
 from batchvlm.config import ConfigError
 from batchvlm.records import InputFile, SourceRecord, WorkUnit
-from batchvlm.sources import Source, list_files, open_input, parent_of, record_from_row
+from batchvlm.sources import Source, list_files, open_input, parent_of, record_from_row, record_id
 
 CHUNK = 1 << 22
 """Bytes read at a time while indexing an array."""
@@ -161,7 +161,7 @@ class JsonSource(Source):
 
     def _record(self, item: InputFile, unit_id: str, offset: int, seq: int, value) -> SourceRecord:
         if isinstance(value, dict):
-            return record_from_row(self.cfg, value, unit_id, item.location, offset, seq, parent_of(item.location))
+            return record_from_row(self.cfg, value, unit_id, item, offset, seq, parent_of(item.location))
         record = SourceRecord(f"{item.name}#{offset}", unit_id, item.location, offset, "", [], seq)
         record.failure = failure("source.malformed_row", f"the record at byte {offset} is not a JSON object "
                                  f"({value})", expected="a JSON object", observed=str(value)[:200])
@@ -187,8 +187,7 @@ class JsonSource(Source):
     def all_ids(self, name: str) -> Iterator[tuple[int, str | None]]:
         item = self.inputs[name]
         for offset, value in self._values(item, 0, None):
-            record_id = value.get(self.cfg.id_column) if isinstance(value, dict) else None
-            yield offset, None if record_id is None or str(record_id) == "" else str(record_id)
+            yield offset, record_id(self.cfg, value, name, offset) if isinstance(value, dict) else None
 
 
 def _parsed(line: bytes):

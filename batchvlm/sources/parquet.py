@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from batchvlm.config import ConfigError
 from batchvlm.records import InputFile, SourceRecord, WorkUnit
 from batchvlm.sources import (Source, check_column_types, cut_units, list_files, open_input, parent_of,
-                              record_from_row)
+                              record_from_row, record_id)
 
 FOOTER_BLOCK = 1 << 16
 """Read size for footers of remote files: fsspec's default blocks (MBs) would fetch data pages too."""
@@ -45,9 +45,10 @@ class ParquetSource(Source):
         if self.cfg.status_column is not None:
             wanted["dataset.status_column"] = self.cfg.status_column
         for key, column in wanted.items():
-            if column not in names:
+            if column not in names and not (key == "dataset.id_column" and self.cfg.missing_ids != "quarantine"):
                 raise ConfigError(f"{key}={column!r} is not a column of {item.location} (columns: {', '.join(names)})")
         check_column_types(file.schema_arrow, self.cfg, item.location)
+        wanted = {key: column for key, column in wanted.items() if column in names}
         return list(dict.fromkeys([*wanted.values(), *(["error_message"] if "error_message" in names else [])]))
 
     def plan(self) -> list[WorkUnit]:
@@ -88,7 +89,7 @@ class ParquetSource(Source):
     def records(self, unit: WorkUnit) -> Iterator[SourceRecord]:
         item = self.inputs[unit.source]
         for seq, (row, values) in enumerate(self._rows(item, unit.start, unit.stop)):
-            yield record_from_row(self.cfg, values, unit.unit_id, item.location, row, seq, parent_of(item.location))
+            yield record_from_row(self.cfg, values, unit.unit_id, item, row, seq, parent_of(item.location))
 
     def records_at(self, name: str, rows: list[int]) -> Iterator[SourceRecord]:
         item, wanted = self.inputs[name], set(rows)
@@ -96,11 +97,15 @@ class ParquetSource(Source):
             return
         for row, values in self._rows(item, rows[0], rows[-1] + 1):
             if row in wanted:
-                yield record_from_row(self.cfg, values, name, item.location, row, row, parent_of(item.location))
+                yield record_from_row(self.cfg, values, name, item, row, row, parent_of(item.location))
 
     def all_ids(self, name: str) -> Iterator[tuple[int, str | None]]:
         item = self.inputs[name]
         file = self._open(item)
+        if self.cfg.missing_ids != "quarantine":  # an id may be made from the whole row
+            for row, values in self._rows(item, 0, file.metadata.num_rows):
+                yield row, record_id(self.cfg, values, name, row)
+            return
         row = 0
         for batch in file.iter_batches(batch_size=65536, columns=[self.cfg.id_column]):
             for value in batch.column(0).to_pylist():

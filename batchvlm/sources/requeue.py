@@ -24,7 +24,7 @@ from batchvlm.records import WorkUnit
 from batchvlm.rundir.durable import durable_write_json, read_json
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import listed_shards
-from batchvlm.sources import Source, make_source
+from batchvlm.sources import CONTENT_ID, Source, make_source
 
 log = logging.getLogger("batchvlm")
 
@@ -47,7 +47,8 @@ class Located:
     was: Quarantined
     input: str
     row: int
-    matched_by: str  # "row": same file and row, same id; "id": the id found elsewhere in the dataset
+    matched_by: str  # "row": same file and row, same id; "id": the id found elsewhere in the dataset; "position":
+    # same file and row, both ids made from content (the record was edited)
 
 
 def quarantined_records(run_dir: Path, checks: list[str] | None) -> list[Quarantined]:
@@ -84,7 +85,9 @@ def _index_by_id(source: Source, wanted: set[str]) -> dict[str, tuple[str, int]]
 
 
 def locate(source: Source, wanted: list[Quarantined]) -> tuple[list[Located], list[Quarantined]]:
-    """Find each wanted record in the current dataset: by file and row with the same id, else by id."""
+    """Find each wanted record in the current dataset: by file and row with the same id, else by id. A record whose id
+    was made from its content (dataset.missing_ids=content) and is found by neither was edited (so was its id): it is
+    the record with a made id that starts where it started, if one does."""
     by_location = {_same_place(item.location): name for name, item in source.inputs.items()}
     rows_of: dict[str, list[int]] = {}
     for record in wanted:
@@ -104,12 +107,18 @@ def locate(source: Source, wanted: list[Quarantined]) -> tuple[list[Located], li
         else:
             by_id = _index_by_id(source, {item.id for item in wanted}) if by_id is None else by_id
             place, matched_by = by_id.get(record.id), "id"
+            if place is None and _made_from_content(source, id_at.get(here)) and _made_from_content(source, record.id):
+                place, matched_by = here, "position"
         if place is None or place in taken:
             missing.append(record)
             continue
         taken.add(place)
         found.append(Located(record, place[0], place[1], matched_by))
     return found, missing
+
+
+def _made_from_content(source: Source, record_id: str | None) -> bool:
+    return source.cfg.missing_ids == "content" and record_id is not None and record_id.startswith(CONTENT_ID)
 
 
 def _same_place(location: str) -> str:

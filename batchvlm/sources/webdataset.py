@@ -117,7 +117,7 @@ class WebDatasetSource(Source):
             row = self._row(sample, item.location)
         except CheckFailed as failed:
             return self._failed(sample[KEY], item, unit_id, index, failed.to_failure())
-        return record_from_row(self.cfg, row, unit_id, item.location, index, index, parent_of(item.location))
+        return record_from_row(self.cfg, row, unit_id, item, index, index, parent_of(item.location))
 
     def _failed(self, record_id: str, item: InputFile, unit_id: str, index: int, why) -> SourceRecord:
         return SourceRecord(id=record_id, unit_id=unit_id, source=item.location, row=index, text="", images=[],

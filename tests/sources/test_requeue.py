@@ -146,3 +146,22 @@ def test_a_record_of_a_json_file_edited_in_place_is_found_again_by_its_id(tmp_pa
     again = make_source(DatasetConfig(kind="json", path=str(path)))
     assert [(r.id, r.text) for r in again.records_at(next(iter(again.inputs)), rows)] == [("r5", "fixed"),
                                                                                          ("r9", "caption 9")]
+
+
+def test_a_record_with_a_made_id_fixed_in_place_is_found_by_its_position(tmp_path):
+    """missing_ids=content: the fixed record's content, so its id, changed; where it starts is what is left of it."""
+    path = tmp_path / "mllm.jsonl"
+    records = [{"messages": [{"role": "user", "content": f"<image> {i}"}, {"role": "assistant", "content": "ok"}],
+                "images": [f"{i}.jpg"]} for i in range(6)]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    cfg = DatasetConfig(kind="json", path=str(path), format="messages", text_column="messages", missing_ids="content")
+    source = make_source(cfg)
+    (unit,) = source.plan()
+    read = list(source.records(unit))
+    wanted = _quarantined([read[2], read[4]])
+    records[2]["messages"][0]["content"] = "<image> fixed, and longer"  # moves record 4 too
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    found, missing = locate(make_source(cfg), wanted)
+    moved = read[4].row + len(json.dumps(records[2])) - (read[3].row - read[2].row - 1)
+    assert missing == [] and [(f.was.id, f.row, f.matched_by) for f in found] == [
+        (read[2].id, read[2].row, "position"), (read[4].id, moved, "id")]
