@@ -219,6 +219,7 @@ class Job:
             self.embed_claimed(source, claimed_units(self.layout, blocks, claimed, self.units), sink, shown)
 
         try:
+            shown()  # a report before the first unit: batchvlm-status sees the rank from its start
             phase.work_through(work, wait)
             shown()
         finally:
@@ -249,6 +250,7 @@ class Job:
             for item in rows(encoded(batches(prepared, batcher), parts.stage), parts.assembler):
                 if not isinstance(item, list):
                     writer.submit(item)  # a unit opens or closes
+                    shown()  # a block claimed since the last report is reported before its first batch
                     continue
                 for row in item:
                     writer.submit(row)

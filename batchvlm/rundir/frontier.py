@@ -249,6 +249,6 @@ def claimed_units(layout: RunLayout, blocks: dict[str, Block], claimed: Iterable
     for claim in claimed:
         todo = [unit for unit in blocks[claim.task].units if not layout.manifest(unit.unit_id).exists()]
         if units is not None:
-            units.claimed += len(todo)
+            units.hold([unit.unit_id for unit in todo])
         for unit in todo:
             yield unit, claim

@@ -10,7 +10,6 @@ first, so the run ends on small units.
 
 from __future__ import annotations
 
-import json
 import math
 import dataclasses
 from dataclasses import asdict, dataclass
@@ -19,7 +18,7 @@ from typing import Protocol
 
 from batchvlm.config import ConfigError, JobConfig, differences
 from batchvlm.records import InputFile, WorkUnit
-from batchvlm.rundir.durable import durable_write_json
+from batchvlm.rundir.durable import DamagedMetadata, durable_write_json, read_json
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.manifest import Manifest, manifests_in_order
 IDS_PER_BUCKET = 2_000_000
@@ -141,6 +140,12 @@ def _identity(item: InputFile) -> dict:
 
 
 def read_plan(layout: RunLayout) -> Plan:
-    raw = json.loads(layout.plan.read_text())
-    return Plan([InputFile(**i) for i in raw["inputs"]], raw["params"], [WorkUnit(**u) for u in raw["units"]],
-                raw["dedup_buckets"], raw.get("block_units", 1))  # a plan made before blocks: one unit each
+    """The run's plan; DamagedMetadata where units.json is not one (another tool's file, a truncated copy)."""
+    raw = read_json(layout.plan)
+    if raw is None:
+        raise DamagedMetadata.of(layout.plan, "a batchvlm plan", FileNotFoundError("no such file"))
+    try:
+        return Plan([InputFile(**i) for i in raw["inputs"]], raw["params"], [WorkUnit(**u) for u in raw["units"]],
+                    raw["dedup_buckets"], raw.get("block_units", 1))  # a plan made before blocks: one unit each
+    except (KeyError, TypeError) as error:
+        raise DamagedMetadata.of(layout.plan, "a batchvlm plan", error) from None
