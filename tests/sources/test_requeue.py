@@ -165,3 +165,44 @@ def test_a_record_with_a_made_id_fixed_in_place_is_found_by_its_position(tmp_pat
     moved = read[4].row + len(json.dumps(records[2])) - (read[3].row - read[2].row - 1)
     assert missing == [] and [(f.was.id, f.row, f.matched_by) for f in found] == [
         (read[2].id, read[2].row, "position"), (read[4].id, moved, "id")]
+
+
+@pytest.mark.slow
+def test_a_json_array_edited_in_place_requeues_and_reads_back_with_its_run_as_one_dataset(tmp_path):
+    from batchvlm.training import LoaderConfig, PackedLoader, load_run_dataset
+    from batchvlm.training.reader import read_run
+
+    (tmp_path / "img").mkdir()
+    for n in range(3):
+        (tmp_path / "img" / f"{n}.png").write_bytes(_png(n))
+    records = [{"id": f"r{n}", "image": f"img/{n % 3}.png", "conversations": [
+        {"from": "human", "value": "<image> what is it?" if n != 2 else "<image> and <image>?"},
+        {"from": "gpt", "value": "noise"}]} for n in range(6)]
+    path = tmp_path / "llava.json"
+    path.write_text(json.dumps(records, indent=1))
+    dataset = DatasetConfig(kind="json", path=str(path), format="llava", images_column="image",
+                            text_column="conversations")
+    run = tmp_path / "out" / "llava"
+    run_job(_job(tmp_path / "out", "llava", dataset=dataset, decode=DecodeConfig(isolation="none")), run)
+    assert [row["id"] for row in quarantine_rows(run)] == ["r2"]
+
+    records[0]["conversations"][1]["value"] = "noise, described at more length than before"  # moves every record after
+    records[2]["conversations"][0]["value"] = "<image> and nothing else?"  # the fix
+    path.write_text(json.dumps(records, indent=1))
+    requeue = tmp_path / "out" / "llava-requeue"
+    run_job(_job(tmp_path / "out", "llava-requeue", dataset=dataset, decode=DecodeConfig(isolation="none"),
+                 requeue_from=str(run)), requeue)
+    assert data_ids(requeue) == {"r2"} and verify_run(requeue) == []
+    assert [e["matched_by"] for e in json.loads((requeue / "lineage.json").read_text())["requeued"]] == ["id"]
+
+    everything = [f"r{n}" for n in range(6)]
+    assert sorted(record.id for record in read_run([run, requeue])) == everything
+    assert sorted(load_run_dataset([run, requeue])["id"]) == everything
+    loader = PackedLoader([run, requeue], LoaderConfig(max_tokens=4096, num_workers=0))
+    assert sorted(i for batch in loader for i in batch.ids) == everything
+
+    twice = tmp_path / "out" / "llava-requeue-2"  # the same records requeued again: read with the first, twice
+    run_job(_job(tmp_path / "out", "llava-requeue-2", dataset=dataset, decode=DecodeConfig(isolation="none"),
+                 requeue_from=str(run)), twice)
+    with pytest.raises(ValueError, match="id 'r2' is written by both .*llava-requeue and .*llava-requeue-2"):
+        list(read_run([run, requeue, twice]))
