@@ -59,6 +59,12 @@ class Source:
         """(row, id) of every row of an input: what a requeue scans when a record moved."""
         raise NotImplementedError
 
+    def input_bytes(self, unit: WorkUnit, first: list[SourceRecord], rest: SourceRecord | None) -> int | None:
+        """The bytes of the unit's input that its `first` records take (`rest`: the record after them, None where they
+        are all of it): how the estimate counts the records of units whose count only reading tells. None where the
+        source cannot tell (its units know their rows)."""
+        return None
+
 
 def make_source(cfg: DatasetConfig, inputs: list[InputFile] | None = None, max_bytes: int | None = None) -> Source:
     """The source of `dataset.kind`; with `inputs` (a plan's), nothing is listed again."""

@@ -189,6 +189,12 @@ class JsonSource(Source):
         for offset, value in self._values(item, 0, None):
             yield offset, record_id(self.cfg, value, name, offset) if isinstance(value, dict) else None
 
+    def input_bytes(self, unit: WorkUnit, first: list[SourceRecord], rest: SourceRecord | None) -> int | None:
+        """From where the first record starts to where the next one does (records' rows are their offsets)."""
+        if rest is None:
+            return unit.nbytes
+        return rest.row - (first[0].row if first else unit.start)
+
 
 def _parsed(line: bytes):
     try:

@@ -15,6 +15,7 @@ are quarantined under source.* checks, and the rest of the shard commits.
 from __future__ import annotations
 
 import json
+import math
 import posixpath
 import tarfile
 from collections.abc import Iterator
@@ -132,6 +133,19 @@ class WebDatasetSource(Source):
     def all_ids(self, name: str) -> Iterator[tuple[int, str | None]]:
         for record in self._records(self.inputs[name], name, None):
             yield record.row, record.id
+
+    def input_bytes(self, unit: WorkUnit, first: list[SourceRecord], rest: SourceRecord | None) -> int | None:
+        """The shard's size where the records are all of it, else their members' blocks."""
+        return unit.nbytes if rest is None else sum(_tar_bytes(record) for record in first)
+
+
+TAR_BLOCK = 512
+
+
+def _tar_bytes(record: SourceRecord) -> int:
+    """What a record takes in a tar shard: its image and text members, each a header and whole blocks."""
+    sizes = [len(ref.data) if ref.data is not None else ref.size or 0 for ref in record.images] + [len(record.text)]
+    return sum(TAR_BLOCK + math.ceil(size / TAR_BLOCK) * TAR_BLOCK for size in sizes)
 
 
 def _metadata(sample: dict) -> dict:
