@@ -36,6 +36,9 @@ KINDS = {"demo": "parquet", "parquet": "parquet", "webdataset": "webdataset", "j
 class Source:
     """A kind of input: list the inputs, plan their units from metadata, read a unit's records."""
 
+    rows_are_offsets = False
+    """A record's row is the byte offset where it starts (JSON), not its number in its input."""
+
     def __init__(self, cfg: DatasetConfig, inputs: list[InputFile] | None = None, max_bytes: int | None = None):
         self.cfg = cfg
         self.max_bytes = max_bytes  # decode.max_bytes: what a stream source does not read into memory at all
@@ -66,10 +69,14 @@ class Source:
         return None
 
 
+def source_class(kind: str) -> type[Source]:
+    """The Source that reads inputs of `dataset.kind`."""
+    return importlib.import_module(f"batchvlm.sources.{KINDS[kind]}").SOURCE
+
+
 def make_source(cfg: DatasetConfig, inputs: list[InputFile] | None = None, max_bytes: int | None = None) -> Source:
     """The source of `dataset.kind`; with `inputs` (a plan's), nothing is listed again."""
-    module = importlib.import_module(f"batchvlm.sources.{KINDS[cfg.kind]}")
-    return module.SOURCE(cfg, inputs, max_bytes)
+    return source_class(cfg.kind)(cfg, inputs, max_bytes)
 
 
 # -- files ---------------------------------------------------------------------------------------

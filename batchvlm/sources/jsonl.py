@@ -102,6 +102,8 @@ def line_records(handle, start: int, stop: int | None) -> Iterator[tuple[int, by
 
 
 class JsonSource(Source):
+    rows_are_offsets = True
+
     def list_inputs(self) -> list[InputFile]:
         return list_files(self.cfg.path, (".json", ".jsonl"), self.cfg.storage_options)
 
