@@ -8,8 +8,10 @@ becomes objects (`to_job_config`).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -446,6 +448,53 @@ def exit_on_config_error(*also: type[Exception]) -> Iterator[None]:
         yield
     except (ConfigError, *also) as error:
         fail(str(error), 2)
+
+
+BRACE_PATTERN = re.compile(r"\{[^{}:'\"]*(\.\.|,)[^{}:'\"]*\}")
+"""`{00000..00009}` or `{a,b}`: a brace pattern of dataset.path (a Hydra dictionary has colons)."""
+QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+
+
+def check_command_line(arguments: list[str]) -> None:
+    """What a shell did to the overrides before Hydra sees them: a brace pattern left unquoted is expanded by the shell
+    into one argument per name (the same key again and again, of which Hydra would keep the last alone), or reaches
+    Hydra bare (which reads braces as a dictionary). ConfigError naming the key and how to quote it."""
+    given: dict[str, list[str]] = {}
+    for argument in arguments:
+        if argument.startswith("-") or "=" not in argument:
+            continue
+        key, value = argument.split("=", 1)
+        key = key.lstrip("+~")
+        given.setdefault(key, []).append(value)
+        if BRACE_PATTERN.search(QUOTED.sub("", value)):
+            raise ConfigError(f"{key}={value}: a brace pattern must reach Hydra quoted (bare, Hydra reads braces as a "
+                              f"dictionary): \"{key}='{value}'\" (double quotes for the shell, single for Hydra)")
+    for key, values in given.items():
+        if len(values) > 1:
+            shown = ", ".join(values[:3]) + (", ..." if len(values) > 3 else "")
+            raise ConfigError(f"{key} is given {len(values)} times ({shown}): a shell expands a brace pattern left "
+                              "unquoted into one argument per name, and Hydra would keep the last alone; quote the "
+                              f"pattern: \"{key}='shards/{{00000..00009}}.tar'\" (double quotes for the shell, single "
+                              "for Hydra)")
+
+
+def job_main(config_name: str) -> Callable:
+    """`hydra.main` over batchvlm's config `config_name`, its command line checked first (check_command_line): a job's
+    entry point, as a console script calls it."""
+    import hydra
+
+    def decorate(function: Callable) -> Callable:
+        run = hydra.main(config_path="pkg://batchvlm.conf", config_name=config_name, version_base=None)(function)
+
+        @functools.wraps(function)
+        def main() -> None:
+            with exit_on_config_error():
+                check_command_line(sys.argv[1:])
+            run()
+
+        return main
+
+    return decorate
 
 
 def required_path(cfg: DictConfig, key: str, usage: str) -> Path:
