@@ -91,7 +91,7 @@ class PreparedStream(IterableDataset):
         for unit, claim in self.units:
             yield UnitStart(unit, claim)
             count, seen = 0, set()
-            for record in self.source.records(unit):
+            for record in self.source.unit_records(unit):
                 crash_point("decode")
                 count += 1
                 yield checked_id(record, unit, seen) or prepare(record, self.family, self.job, self.decoder, self.chat)

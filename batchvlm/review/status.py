@@ -105,8 +105,7 @@ def run_status(run_dir: Path, now: float | None = None, window_s: float = WINDOW
                           "that has started")
     now = time.time() if now is None else now
     plan = read_plan(layout)
-    rows = [unit.num_rows for unit in plan.units]
-    records_total = None if None in rows else sum(rows)
+    records_total = plan.rows()
     if (summary := read_json(layout.success)) is not None:
         return _complete(layout, summary, records_total)
     lease_s = _lease_s(layout)

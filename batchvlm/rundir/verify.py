@@ -136,7 +136,7 @@ def _listed_ids(layout: RunLayout, name: str, entry: Listing) -> list[str] | str
 def _verify_duplicates(layout: RunLayout, plan, manifests: list[Manifest]) -> list[str]:
     """Bucket by bucket: the later occurrences found again must be exactly those the run listed.
     `manifests` are in plan order, as `verify_run` reads them."""
-    locations = {item.name: item.location for item in plan.inputs}
+    locations = plan.locations()
     results = bucket_results(layout, plan.dedup_buckets)
     problems = [f"{layout.name_of(layout.bucket_result(bucket))}: the duplicate pass did not commit this bucket"
                 for bucket, result in enumerate(results) if result is None]

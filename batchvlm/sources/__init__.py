@@ -18,7 +18,7 @@ import json
 import os
 import posixpath
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import fsspec
 import pyarrow as pa
@@ -26,6 +26,7 @@ import pyarrow as pa
 from batchvlm.checks import CheckFailed, failure
 from batchvlm.config import ConfigError, DatasetConfig
 from batchvlm.records import Failure, ImageRef, InputFile, SourceRecord, WorkUnit
+from batchvlm.rundir.patterns import BracePattern, PatternInputs, PatternUnits, name_stem
 from batchvlm.sources.conversations import read_turns, turns_text
 
 KINDS = {"demo": "parquet", "parquet": "parquet", "webdataset": "webdataset", "json": "jsonl", "disk": "hf",
@@ -39,13 +40,20 @@ class Source:
     rows_are_offsets = False
     """A record's row is the byte offset where it starts (JSON), not its number in its input."""
 
-    def __init__(self, cfg: DatasetConfig, inputs: list[InputFile] | None = None, max_bytes: int | None = None):
+    def __init__(self, cfg: DatasetConfig, inputs: Sequence[InputFile] | None = None, max_bytes: int | None = None):
         self.cfg = cfg
         self.max_bytes = max_bytes  # decode.max_bytes: what a stream source does not read into memory at all
-        self.inputs = {item.name: item for item in (inputs if inputs is not None else self.list_inputs())}
+        inputs = self.list_inputs() if inputs is None else inputs
+        # a pattern too large to list is looked up name by name, never held
+        self.pattern = inputs if isinstance(inputs, PatternInputs) else None
+        self.inputs = inputs.by_name if self.pattern is not None else {item.name: item for item in inputs}
 
-    def list_inputs(self) -> list[InputFile]:
+    def list_inputs(self) -> Sequence[InputFile]:
         raise NotImplementedError
+
+    def pattern_units(self) -> PatternUnits | None:
+        """The units of inputs named by a pattern too large to list: one per file, from the pattern alone."""
+        return None if self.pattern is None else PatternUnits(self.pattern)
 
     def plan(self) -> list[WorkUnit]:
         raise NotImplementedError
@@ -53,6 +61,22 @@ class Source:
     def records(self, unit: WorkUnit) -> Iterator[SourceRecord]:
         """The unit's records in input order, each with `seq` (its position in the unit) set."""
         raise NotImplementedError
+
+    def unit_records(self, unit: WorkUnit) -> Iterator[SourceRecord]:
+        """records(unit); a file a pattern too large to list named that is not there when its unit is read ends the
+        unit's records with one that fails source.missing_input (its unit commits, the job goes on)."""
+        seq = 0
+        try:
+            for seq, record in enumerate(self.records(unit), 1):
+                yield record
+        except FileNotFoundError as error:
+            if self.pattern is None:
+                raise  # a listed input that went away: the plan no longer holds
+            record = SourceRecord(f"{unit.source}#missing", unit.unit_id, self.inputs[unit.source].location, 0, "",
+                                  [], seq)
+            record.failure = failure("source.missing_input", f"{record.source} does not exist ({error})",
+                                     expected="a file the pattern names", observed="no such file")
+            yield record
 
     def records_at(self, name: str, rows: list[int]) -> Iterator[SourceRecord]:
         """Chosen rows (sorted) of one input, for a requeue; stream sources scan to them."""
@@ -87,10 +111,21 @@ def file_system(location: str, storage_options: dict):
         raise ConfigError(f"dataset.path={location!r}: {error}") from None
 
 
-def list_files(paths: str | list[str], suffixes: tuple[str, ...], storage_options: dict) -> list[InputFile]:
+LISTED_NAMES = 100_000
+"""A brace pattern of up to this many names is listed at planning as a folder is: a missing file is refused before any
+work, the files' sizes order the claims, and a resume checks each file's identity. A larger one is not listed at all
+(rundir.patterns): one unit per name, computed when it is claimed; a missing file is quarantined as its unit is read."""
+
+
+def list_files(paths: str | list[str], suffixes: tuple[str, ...],
+               storage_options: dict) -> list[InputFile] | PatternInputs:
     """Files, folders (searched recursively for the suffixes), globs and brace patterns, or a list of them; local or
     any fsspec URL. O(files): a folder is one recursive listing, the paths a brace pattern names one listing of
-    each folder they sit in."""
+    each folder they sit in; a brace pattern of more than LISTED_NAMES names costs one look at its first file."""
+    if isinstance(paths, str) and "{" in paths:
+        fs, root = file_system(paths, storage_options)
+        if len(names := expand_braces(root)) > LISTED_NAMES:
+            return _pattern_inputs(fs, root, names, paths)
     found: dict[str, dict] = {}
     fs = None
     for pattern in [paths] if isinstance(paths, str) else paths:
@@ -113,7 +148,19 @@ def _matches(fs, root: str, pattern: str, suffixes: tuple[str, ...]) -> dict[str
     return fs.glob(root, detail=True) if fs.exists(root) or glob_pattern(root) else {}
 
 
-def _named(fs, paths: list[str], pattern: str) -> dict[str, dict]:
+def _pattern_inputs(fs, root: str, names: BracePattern, pattern: str) -> PatternInputs:
+    """The inputs of a pattern too large to list; its first file is looked at (a pattern that names nothing that
+    exists is refused before any work), and its size is what each unit is planned to hold."""
+    try:
+        size = fs.size(names[0])
+    except FileNotFoundError:
+        raise ConfigError(f"dataset.path={pattern!r}: its first file {names[0]} does not exist (a pattern of over "
+                          f"{LISTED_NAMES:,} names is not listed: its other files are looked for as they are read)"
+                          ) from None
+    return PatternInputs(root if _is_local(fs) else fs.unstrip_protocol(root), size or 0)
+
+
+def _named(fs, paths: Sequence[str], pattern: str) -> dict[str, dict]:
     """The listings of the files a brace pattern names, one listing of each folder they sit in; ConfigError naming
     those that are missing."""
     wanted = set(paths)
@@ -126,22 +173,11 @@ def _named(fs, paths: list[str], pattern: str) -> dict[str, dict]:
     return found
 
 
-def expand_braces(pattern: str) -> list[str]:
+def expand_braces(pattern: str) -> BracePattern:
     """`{00000..00009}` (a numeric range, zero-padded as written) and `{a,b}` (alternatives), as webdataset and
-    img2dataset name shard lists, expanded left to right."""
-    match = re.search(r"\{([^{}]*)\}", pattern)
-    if match is None:
-        return [pattern]
-    head, body, tail = pattern[:match.start()], match.group(1), pattern[match.end():]
-    if numbers := re.fullmatch(r"(\d+)\.\.(\d+)", body):
-        low, high = numbers.groups()
-        width = len(low) if low.startswith("0") else 0
-        choices = [str(value).zfill(width) for value in range(int(low), int(high) + 1)]
-    elif "," in body:
-        choices = body.split(",")
-    else:
-        raise ConfigError(f"dataset.path={pattern!r}: {{{body}}} is neither a range (00000..00009) nor a list (a,b)")
-    return [path for choice in choices for path in expand_braces(head + choice + tail)]
+    img2dataset name shard lists, expanded left to right: a sequence each name of which is computed when asked for
+    (rundir.patterns), so a pattern of 10^9 names costs what its text does."""
+    return BracePattern(pattern)
 
 
 IDENTITY_KEYS = {"mtime": ("mtime", "LastModified", "last_modified", "updated"), "etag": ("ETag", "etag", "md5Hash"),
@@ -170,9 +206,8 @@ def _is_local(fs) -> bool:
 def stable_name(path: str, root: str) -> str:
     """A name from the path below the inputs' common folder, with a digest that keeps it unique."""
     relative = posixpath.relpath(path, root) if root else posixpath.basename(path)
-    relative = re.sub(r"\.(parquet|tar)$", "", relative)
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", relative).strip("_.") or "input"
-    return f"{stem}-{hashlib.sha256(relative.encode()).hexdigest()[:8]}"
+    digest = hashlib.sha256(re.sub(r"\.(parquet|tar)$", "", relative).encode()).hexdigest()[:8]
+    return f"{name_stem(relative)}-{digest}"
 
 
 def open_input(location: str, storage_options: dict, **options):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from batchvlm.checks import failure
 from batchvlm.config import ConfigError
@@ -114,7 +114,9 @@ class JsonSource(Source):
         with self._open(item) as handle:
             return is_array(handle)
 
-    def plan(self) -> list[WorkUnit]:
+    def plan(self) -> Sequence[WorkUnit]:
+        if (units := self.pattern_units()) is not None:
+            return units
         return [unit for item in self.inputs.values()
                 for unit in (self._plan_array(item) if self._is_array(item) else self._plan_lines(item))]
 
@@ -171,7 +173,8 @@ class JsonSource(Source):
 
     def records(self, unit: WorkUnit) -> Iterator[SourceRecord]:
         item = self.inputs[unit.source]
-        for seq, (offset, value) in enumerate(self._values(item, unit.start, unit.start + unit.nbytes)):
+        stop = None if self.pattern is not None else unit.start + unit.nbytes  # a pattern's unit: its whole file
+        for seq, (offset, value) in enumerate(self._values(item, unit.start, stop)):
             yield self._record(item, unit.unit_id, offset, seq, value)
 
     def records_at(self, name: str, rows: list[int]) -> Iterator[SourceRecord]:

@@ -7,7 +7,7 @@ record batch of one row group at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
@@ -35,6 +35,8 @@ class ParquetSource(Source):
     def _open(self, item: InputFile, **options) -> pq.ParquetFile:
         try:
             return pq.ParquetFile(open_input(item.location, self.cfg.storage_options, **options))
+        except FileNotFoundError:
+            raise  # a file a pattern named that is not there: its unit's record says so (Source.unit_records)
         except (OSError, pa.ArrowException) as error:
             raise ConfigError(f"dataset.path: {item.location} is not a readable Parquet file ({error})") from None
 
@@ -51,7 +53,9 @@ class ParquetSource(Source):
         wanted = {key: column for key, column in wanted.items() if column in names}
         return list(dict.fromkeys([*wanted.values(), *(["error_message"] if "error_message" in names else [])]))
 
-    def plan(self) -> list[WorkUnit]:
+    def plan(self) -> Sequence[WorkUnit]:
+        if (units := self.pattern_units()) is not None:
+            return units
         # Footers are small reads whose time is latency on an object store: many at once, in input order.
         with ThreadPoolExecutor(FOOTER_READERS) as pool:
             return [unit for units in pool.map(self._plan_input, self.inputs.values()) for unit in units]
@@ -65,10 +69,12 @@ class ParquetSource(Source):
                   for i in range(meta.num_row_groups)]
         return cut_units(item.name, _limited(groups, self.cfg.limit), self.cfg.unit_records, self.cfg.unit_bytes)
 
-    def _rows(self, item: InputFile, start: int, stop: int) -> Iterator[tuple[int, dict]]:
-        """(row, values) for rows [start, stop) of a file, reading only the row groups that hold them."""
+    def _rows(self, item: InputFile, start: int, stop: int | None) -> Iterator[tuple[int, dict]]:
+        """(row, values) for rows [start, stop) of a file (stop None: to its end), reading only the row groups that
+        hold them."""
         file = self._open(item)
         meta = file.metadata
+        stop = meta.num_rows if stop is None else stop
         offset, row, groups = 0, None, []
         for index in range(meta.num_row_groups):
             rows = meta.row_group(index).num_rows

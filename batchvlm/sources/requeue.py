@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -88,10 +89,10 @@ def locate(source: Source, wanted: list[Quarantined]) -> tuple[list[Located], li
     """Find each wanted record in the current dataset: by file and row with the same id, else by id. A record whose id
     was made from its content (dataset.missing_ids=content) and is found by neither was edited (so was its id): it is
     the record with a made id that starts where it started, if one does."""
-    by_location = {_same_place(item.location): name for name, item in source.inputs.items()}
+    name_at = _names_by_location(source)
     rows_of: dict[str, list[int]] = {}
     for record in wanted:
-        name = by_location.get(_same_place(record.source))
+        name = name_at(record.source)
         if name is not None:
             rows_of.setdefault(name, []).append(record.row)
     id_at = {}
@@ -100,7 +101,7 @@ def locate(source: Source, wanted: list[Quarantined]) -> tuple[list[Located], li
     by_id = None
     found, missing, taken = [], [], set()
     for record in wanted:
-        here = (by_location.get(_same_place(record.source)), record.row)
+        here = (name_at(record.source), record.row)
         # a record quarantined for a missing id had no id to compare: its row is all there is
         if here in id_at and (id_at[here] == record.id or record.check == "source.missing_id"):
             place, matched_by = here, "row"
@@ -121,6 +122,15 @@ def _made_from_content(source: Source, record_id: str | None) -> bool:
     return source.cfg.missing_ids == "content" and record_id is not None and record_id.startswith(CONTENT_ID)
 
 
+def _names_by_location(source: Source) -> Callable[[str], str | None]:
+    """An input's name by its location (the same file by another path too, locally); a pattern too large to list
+    reads the name off the location."""
+    if source.pattern is not None:
+        return source.pattern.name_of
+    by_location = {_same_place(item.location): name for name, item in source.inputs.items()}
+    return lambda location: by_location.get(_same_place(location))
+
+
 def _same_place(location: str) -> str:
     return location if "://" in location else os.path.realpath(location)
 
@@ -134,7 +144,7 @@ class RequeueSource(Source):
 
     def __init__(self, cfg: DatasetConfig, run_dir: Path, checks: list[str] | None):
         self.base = make_source(cfg)
-        super().__init__(cfg, list(self.base.inputs.values()))
+        super().__init__(cfg, self.base.pattern if self.base.pattern is not None else list(self.base.inputs.values()))
         self.from_run, self.checks = run_dir.resolve(), checks
         quarantined = quarantined_records(run_dir, checks)
         if not quarantined:

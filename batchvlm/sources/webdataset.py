@@ -18,7 +18,7 @@ import json
 import math
 import posixpath
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from batchvlm.checks import CheckFailed, failure
@@ -77,7 +77,9 @@ class WebDatasetSource(Source):
     def list_inputs(self) -> list[InputFile]:
         return list_files(self.cfg.path, (".tar",), self.cfg.storage_options)
 
-    def plan(self) -> list[WorkUnit]:
+    def plan(self) -> Sequence[WorkUnit]:
+        if (units := self.pattern_units()) is not None:
+            return units
         return [WorkUnit(f"{item.name}-all", item.name, 0, None, item.size or 0) for item in self.inputs.values()]
 
     def _row(self, sample: dict, location: str) -> dict:
