@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -32,6 +33,7 @@ from batchvlm.pipeline.decode import read_bytes, upright_size
 from batchvlm.pipeline.encode import expected_rows
 from batchvlm.records import EncodedRecord, ImageRef, PreparedRecord, QuarantinedRecord, SourceRecord, WorkUnit
 from batchvlm.rundir.layout import DATA
+from batchvlm.rundir.patterns import PatternUnits
 from batchvlm.review.status import readable_bytes
 from batchvlm.rundir.sink import row_group_bytes
 from batchvlm.sources import Source, make_source
@@ -168,7 +170,7 @@ def _sample(source: Source, unit: WorkUnit, count: int) -> tuple[list[SourceReco
     """The first `count` records of a unit, and what they tell of its size: the next record is read (not prepared)
     to tell whether they are all of it, and where they end."""
     read, rest = [], None
-    for record in source.records(unit):
+    for record in source.unit_records(unit):
         if len(read) == count:
             rest = record
             break
@@ -197,21 +199,27 @@ def _per_row(rows: list[dict], schema: pa.Schema, compression: str, empty: int) 
     return max(0.0, (_parquet_bytes(rows, schema, compression) - empty) / len(rows)) if rows else 0.0
 
 
-def _records(units: list[WorkUnit], samples: dict[str, UnitSample]) -> int | None:
+def _records(units: Sequence[WorkUnit], samples: dict[str, UnitSample]) -> int | None:
     """The records of the inputs: the plan's row counts, the sample's count of the units it read whole, and the rest
-    from their bytes at the sample's input bytes per record; None where that is needed and the source tells no bytes."""
-    known = sum(unit.num_rows for unit in units if unit.num_rows is not None)
-    uncounted = [unit for unit in units if unit.num_rows is None]
-    whole = [samples[unit.unit_id] for unit in uncounted if unit.unit_id in samples and samples[unit.unit_id].whole]
-    rest = [unit for unit in uncounted if not (unit.unit_id in samples and samples[unit.unit_id].whole)]
-    if not rest:
+    from their bytes at the sample's input bytes per record; None where that is needed and the source tells no bytes.
+    A pattern's units (none counted, each planned at its first file's size) are not gone through one by one."""
+    whole = [sample for sample in samples.values() if sample.whole]
+    if isinstance(units, PatternUnits):
+        known, left, left_bytes = 0, len(units) - len(whole), (len(units) - len(whole)) * units[0].nbytes
+    else:
+        counted = {unit.unit_id for unit in units if unit.num_rows is not None}
+        whole = [sample for unit_id, sample in samples.items() if sample.whole and unit_id not in counted]
+        known = sum(unit.num_rows for unit in units if unit.num_rows is not None)
+        rest = [unit for unit in units if unit.num_rows is None and not (unit.unit_id in samples and
+                                                                           samples[unit.unit_id].whole)]
+        left, left_bytes = len(rest), sum(unit.nbytes for unit in rest)
+    if not left:
         return known + sum(sample.records for sample in whole)
-    measured = [samples[unit.unit_id] for unit in uncounted if unit.unit_id in samples]
-    measured = [sample for sample in measured if sample.input_bytes]
+    measured = [sample for sample in samples.values() if sample.input_bytes]
     if not measured:
         return None
     per_byte = sum(sample.records for sample in measured) / sum(sample.input_bytes for sample in measured)
-    return known + sum(sample.records for sample in whole) + round(sum(unit.nbytes for unit in rest) * per_byte)
+    return known + sum(sample.records for sample in whole) + round(left_bytes * per_byte)
 
 
 def format_estimate(result: Estimate) -> str:
