@@ -40,7 +40,7 @@ WINDOW_S = 300.0
 AHEAD_S = 1.0
 """A heartbeat further than this in this host's future comes from a host whose clock is ahead (closer is the time
 between a beat and its stat)."""
-SHOWN_UNITS = 5
+SHOWN_UNITS = 3
 """Units in progress named in the text status, the longest held first."""
 
 
@@ -207,11 +207,12 @@ def format_status(status: RunStatus) -> str:
         lines.append(f"claimed:     {status.blocks_claimed:,} / {status.blocks_total:,} blocks of units (the claim "
                      "frontier; blocks a dead rank held are handed out again)")
     if in_progress := status.in_progress:
-        named = ", ".join(f"{unit} for {tqdm.format_interval(age)} (rank {rank.rank})"
-                          for unit, rank, age in in_progress[:SHOWN_UNITS])
-        more = len(in_progress) - SHOWN_UNITS
-        lines.append(f"in progress: {named}" + (f", and {more:,} more" if more > 0 else "")
-                     + " (held since claimed, the longest first)")
+        lines.append(f"in progress: {len(in_progress):,} units held by live ranks, the longest first (held since "
+                     "claimed)")
+        lines += [f"{'':13}{tqdm.format_interval(age)}  rank {rank.rank}  {unit}"
+                  for unit, rank, age in in_progress[:SHOWN_UNITS]]
+        if (more := len(in_progress) - SHOWN_UNITS) > 0:
+            lines.append(f"{'':13}and {more:,} more")
     of = f" of {status.records_total:,}" if status.records_total is not None else ""
     share = 100 * status.quarantined / status.records_in if status.records_in else 0.0
     lines.append(f"records:     {status.records_in:,}{of} in committed units: {status.written:,} written, "

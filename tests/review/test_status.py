@@ -124,7 +124,8 @@ def test_the_units_in_progress_are_named_with_how_long_their_rank_has_held_them(
     status = run_status(layout.root, now=now + 5)
     assert status.state == "running" and status.ranks[0].units_held == 2
     assert [(unit, round(age)) for unit, _, age in status.in_progress] == [("u001", 605), ("u003", 35)]
-    assert "in progress: u001 for 10:05 (rank 0), u003 for 00:35 (rank 0)" in format_status(status)
+    assert ("in progress: 2 units held by live ranks, the longest first (held since claimed)\n"
+            "             10:05  rank 0  u001\n             00:35  rank 0  u003\n") in format_status(status)
 
 
 def test_a_heartbeat_from_a_host_whose_clock_is_ahead_is_shown_with_the_skew(tmp_path):
