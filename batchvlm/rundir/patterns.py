@@ -13,11 +13,48 @@ from __future__ import annotations
 import math
 import posixpath
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from batchvlm.config import ConfigError
 from batchvlm.records import InputFile, WorkUnit
+
+class Computed(Sequence):
+    """A sequence whose items are computed when asked for: a subclass gives `__len__` and `item(index)` (0 <= index <
+    len); slices, negative indices and iteration come from here."""
+
+    def item(self, index: int):
+        raise NotImplementedError
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self.item(i) for i in range(*index.indices(len(self)))]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"{index} of {len(self)}")
+        return self.item(index % len(self))
+
+    def __iter__(self) -> Iterator:
+        return (self.item(index) for index in range(len(self)))
+
+
+class ComputedMapping(Mapping):
+    """A mapping computed key by key (from a pattern's plan): nothing is held, whatever its length."""
+
+    def __init__(self, get: Callable, keys: Callable[[], Iterator], length: int):
+        self.get_value, self.keys_of, self.length = get, keys, length
+
+    def __getitem__(self, key):
+        try:
+            return self.get_value(key)
+        except (KeyError, ValueError, IndexError):
+            raise KeyError(key) from None
+
+    def __iter__(self) -> Iterator:
+        return self.keys_of()
+
+    def __len__(self) -> int:
+        return self.length
+
 
 BRACES = re.compile(r"\{([^{}]*)\}")
 RANGE = re.compile(r"(\d+)\.\.(\d+)")
@@ -65,7 +102,7 @@ class Alternatives:
         return self.options.index(text)
 
 
-class BracePattern(Sequence[str]):
+class BracePattern(Computed):
     """The names a brace pattern stands for, left to right, each computed when asked for."""
 
     def __init__(self, pattern: str):
@@ -87,22 +124,13 @@ class BracePattern(Sequence[str]):
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self.length))]
-        if index < 0:
-            index += self.length
-        if not 0 <= index < self.length:
-            raise IndexError(f"name {index} of a pattern of {self.length}")
+    def item(self, index: int) -> str:
         picked = []
         for choice in reversed(self.choices):
             index, digit = divmod(index, len(choice))
             picked.append(choice[digit])
         picked.reverse()
         return "".join(part if isinstance(part, str) else picked.pop(0) for part in self.parts)
-
-    def __iter__(self) -> Iterator[str]:
-        return (self[index] for index in range(self.length))
 
     def index(self, name: str, *_) -> int:
         """The position of a name the pattern makes (ValueError for any other)."""
@@ -137,7 +165,7 @@ def name_stem(relative: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", relative).strip("_.") or "input"
 
 
-class PatternInputs(Sequence[InputFile]):
+class PatternInputs(Computed):
     """The inputs of a pattern too large to list (sources.list_files), in the pattern's order: each an InputFile
     computed on demand, its location the pattern's name, its name that location below the pattern's fixed folder and
     its position (so a name is read back to its input with no listing), no size and no identity (nothing is listed).
@@ -150,15 +178,9 @@ class PatternInputs(Sequence[InputFile]):
     def __len__(self) -> int:
         return len(self.names)
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        location = self.names[index]
-        index %= len(self)
+    def item(self, index: int) -> InputFile:
+        location = self.names.item(index)
         return InputFile(f"{name_stem(posixpath.relpath(location, self.names.folder))}-{index}", location)
-
-    def __iter__(self) -> Iterator[InputFile]:
-        return (self[index] for index in range(len(self)))
 
     def position(self, name: str) -> int:
         """The position of an input by its name (KeyError for a name that is not one of them)."""
@@ -176,7 +198,8 @@ class PatternInputs(Sequence[InputFile]):
 
     @property
     def by_name(self) -> Mapping[str, InputFile]:
-        return _ByName(self)
+        """A source's `inputs` (name -> InputFile), each looked up by its position."""
+        return ComputedMapping(lambda name: self[self.position(name)], lambda: (item.name for item in self), len(self))
 
     def to_json(self) -> dict:
         return {"pattern": self.names.pattern, "unit_bytes": self.unit_bytes}
@@ -186,30 +209,11 @@ class PatternInputs(Sequence[InputFile]):
         return isinstance(other, PatternInputs) and self.names.pattern == other.names.pattern
 
 
-class _ByName(Mapping[str, InputFile]):
-    """A source's `inputs` (name -> InputFile) over a pattern's inputs, each looked up by its position."""
-
-    def __init__(self, inputs: PatternInputs):
-        self.inputs = inputs
-
-    def __getitem__(self, name: str) -> InputFile:
-        return self.inputs[self.inputs.position(name)]
-
-    def __iter__(self) -> Iterator[str]:
-        return (item.name for item in self.inputs)
-
-    def __len__(self) -> int:
-        return len(self.inputs)
-
-    def name_of(self, location: str) -> str | None:
-        return self.inputs.name_of(location)
-
-
 UNIT_SUFFIX = "-all"
 """A whole input's unit: `<input name>-all`, as a tar shard's always is."""
 
 
-class PatternUnits(Sequence[WorkUnit]):
+class PatternUnits(Computed):
     """The plan's units over a pattern's inputs: one per input, the whole file (its rows known once it is read),
     planned at the first file's size."""
 
@@ -219,14 +223,9 @@ class PatternUnits(Sequence[WorkUnit]):
     def __len__(self) -> int:
         return len(self.inputs)
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        item = self.inputs[index]
+    def item(self, index: int) -> WorkUnit:
+        item = self.inputs.item(index)
         return WorkUnit(f"{item.name}{UNIT_SUFFIX}", item.name, 0, None, self.inputs.unit_bytes)
-
-    def __iter__(self) -> Iterator[WorkUnit]:
-        return (self[index] for index in range(len(self)))
 
     def position(self, unit_id: str) -> int:
         """The position of a unit by its id (KeyError for an id that is not one of them)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
@@ -26,7 +26,7 @@ from batchvlm.records import InputFile, WorkUnit
 from batchvlm.rundir.durable import DamagedMetadata, durable_write_json, read_json
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.manifest import Manifest, manifests_in_order
-from batchvlm.rundir.patterns import PatternInputs, PatternUnits
+from batchvlm.rundir.patterns import Computed, ComputedMapping, PatternInputs, PatternUnits
 
 IDS_PER_BUCKET = 2_000_000
 """Planned records per hash partition of the duplicate pass: its memory is one partition's ids."""
@@ -57,7 +57,7 @@ class Plannable(Protocol):
     def plan(self) -> Sequence[WorkUnit]: ...
 
 
-class Blocks(Sequence[Block]):
+class Blocks(Computed):
     """A claim order cut into blocks of `size` units, in that order, each made when asked for."""
 
     def __init__(self, order: Sequence[WorkUnit], size: int):
@@ -66,12 +66,8 @@ class Blocks(Sequence[Block]):
     def __len__(self) -> int:
         return math.ceil(len(self.order) / self.size)
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if not -len(self) <= index < len(self):
-            raise IndexError(index)
-        start = (index % len(self)) * self.size
+    def item(self, index: int) -> Block:
+        start = index * self.size
         return Block(self.order[start].unit_id, tuple(self.order[start:start + self.size]))
 
     @property
@@ -80,36 +76,15 @@ class Blocks(Sequence[Block]):
         return _Tasks(self)
 
 
-class _Tasks(Sequence[str]):
+class _Tasks(Computed):
     def __init__(self, blocks: Blocks):
         self.blocks = blocks
 
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        return self.blocks[index].task
-
-
-class Computed(Mapping):
-    """A mapping computed key by key from a pattern's plan: nothing is held, whatever its length."""
-
-    def __init__(self, get: Callable, keys: Callable[[], Iterator], length: int):
-        self.get_value, self.keys_of, self.length = get, keys, length
-
-    def __getitem__(self, key):
-        try:
-            return self.get_value(key)
-        except (KeyError, ValueError, IndexError):
-            raise KeyError(key) from None
-
-    def __iter__(self) -> Iterator:
-        return self.keys_of()
-
-    def __len__(self) -> int:
-        return self.length
+    def item(self, index: int) -> str:
+        return self.blocks.order[index * self.blocks.size].unit_id
 
 
 @dataclass
@@ -145,9 +120,9 @@ class Plan:
         """Each unit's block's task: the claim whose token names the unit's files."""
         if not self.from_pattern:
             return {unit.unit_id: block.task for block in self.blocks() for unit in block.units}
-        first = lambda unit_id: self.units[self.units.position(unit_id) // self.block_units * self.block_units]  # noqa: E731
-        return Computed(lambda unit_id: first(unit_id).unit_id, lambda: (unit.unit_id for unit in self.units),
-                        len(self.units))
+        tasks = self.blocks().tasks
+        return ComputedMapping(lambda unit_id: tasks[self.units.position(unit_id) // self.block_units],
+                               lambda: (unit.unit_id for unit in self.units), len(self.units))
 
     def blocks_by_task(self) -> Mapping[str, Block]:
         """Each block by its task."""
@@ -161,14 +136,14 @@ class Plan:
                 raise KeyError(task)
             return blocks[position // self.block_units]
 
-        return Computed(block, lambda: iter(blocks.tasks), len(blocks))
+        return ComputedMapping(block, lambda: iter(blocks.tasks), len(blocks))
 
     def locations(self) -> Mapping[str, str]:
         """Each input's location by its name."""
         if not self.from_pattern:
             return {item.name: item.location for item in self.inputs}
         by_name = self.inputs.by_name
-        return Computed(lambda name: by_name[name].location, lambda: iter(by_name), len(by_name))
+        return ComputedMapping(lambda name: by_name[name].location, lambda: iter(by_name), len(by_name))
 
     def rows(self) -> int | None:
         """The rows of every unit, where every unit knows its rows before it is read (not a pattern's)."""
