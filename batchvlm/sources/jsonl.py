@@ -17,6 +17,7 @@ A line or element that is not a JSON object is quarantined under source.malforme
 from __future__ import annotations
 
 import codecs
+import itertools
 import json
 from collections.abc import Iterator, Sequence
 
@@ -173,8 +174,11 @@ class JsonSource(Source):
 
     def records(self, unit: WorkUnit) -> Iterator[SourceRecord]:
         item = self.inputs[unit.source]
-        stop = None if self.pattern is not None else unit.start + unit.nbytes  # a pattern's unit: its whole file
-        for seq, (offset, value) in enumerate(self._values(item, unit.start, stop)):
+        if self.pattern is None:
+            values = self._values(item, unit.start, unit.start + unit.nbytes)
+        else:  # a pattern's unit: its whole file, to the limit
+            values = itertools.islice(self._values(item, 0, None), self.cfg.limit)
+        for seq, (offset, value) in enumerate(values):
             yield self._record(item, unit.unit_id, offset, seq, value)
 
     def records_at(self, name: str, rows: list[int]) -> Iterator[SourceRecord]:

@@ -94,7 +94,8 @@ class ParquetSource(Source):
 
     def records(self, unit: WorkUnit) -> Iterator[SourceRecord]:
         item = self.inputs[unit.source]
-        for seq, (row, values) in enumerate(self._rows(item, unit.start, unit.stop)):
+        stop = unit.stop if unit.stop is not None else self.cfg.limit  # a pattern's unit: its file, to the limit
+        for seq, (row, values) in enumerate(self._rows(item, unit.start, stop)):
             yield record_from_row(self.cfg, values, unit.unit_id, item, row, seq, parent_of(item.location))
 
     def records_at(self, name: str, rows: list[int]) -> Iterator[SourceRecord]:

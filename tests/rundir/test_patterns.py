@@ -115,3 +115,25 @@ def test_the_job_runs_a_pattern_too_large_to_list_unit_by_unit_and_quarantines_a
     assert verify_run(tmp_path / "gaps") == [] and run_status(tmp_path / "gaps").state == "complete"
     assert sorted(record.id for record in read_run(tmp_path / "gaps")) == ["key0", "key1", "key3"]
     assert "pattern" in json.loads((tmp_path / "gaps" / "units.json").read_text())["inputs"]
+
+
+@pytest.mark.parametrize("kind", ["json", "parquet"])
+def test_a_pattern_unit_is_its_whole_file_up_to_the_limit(tmp_path, kind, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import batchvlm.sources
+
+    monkeypatch.setattr(batchvlm.sources, "LISTED_NAMES", 1)
+    rows = [{"id": f"r{n}", "images": [], "text": f"caption {n}"} for n in range(5)]
+    for index in range(2):
+        path = tmp_path / f"{index}.{'jsonl' if kind == 'json' else 'parquet'}"
+        if kind == "json":
+            path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        else:
+            pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=2)
+    pattern = str(tmp_path / f"{{0..1}}.{'jsonl' if kind == 'json' else 'parquet'}")
+    for limit, expected in ((None, 5), (3, 3)):
+        source = make_source(DatasetConfig(kind=kind, path=pattern, limit=limit))
+        units = source.plan()
+        assert len(units) == 2 and [len(list(source.records(unit))) for unit in units] == [expected, expected]
