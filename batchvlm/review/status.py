@@ -26,7 +26,7 @@ import yaml
 from tqdm import tqdm
 
 from batchvlm.config import ConfigError, RuntimeConfig
-from batchvlm.rundir.claims import Beat, last_beats, rank_of_owner
+from batchvlm.rundir.claims import AHEAD_S, Beat, last_beats, rank_of_owner
 from batchvlm.rundir.durable import DamagedMetadata, read_json
 from batchvlm.rundir.frontier import claimed_so_far
 from batchvlm.rundir.layout import RunLayout
@@ -37,9 +37,6 @@ WINDOW_S = 300.0
 """The rate is taken over each rank's samples of the last this many seconds."""
 
 
-AHEAD_S = 1.0
-"""A heartbeat further than this in this host's future comes from a host whose clock is ahead (closer is the time
-between a beat and its stat)."""
 SHOWN_UNITS = 3
 """Units in progress named in the text status, the longest held first."""
 

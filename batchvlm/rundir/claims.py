@@ -35,6 +35,9 @@ log = logging.getLogger("batchvlm")
 
 ALIVE = "alive"
 """The claims folder's folder of heartbeats, a file per holder."""
+AHEAD_S = 1.0
+"""A heartbeat further than this in the reader's future comes from a host whose clock is ahead (closer is another
+holder's beat between the reader's own and its stat)."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ class Claims:
     def beat(self) -> None:
         """Touch the heartbeat; its first beat says where the holder runs."""
         heartbeat = self._heartbeat_file(self.owner)
-        times = None if self.clock is None else (self.clock(), self.clock())
+        times = None if self.clock is None else (self.clock(),) * 2
         try:
             os.utime(heartbeat, times)
         except FileNotFoundError:
@@ -94,8 +97,8 @@ class Claims:
     def _age(self, holder: str, beat: float, now: float) -> float:
         """How old a holder's heartbeat is at `now`. One from the future (its host's clock is ahead) is as old as the
         time since this process first saw it, so it stays fresh for one lease at most unless the holder beats again."""
-        if beat <= now:
-            return now - beat
+        if beat <= now + AHEAD_S:
+            return max(0.0, now - beat)
         seen = self._ahead.get(holder)
         if seen is None:
             log.warning("the heartbeat of %s is %.0f s ahead of this host's clock (its host's clock is ahead, or this "
