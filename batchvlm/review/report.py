@@ -142,26 +142,34 @@ def _number_records(report: Report, layout: RunLayout, manifests: list[Manifest]
     input's units before its own (each committed, else not counted yet), and those before it in its unit's ids file.
     A requeue run's units are chosen records, not ranges of an input (`counted` False): its cards keep their bytes."""
     by_unit = {manifest.unit: manifest for manifest in manifests}
-    units = read_plan(layout).units if counted else []
-    ranges: dict[str, list] = {}
-    for unit in units:
-        ranges.setdefault(unit.source, []).append(unit)
-    before: dict[str, int | None] = {}
-    for input_units in ranges.values():
-        counted_so_far: int | None = 0
-        for unit in sorted(input_units, key=lambda unit: unit.start):
-            before[unit.unit_id] = counted_so_far
-            done = by_unit.get(unit.unit_id)
-            counted_so_far = None if counted_so_far is None or done is None else counted_so_far + done.records_in
+    plan = read_plan(layout) if counted else None
+    before = _records_before(plan, by_unit) if plan is not None and not plan.from_pattern else {}
     rows_of: dict[str, np.ndarray] = {}
     for card in (card for cards in report.cards.values() for card in cards):
         unit, card.by_offset = card.row["unit"], True
-        if before.get(unit) is None or unit not in by_unit:
+        first = 0 if plan is not None and plan.from_pattern else before.get(unit)  # a pattern's unit: its whole file
+        if first is None or unit not in by_unit:
             continue
         if unit not in rows_of:
             ids = layout.listed(by_unit[unit].shards(IDS)[0].path)
             rows_of[unit] = np.sort(pq.read_table(ids, columns=["row"]).column("row").to_numpy())
-        card.record = before[unit] + int(np.searchsorted(rows_of[unit], card.row["row"]))
+        card.record = first + int(np.searchsorted(rows_of[unit], card.row["row"]))
+
+
+def _records_before(plan, by_unit: dict[str, Manifest]) -> dict[str, int | None]:
+    """Each unit's records before it in its input: those of its input's units that start before it, all committed
+    (None where one is not)."""
+    ranges: dict[str, list] = {}
+    for unit in plan.units:
+        ranges.setdefault(unit.source, []).append(unit)
+    before: dict[str, int | None] = {}
+    for input_units in ranges.values():
+        so_far: int | None = 0
+        for unit in sorted(input_units, key=lambda unit: unit.start):
+            before[unit.unit_id] = so_far
+            done = by_unit.get(unit.unit_id)
+            so_far = None if so_far is None or done is None else so_far + done.records_in
+    return before
 
 
 def _fallbacks(success: dict | None, manifests: list[Manifest]) -> Counter:

@@ -240,9 +240,9 @@ the run it requeued: the records the run quarantined and a requeue wrote are rea
 
 
 def run_layouts(runs: Runs) -> list[RunLayout]:
-    """The runs of `runs`, each checked to be a requeue run of one before it (its lineage says which), of the run's
-    fingerprint, and none to write an id another requeue run writes too (ValueError naming them): a requeue writes
-    only ids its run did not, so the runs together hold each record once."""
+    """The runs of `runs`, each after the first checked to be a requeue run of one before it (its lineage says which)
+    and of the first's fingerprint (ValueError naming them). A requeue writes only ids its run did not, so the runs
+    hold each record once, but for two requeues of the same records (trusted_shards refuses those)."""
     layouts = [RunLayout(Path(run)) for run in ([runs] if isinstance(runs, (str, Path)) else runs)]
     if not layouts:
         raise ValueError("no run directory to read")
