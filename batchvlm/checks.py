@@ -42,6 +42,9 @@ CATALOGUE: dict[str, Check] = {
         Check("source.truncated", "an input reads to its end (a tar shard does not stop inside a member)",
               "a partly copied shard whose tail is lost without a record of it; the samples before it are kept",
               "re-copy the shard; rerunning after a fix is a requeue of source.truncated"),
+        Check("source.missing_input", "a file that a brace pattern too large to list names exists when its unit is "
+              "read", "a gap in a shard list of a billion names, found only as its unit is read, failing the job",
+              "fix the pattern, or leave the gap: the unit commits with this one record"),
         Check("source.bad_metadata", "a sample's metadata (its .json part) is a JSON object",
               "a sample whose id, status or caption fields cannot be read", "fix the sample's .json"),
         Check("source.unrecognised_sample", "a sample has a part the config names: an image part, the text part or "

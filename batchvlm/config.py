@@ -8,8 +8,10 @@ becomes objects (`to_job_config`).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +46,8 @@ def positive(key: str, value: int | float) -> None:
 
 FORMATS = ("text", "llava", "messages", "cauldron")
 """dataset.format: what a record's text column holds."""
+MISSING_IDS = ("quarantine", "content", "position")
+"""dataset.missing_ids: what a record without an id gets."""
 
 
 @dataclass
@@ -71,6 +75,12 @@ class DatasetConfig:
     """Split to read where the dataset has several (disk, imagefolder, hub)."""
     id_column: str = "id"
     """webdataset: `__key__` (the sample's key) or a field of its .json."""
+    missing_ids: str = "quarantine"
+    """A record whose dataset.id_column is missing or empty (LLaMA-Factory's data has no id at all): quarantine
+    (source.missing_id) | content (its id is `sha256:` and a digest of the record as the source reads it: the same
+    wherever the record moves, a new one once the record itself is edited) | position (`<input>#<row>`: its place in
+    its input, a byte offset in a JSON file; stable only while the input is not edited). Recorded in the run's
+    fingerprint: the ids are the rows' identity."""
     images_column: str = "images"
     """A column of image bytes / paths / HF Image structs, or a list of them per row. webdataset: the image
     part, `jpg;png;webp` meaning the first present."""
@@ -102,6 +112,7 @@ class DatasetConfig:
         if self.image_first and self.format != "llava":
             raise ConfigError(f"dataset.image_first=true applies to dataset.format=llava, not {self.format}")
         one_of("dataset.missing_placeholder", self.missing_placeholder, ("prepend", "quarantine"))
+        one_of("dataset.missing_ids", self.missing_ids, MISSING_IDS)
         positive("dataset.unit_records", self.unit_records)
         positive("dataset.unit_bytes", self.unit_bytes)
         if self.kind != "demo" and not self.path:
@@ -442,6 +453,53 @@ def exit_on_config_error(*also: type[Exception]) -> Iterator[None]:
         yield
     except (ConfigError, *also) as error:
         fail(str(error), 2)
+
+
+BRACE_PATTERN = re.compile(r"\{[^{}:'\"]*(\.\.|,)[^{}:'\"]*\}")
+"""`{00000..00009}` or `{a,b}`: a brace pattern of dataset.path (a Hydra dictionary has colons)."""
+QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+
+
+def check_command_line(arguments: list[str]) -> None:
+    """What a shell did to the overrides before Hydra sees them: a brace pattern left unquoted is expanded by the shell
+    into one argument per name (the same key again and again, of which Hydra would keep the last alone), or reaches
+    Hydra bare (which reads braces as a dictionary). ConfigError naming the key and how to quote it."""
+    given: dict[str, list[str]] = {}
+    for argument in arguments:
+        if argument.startswith("-") or "=" not in argument:
+            continue
+        key, value = argument.split("=", 1)
+        key = key.lstrip("+~")
+        given.setdefault(key, []).append(value)
+        if BRACE_PATTERN.search(QUOTED.sub("", value)):
+            raise ConfigError(f"{key}={value}: a brace pattern must reach Hydra quoted (bare, Hydra reads braces as a "
+                              f"dictionary): \"{key}='{value}'\" (double quotes for the shell, single for Hydra)")
+    for key, values in given.items():
+        if len(values) > 1:
+            shown = ", ".join(values[:3]) + (", ..." if len(values) > 3 else "")
+            raise ConfigError(f"{key} is given {len(values)} times ({shown}): a shell expands a brace pattern left "
+                              "unquoted into one argument per name, and Hydra would keep the last alone; quote the "
+                              f"pattern: \"{key}='shards/{{00000..00009}}.tar'\" (double quotes for the shell, single "
+                              "for Hydra)")
+
+
+def job_main(config_name: str) -> Callable:
+    """`hydra.main` over batchvlm's config `config_name`, its command line checked first (check_command_line): a job's
+    entry point, as a console script calls it."""
+    import hydra
+
+    def decorate(function: Callable) -> Callable:
+        run = hydra.main(config_path="pkg://batchvlm.conf", config_name=config_name, version_base=None)(function)
+
+        @functools.wraps(function)
+        def main() -> None:
+            with exit_on_config_error():
+                check_command_line(sys.argv[1:])
+            run()
+
+        return main
+
+    return decorate
 
 
 def required_path(cfg: DictConfig, key: str, usage: str) -> Path:

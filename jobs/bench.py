@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 
-import hydra
 import transformers
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -19,13 +18,13 @@ from batchvlm.bench.e2e import bench_e2e, format_e2e
 from batchvlm.bench.metadata import bench_claims, format_claims
 from batchvlm.bench.scale import bench_scale, format_scale
 from batchvlm.bench.tower import bench_tower, format_tower
-from batchvlm.config import exit_on_config_error
+from batchvlm.config import exit_on_config_error, job_main
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
 
 
-@hydra.main(config_path="pkg://batchvlm.conf", config_name="bench", version_base=None)
+@job_main("bench")
 def main(cfg: DictConfig) -> None:
     transformers.utils.logging.disable_progress_bar()
     tasks = {"preprocess": (bench_preprocess, format_preprocess), "loader": (bench_loader, format_loader),

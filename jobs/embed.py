@@ -8,19 +8,18 @@ import os
 import signal
 from pathlib import Path
 
-import hydra
 import transformers
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from batchvlm.config import ConfigError, fail, register_schemas, to_job_config
+from batchvlm.config import ConfigError, fail, job_main, register_schemas, to_job_config
 from batchvlm.executor.job import JobAborted, QuarantineOverLimit, Terminated, run_job, summarize
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 register_schemas()
 
 
-@hydra.main(config_path="pkg://batchvlm.conf", config_name="embed", version_base=None)
+@job_main("embed")
 def main(cfg: DictConfig) -> None:
     transformers.utils.logging.disable_progress_bar()
     signal.signal(signal.SIGTERM, _terminate)  # a clean exit takes the DataLoader workers and the decoder with it

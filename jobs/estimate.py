@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import os
 
-import hydra
 import transformers
 from omegaconf import DictConfig
 
-from batchvlm.config import EstimateConfig, exit_on_config_error, register_schemas, to_job_config
+from batchvlm.config import EstimateConfig, exit_on_config_error, job_main, register_schemas, to_job_config
 from batchvlm.bench.estimate import estimate, format_estimate
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 register_schemas()
 
 
-@hydra.main(config_path="pkg://batchvlm.conf", config_name="estimate", version_base=None)
+@job_main("estimate")
 def main(cfg: DictConfig) -> None:
     transformers.utils.logging.disable_progress_bar()
     with exit_on_config_error():

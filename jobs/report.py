@@ -3,16 +3,15 @@ the run's report page (`<run>/report/index.html`), one self-contained page (see 
 
 from __future__ import annotations
 
-import hydra
 from omegaconf import DictConfig
 
-from batchvlm.config import ConfigError, exit_on_config_error, required_path
+from batchvlm.config import ConfigError, exit_on_config_error, job_main, required_path
 from batchvlm.review.report import ReportError, build_report, summary_text
 from batchvlm.review.html import render
 from batchvlm.rundir.layout import RunLayout
 
 
-@hydra.main(config_path="pkg://batchvlm.conf", config_name="report", version_base=None)
+@job_main("report")
 def main(cfg: DictConfig) -> None:
     with exit_on_config_error(ReportError):
         run_dir = required_path(cfg, "run_dir", "run_dir=outputs/<run>")

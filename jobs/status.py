@@ -7,14 +7,13 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import hydra
 from omegaconf import DictConfig
 
-from batchvlm.config import ConfigError, exit_on_config_error, required_path
+from batchvlm.config import ConfigError, exit_on_config_error, job_main, required_path
 from batchvlm.review.status import format_status, run_status
 
 
-@hydra.main(config_path="pkg://batchvlm.conf", config_name="status", version_base=None)
+@job_main("status")
 def main(cfg: DictConfig) -> None:
     with exit_on_config_error():
         run_dir = required_path(cfg, "run_dir", "run_dir=outputs/<run>")

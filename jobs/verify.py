@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import sys
 
-import hydra
 from omegaconf import DictConfig
 
-from batchvlm.config import exit_on_config_error, required_path
+from batchvlm.config import exit_on_config_error, job_main, required_path
 from batchvlm.rundir.verify import run_counts, verify_run
 
 
-@hydra.main(config_path="pkg://batchvlm.conf", config_name="verify", version_base=None)
+@job_main("verify")
 def main(cfg: DictConfig) -> None:
     with exit_on_config_error():
         run_dir = required_path(cfg, "run_dir", "run_dir=outputs/<run>")

@@ -18,10 +18,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-# `python -m pytest` puts the checkout's root first on sys.path, where the top-level kernels/ folder (installed as
-# batchvlm.kernels) would pass for the PyPI `kernels` distribution, which transformers (5.25 on) imports: the tests
-# import batchvlm as it is installed, and everything else from where it is installed.
-sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO]
 PLUGINS = Path(__file__).resolve().parent / "families" / "plugins"
 """A family from outside batchvlm (framed_moonvit.py) and its YAML (conf/model/), found as a user's own would be: the
 module on the Python path (the tests' and the jobs' they start), the YAML on Hydra's search path (PLUGIN_SEARCHPATH)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf
 
-from batchvlm.config import ConfigError, register_schemas, to_job_config
+from batchvlm.config import ConfigError, check_command_line, register_schemas, to_job_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 STAND_INS = {"dataset.path": "/data/x.parquet", "model.path": "/ckpt"}
@@ -149,3 +150,26 @@ import batchvlm.kernels.pack_pixels, batchvlm.pipeline.preprocess, batchvlm.pipe
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_brace_pattern_the_shell_expanded_is_refused_naming_the_key_and_how_to_quote_it():
+    expanded = ["dataset=webdataset", "dataset.path=shards/00000.tar", "dataset.path=shards/00001.tar",
+                "dataset.path=shards/00002.tar"]
+    with pytest.raises(ConfigError, match=r"dataset.path is given 3 times \(shards/00000.tar, .*quote the pattern: "
+                                          r"\"dataset.path='shards/\{00000..00009\}.tar'\""):
+        check_command_line(expanded)
+    with pytest.raises(ConfigError, match=r"dataset.path=s3://b/\{a,b\}/x.tar: a brace pattern must reach Hydra "
+                                          r"quoted .*\"dataset.path='s3://b/\{a,b\}/x.tar'\""):
+        check_command_line(["dataset.path=s3://b/{a,b}/x.tar"])
+    check_command_line(["dataset.path='shards/{00000..00009}.tar'", "dataset.storage_options={anon: true}", "-m",
+                        "model=qwen2_vl_tiny"])
+    check_command_line(["+dataset.path=['a/{0..3}.tar', 'b.tar']"])
+
+
+def test_the_jobs_check_their_command_line_before_hydra_reads_it(monkeypatch, capsys):
+    from batchvlm.jobs import embed
+
+    monkeypatch.setattr(sys, "argv", ["embed.py", "dataset.path=a/0.tar", "dataset.path=a/1.tar"])
+    with pytest.raises(SystemExit) as exited:
+        embed.main()
+    assert exited.value.code == 2 and "error: dataset.path is given 2 times" in capsys.readouterr().err

@@ -6,6 +6,11 @@ config.json from the safetensors headers alone (families.check_checkpoint), as t
 What it tells: tokens per image (p50, p90, max) under the run's resize settings, bytes per record and in all
 (extrapolated from the plan's row counts), the data a unit writes and in how many files, the loader's memory per worker; given a rate of
 images per second per device, the hours on a number of devices and the write bandwidth that needs.
+
+Records are counted from the plan where its units know their rows (Parquet, `datasets`); a unit that only reading
+counts (a JSON byte range, a tar shard) counts exactly where the sample read it whole, else from its bytes at the
+input bytes per record the sample measured of units like it (Source.input_bytes: JSON records by their offsets, tar
+members by their blocks); a stream that tells no size (dataset.kind=hub) leaves the count unknown.
 """
 
 from __future__ import annotations
@@ -13,28 +18,27 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from batchvlm.config import EstimateConfig
+from batchvlm.config import ConfigError, EstimateConfig
 from batchvlm.executor.rows import Assembler
 from batchvlm.executor.worker import checked_id, prepare
 from batchvlm.families import check_checkpoint, load_family
 from batchvlm.format.schema import DATA_SCHEMA, EMBED_DTYPES, QUARANTINE_SCHEMA
 from batchvlm.pipeline.decode import read_bytes, upright_size
 from batchvlm.pipeline.encode import expected_rows
-from batchvlm.records import EncodedRecord, ImageRef, PreparedRecord, QuarantinedRecord, WorkUnit
+from batchvlm.records import EncodedRecord, ImageRef, PreparedRecord, QuarantinedRecord, SourceRecord, WorkUnit
 from batchvlm.rundir.layout import DATA
+from batchvlm.rundir.patterns import PatternUnits
 from batchvlm.review.status import readable_bytes
 from batchvlm.rundir.sink import row_group_bytes
-from batchvlm.sources import make_source
+from batchvlm.sources import Source, make_source
 from batchvlm.training.loader import resident_bytes
-
-TAR_BLOCK = 512
 
 
 @dataclass(frozen=True)
@@ -63,20 +67,31 @@ class HeaderReader:
 
 
 @dataclass(frozen=True)
+class UnitSample:
+    """What the sample read of one unit: how many records, the input bytes they take (None where the source cannot
+    tell), and whether they are all of the unit's."""
+
+    records: int
+    input_bytes: int | None
+    whole: bool
+
+
+@dataclass(frozen=True)
 class Estimate:
     family: str
     hidden_sizes: dict[str, int]
     embed_dtype: str
-    records: int  # in the inputs: the plan's row counts (and, for units that do not know theirs, their bytes)
+    records: int | None  # in the inputs (module docstring); None where a stream tells no size
     images_per_record: float
     sampled: int
     quarantined: int  # of the sample
     tokens_per_image: list[int]
     data_bytes_per_record: float
     quarantine_bytes_per_record: float
-    file_bytes: int  # what each shard file costs beyond its rows
+    file_bytes: int  # what each data file costs beyond its rows
+    quarantine_file_bytes: int  # and each quarantine file
     units: int
-    unit_records: int
+    unit_records: float  # records per unit, on average
     shard_limit: int  # output.shard_bytes: a unit's rows of one kind are cut into files of at most this
     images_per_s: float | None
     devices: int
@@ -87,10 +102,13 @@ class Estimate:
         return (self.sampled - self.quarantined) / self.sampled if self.sampled else 0.0
 
     @property
-    def total_bytes(self) -> float:
+    def total_bytes(self) -> float | None:
+        if self.records is None:
+            return None
         written = self.records * self.written_fraction
+        quarantine_files = self.quarantine_file_bytes if self.quarantined else 0
         return (written * self.data_bytes_per_record + (self.records - written) * self.quarantine_bytes_per_record
-                + self.units * self.file_bytes * (self.files_per_unit + (self.quarantined > 0)))
+                + self.units * (self.file_bytes * self.files_per_unit + quarantine_files))
 
     @property
     def unit_bytes(self) -> float:
@@ -108,7 +126,8 @@ class Estimate:
 
     @property
     def seconds(self) -> float | None:
-        if self.images_per_s is None:
+        """Hours of embedding at images_per_s; None without a rate or a record count, 0 where there is no image."""
+        if self.images_per_s is None or self.records is None:
             return None
         return self.records * self.images_per_record / (self.images_per_s * self.devices)
 
@@ -118,33 +137,48 @@ def estimate(config: EstimateConfig) -> Estimate:
     hidden_sizes, checkpoint = check_checkpoint(family, EMBED_DTYPES[config.model.dtype])
     source = make_source(config.dataset, max_bytes=config.decode.max_bytes)
     units = source.plan()
+    if not units:
+        raise ConfigError(f"dataset.path={config.dataset.path!r}: the inputs hold no rows")
     picked = units[::max(1, len(units) // config.records)]
     per_unit = math.ceil(config.records / len(picked))
-    outcomes, record_bytes = [], []
+    outcomes, samples = [], {}
     reader = HeaderReader(config.decode)
     for unit in picked:
+        read, samples[unit.unit_id] = _sample(source, unit, per_unit)
         seen = set()
-        for index, record in enumerate(source.records(unit)):
-            if index == per_unit:
-                break
-            outcomes.append(checked_id(record, unit, seen) or prepare(record, family, config, reader))
-            record_bytes.append(_tar_bytes(record))
+        outcomes += [checked_id(record, unit, seen) or prepare(record, family, config, reader) for record in read]
     rows = Assembler(EMBED_DTYPES[config.output.embed_dtype], hidden_sizes, config.output.quarantine_bytes_cap,
                      "estimate").rows([_encoded(outcome, hidden_sizes) for outcome in outcomes])
     data = [row.values for row in rows if row.kind == DATA]
     quarantine = [row.values for row in rows if row.kind != DATA]
     prepared = [outcome for outcome in outcomes if isinstance(outcome, PreparedRecord)]
-    empty = _parquet_bytes([], DATA_SCHEMA, config.output.compression)
+    empty = {schema: _parquet_bytes([], schema, config.output.compression)
+             for schema in (DATA_SCHEMA, QUARANTINE_SCHEMA)}
+    records = _records(units, samples)
     return Estimate(
         family=family.name, hidden_sizes=hidden_sizes, embed_dtype=config.output.embed_dtype,
-        records=_records(units, record_bytes), sampled=len(outcomes), quarantined=len(quarantine),
+        records=records, sampled=len(outcomes), quarantined=len(quarantine),
         images_per_record=sum(len(o.source.images) for o in outcomes) / max(1, len(outcomes)),
         tokens_per_image=sorted(plan.num_tokens for record in prepared for plan in record.plans),
-        data_bytes_per_record=_per_row(data, DATA_SCHEMA, config.output.compression, empty),
-        quarantine_bytes_per_record=_per_row(quarantine, QUARANTINE_SCHEMA, config.output.compression, empty),
-        file_bytes=empty, units=len(units), unit_records=config.dataset.unit_records,
-        shard_limit=config.output.shard_bytes,
-        images_per_s=config.images_per_s, devices=config.devices, checkpoint=checkpoint)
+        data_bytes_per_record=_per_row(data, DATA_SCHEMA, config.output.compression, empty[DATA_SCHEMA]),
+        quarantine_bytes_per_record=_per_row(quarantine, QUARANTINE_SCHEMA, config.output.compression,
+                                             empty[QUARANTINE_SCHEMA]),
+        file_bytes=empty[DATA_SCHEMA], quarantine_file_bytes=empty[QUARANTINE_SCHEMA], units=len(units),
+        unit_records=records / len(units) if records is not None else config.dataset.unit_records,
+        shard_limit=config.output.shard_bytes, images_per_s=config.images_per_s, devices=config.devices,
+        checkpoint=checkpoint)
+
+
+def _sample(source: Source, unit: WorkUnit, count: int) -> tuple[list[SourceRecord], UnitSample]:
+    """The first `count` records of a unit, and what they tell of its size: the next record is read (not prepared)
+    to tell whether they are all of it, and where they end."""
+    read, rest = [], None
+    for record in source.unit_records(unit):
+        if len(read) == count:
+            rest = record
+            break
+        read.append(record)
+    return read, UnitSample(len(read), source.input_bytes(unit, read, rest), rest is None)
 
 
 def _encoded(outcome: PreparedRecord | QuarantinedRecord, hidden_sizes: dict[str, int]):
@@ -164,41 +198,60 @@ def _parquet_bytes(rows: list[dict], schema: pa.Schema, compression: str) -> int
 
 
 def _per_row(rows: list[dict], schema: pa.Schema, compression: str, empty: int) -> float:
-    return (_parquet_bytes(rows, schema, compression) - empty) / len(rows) if rows else 0.0
+    """The bytes a row adds to a file of `schema` (`empty`: the file without rows)."""
+    return max(0.0, (_parquet_bytes(rows, schema, compression) - empty) / len(rows)) if rows else 0.0
 
 
-def _tar_bytes(record) -> int:
-    """What a record takes in a tar shard (its image and text members, each a header and whole blocks): how units
-    that do not know their row count are counted."""
-    sizes = [len(ref.data) if ref.data is not None else ref.size or 0 for ref in record.images] + [len(record.text)]
-    return sum(TAR_BLOCK + math.ceil(size / TAR_BLOCK) * TAR_BLOCK for size in sizes)
-
-
-def _records(units: list[WorkUnit], record_bytes: list[int]) -> int:
-    known = sum(unit.num_rows for unit in units if unit.num_rows is not None)
-    unknown_bytes = sum(unit.nbytes for unit in units if unit.num_rows is None)
-    return known + (round(unknown_bytes / np.mean(record_bytes)) if unknown_bytes and record_bytes else 0)
+def _records(units: Sequence[WorkUnit], samples: dict[str, UnitSample]) -> int | None:
+    """The records of the inputs: the plan's row counts, the sample's count of the units it read whole, and the rest
+    from their bytes at the sample's input bytes per record; None where that is needed and the source tells no bytes.
+    A pattern's units (none counted, each planned at its first file's size) are not gone through one by one."""
+    whole = [sample for sample in samples.values() if sample.whole]
+    if isinstance(units, PatternUnits):
+        known, left, left_bytes = 0, len(units) - len(whole), (len(units) - len(whole)) * units[0].nbytes
+    else:
+        counted = {unit.unit_id for unit in units if unit.num_rows is not None}
+        whole = [sample for unit_id, sample in samples.items() if sample.whole and unit_id not in counted]
+        known = sum(unit.num_rows for unit in units if unit.num_rows is not None)
+        rest = [unit for unit in units if unit.num_rows is None and not (unit.unit_id in samples and
+                                                                           samples[unit.unit_id].whole)]
+        left, left_bytes = len(rest), sum(unit.nbytes for unit in rest)
+    if not left:
+        return known + sum(sample.records for sample in whole)
+    measured = [sample for sample in samples.values() if sample.input_bytes]
+    if not measured:
+        return None
+    per_byte = sum(sample.records for sample in measured) / sum(sample.input_bytes for sample in measured)
+    return known + sum(sample.records for sample in whole) + round(left_bytes * per_byte)
 
 
 def format_estimate(result: Estimate) -> str:
     tokens = result.tokens_per_image
-    quantile = (lambda q: tokens[min(len(tokens) - 1, int(q * len(tokens)))]) if tokens else (lambda q: 0)
+    quantile = lambda q: tokens[min(len(tokens) - 1, int(q * len(tokens)))]  # noqa: E731
+    records = (f"records: {result.records:,} in {result.units:,} units; output in all: "
+               f"{readable_bytes(result.total_bytes)}" if result.records is not None else
+               f"records: not known before they are read (the inputs stream without sizes), in {result.units:,} units")
     lines = [f"estimate: {result.family}, output width {result.hidden_sizes['image_embeds']} in {result.embed_dtype}"
              + "".join(f", {name} {size}" for name, size in result.hidden_sizes.items() if name != "image_embeds"),
              f"checkpoint: {result.checkpoint}",
              f"sample: {result.sampled} records ({result.quarantined} would be quarantined), "
              f"{result.images_per_record:.2f} images per record",
-             f"tokens per image: p50 {quantile(0.5)}  p90 {quantile(0.9)}  max {max(tokens, default=0)}",
+             f"tokens per image: p50 {quantile(0.5)}  p90 {quantile(0.9)}  max {tokens[-1]}" if tokens else
+             "tokens per image: no image in the sample",
              f"bytes per record: {readable_bytes(result.data_bytes_per_record)} written"
              + (f", {readable_bytes(result.quarantine_bytes_per_record)} quarantined" if result.quarantined else ""),
-             f"records: {result.records:,} in {result.units:,} units; output in all: "
-             f"{readable_bytes(result.total_bytes)}",
-             f"data per unit ({result.unit_records:,} records): {readable_bytes(result.unit_bytes)} in "
+             records,
+             f"data per unit ({result.unit_records:,.0f} records on average): {readable_bytes(result.unit_bytes)} in "
              f"{result.files_per_unit} file(s) of at most {readable_bytes(result.shard_limit)}; loader memory per "
              f"worker: {readable_bytes(result.loader_bytes)}"]
-    if (seconds := result.seconds) is not None:
+    seconds = result.seconds
+    if seconds == 0:
+        lines.append("time: no image to embed in the sample; the job's time is reading, tokenizing and writing")
+    elif seconds is not None:
         lines.append(f"at {result.images_per_s:g} images/s per device on {result.devices} devices: "
                      f"{seconds / 3600:.1f} h, writing {readable_bytes(result.total_bytes / seconds)}/s")
+    elif result.records is None:
+        lines.append("time: not known without a record count")
     else:
         lines.append("time: give images_per_s=<per device> (batchvlm-bench task=e2e measures it) and devices=<n>")
     return "\n".join(lines)

@@ -207,7 +207,7 @@ class Job:
                             self.job.runtime.progress and self.ranks.is_main, self.job.runtime.progress_interval_s)
         shown = lambda: self._show(progress, coordinator)  # noqa: E731
         phase = units_phase(self.layout, plan, claims, coordinator.attempt, self.ranks.is_main, self._backoff())
-        blocks = {block.task: block for block in plan.blocks()}
+        blocks = plan.blocks_by_task()
         log.info("rank %d/%d: %d work units in the run, in %d blocks of up to %d", self.ranks.rank, self.ranks.world,
                  len(plan.units), len(blocks), plan.block_units)
 
@@ -219,6 +219,7 @@ class Job:
             self.embed_claimed(source, claimed_units(self.layout, blocks, claimed, self.units), sink, shown)
 
         try:
+            shown()  # a report before the first unit: batchvlm-status sees the rank from its start
             phase.work_through(work, wait)
             shown()
         finally:
@@ -230,6 +231,8 @@ class Job:
             return None
         committed = committed_units(self.layout)
         log.info("%d work units committed before this launch", len(committed))
+        if plan.from_pattern:
+            return None  # no unit knows its rows before it is read
         return sum(unit.num_rows or 0 for unit in plan.units if unit.unit_id not in committed) or None
 
     def _backoff(self) -> Backoff:
@@ -249,6 +252,7 @@ class Job:
             for item in rows(encoded(batches(prepared, batcher), parts.stage), parts.assembler):
                 if not isinstance(item, list):
                     writer.submit(item)  # a unit opens or closes
+                    shown()  # a block claimed since the last report is reported before its first batch
                     continue
                 for row in item:
                     writer.submit(row)
@@ -265,7 +269,7 @@ class Job:
 
     def find_duplicates(self, plan: Plan, claims: Claims, coordinator: Coordinator) -> None:
         """Ranks claim the hash partitions of the ids and list the later occurrences of each id."""
-        locations = {item.name: item.location for item in plan.inputs}
+        locations = plan.locations()
         phase = buckets_phase(self.layout, plan.dedup_buckets, claims, coordinator.attempt, self.ranks.is_main,
                               self._backoff())
         phase.work_through(BucketPass(self.layout, locations, claims))

@@ -59,7 +59,8 @@ def checked_id(record: SourceRecord, unit: WorkUnit, seen: set) -> QuarantinedRe
     """The source's checks of a row as read: it has an id, not seen earlier in the unit, and no source.* failure."""
     if record.id is None:
         record.id = f"{unit.source}#{record.row}"
-        return QuarantinedRecord(record, failure("source.missing_id", "the id column is empty for this row",
+        return QuarantinedRecord(record, failure("source.missing_id", "the id column is empty for this row (where "
+                                                 "the dataset has no ids, dataset.missing_ids=content makes them)",
                                                  expected="a unique, non-empty id", observed=repr(record.id)))
     if record.failure is not None:
         return QuarantinedRecord(record, record.failure)
@@ -90,7 +91,7 @@ class PreparedStream(IterableDataset):
         for unit, claim in self.units:
             yield UnitStart(unit, claim)
             count, seen = 0, set()
-            for record in self.source.records(unit):
+            for record in self.source.unit_records(unit):
                 crash_point("decode")
                 count += 1
                 yield checked_id(record, unit, seen) or prepare(record, self.family, self.job, self.decoder, self.chat)

@@ -91,10 +91,24 @@ def _within_root(ref: ImageRef, image_index: int) -> None:
     else:
         inside, root = os.path.realpath(ref.path), _real_root(ref.root)
         within = os.path.commonpath([inside, root]) == root
-    if not within:
-        raise CheckFailed("decode.path_outside_root", f"the image path {ref.path} is not under the image root "
-                          f"{ref.root}; it is not read", expected=f"a file under {ref.root}", observed=ref.path,
-                          image_index=image_index)
+    if within:
+        return
+    if not is_remote(ref) and _named_under(ref.path, ref.root):  # a link (the file's, or a folder's) leads out
+        raise CheckFailed("decode.path_outside_root", f"the image path {ref.path} names a file under the image root "
+                          f"{ref.root}, but a link takes it to {inside}, outside the image root ({root} with its links "
+                          "followed); a link out of the root is not followed, since a record could name one to read "
+                          "any file: give dataset.image_root the folder the images really are in, or copy or bind "
+                          "them there", expected=f"a file under {root} (the image root, links followed)",
+                          observed=f"{ref.path} -> {inside}", image_index=image_index)
+    raise CheckFailed("decode.path_outside_root", f"the image path {ref.path} is not under the image root "
+                      f"{ref.root}; it is not read", expected=f"a file under {ref.root}", observed=ref.path,
+                      image_index=image_index)
+
+
+def _named_under(path: str, root: str) -> bool:
+    """Under the root by name alone: `..` resolved, links not followed."""
+    path, root = os.path.abspath(path), os.path.abspath(root)
+    return os.path.commonpath([path, root]) == root
 
 
 def _local_bytes(path: str, cfg: DecodeConfig, image_index: int) -> bytes:

@@ -203,7 +203,7 @@ def _card(card: Card, placeholder: str, was_check: str | None) -> str:
             f'data-search="{escape(searchable.lower())}">'
             f'<div class="thumbs">{thumbnails}</div>'
             f'<div class="body"><h3 class="id">{escape(row["id"])}</h3>'
-            f'<p class="where">{escape(row["source"])} : row {row["row"]} · unit {escape(row["unit"])}</p>'
+            f'<p class="where">{escape(row["source"])} : {escape(card.place)} · unit {escape(row["unit"])}</p>'
             f'<p><span class="badge check">{escape(row["check"])}</span> <span class="badge">{escape(row["stage"])}</span> '
             f'<span class="badge">{escape(row["exception_type"] or "")}</span>'
             f'{_failed_image(row)}{_was(was_check)}</p><p class="message">{escape(row["message"])}</p>'

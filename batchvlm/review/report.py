@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from omegaconf import OmegaConf
@@ -28,9 +29,10 @@ from batchvlm.review.distributions import Distribution, dropped_turns, value_cou
 from batchvlm.review.thumbnails import Thumbnail, Thumbnailer
 from batchvlm.rundir.dedup import committed_results, duplicate_rows
 from batchvlm.rundir.durable import read_json
-from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
+from batchvlm.rundir.layout import DATA, IDS, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import Manifest, ManifestError, RunTotals, all_manifests, listed_shards
-from batchvlm.sources import parent_of
+from batchvlm.rundir.workunits import read_plan
+from batchvlm.sources import KINDS, parent_of, source_class
 from batchvlm.sources.requeue import read_lineage
 
 log = logging.getLogger("batchvlm")
@@ -52,6 +54,16 @@ class Card:
     shard: Path | None
     index: int  # row in the shard, to find its image bytes in the second pass
     thumbnails: list[Thumbnail] = field(default_factory=list)
+    by_offset: bool = False  # its row is a byte offset (JSON): it is named by `record`, its number in its input
+    record: int | None = None  # None where an earlier unit of its input is not committed yet
+
+    @property
+    def place(self) -> str:
+        """Where the record is in its input, as a person looks for it there."""
+        if not self.by_offset:
+            return f"row {self.row['row']}"
+        number = "not counted yet" if self.record is None else f"{self.record:,}"
+        return f"record {number} · byte {self.row['row']:,}"
 
 
 @dataclass
@@ -115,10 +127,49 @@ def build_report(run_dir: Path, max_cards_per_check: int = 50, thumbnails: bool 
     report.cut_conversations = dropped_turns(layout)
     if thumbnails:
         _attach_thumbnails(report, config)
-    if (lineage := read_lineage(layout)) is not None:
+    lineage = read_lineage(layout)
+    kind = config.get("dataset", {}).get("kind")
+    if kind in KINDS and source_class(kind).rows_are_offsets:
+        _number_records(report, layout, manifests, counted=lineage is None)
+    if lineage is not None:
         report.requeue = _requeue_outcome(layout, lineage)
         report.was_check = {entry["id"]: entry["check"] for entry in lineage["requeued"]}
     return report
+
+
+def _number_records(report: Report, layout: RunLayout, manifests: list[Manifest], counted: bool) -> None:
+    """Cards of a source whose rows are byte offsets get their record's number in its input: the records of its
+    input's units before its own (each committed, else not counted yet), and those before it in its unit's ids file.
+    A requeue run's units are chosen records, not ranges of an input (`counted` False): its cards keep their bytes."""
+    by_unit = {manifest.unit: manifest for manifest in manifests}
+    plan = read_plan(layout) if counted else None
+    before = _records_before(plan, by_unit) if plan is not None and not plan.from_pattern else {}
+    rows_of: dict[str, np.ndarray] = {}
+    for card in (card for cards in report.cards.values() for card in cards):
+        unit, card.by_offset = card.row["unit"], True
+        first = 0 if plan is not None and plan.from_pattern else before.get(unit)  # a pattern's unit: its whole file
+        if first is None or unit not in by_unit:
+            continue
+        if unit not in rows_of:
+            ids = layout.listed(by_unit[unit].shards(IDS)[0].path)
+            rows_of[unit] = np.sort(pq.read_table(ids, columns=["row"]).column("row").to_numpy())
+        card.record = first + int(np.searchsorted(rows_of[unit], card.row["row"]))
+
+
+def _records_before(plan, by_unit: dict[str, Manifest]) -> dict[str, int | None]:
+    """Each unit's records before it in its input: those of its input's units that start before it, all committed
+    (None where one is not)."""
+    ranges: dict[str, list] = {}
+    for unit in plan.units:
+        ranges.setdefault(unit.source, []).append(unit)
+    before: dict[str, int | None] = {}
+    for input_units in ranges.values():
+        so_far: int | None = 0
+        for unit in sorted(input_units, key=lambda unit: unit.start):
+            before[unit.unit_id] = so_far
+            done = by_unit.get(unit.unit_id)
+            so_far = None if so_far is None or done is None else so_far + done.records_in
+    return before
 
 
 def _fallbacks(success: dict | None, manifests: list[Manifest]) -> Counter:

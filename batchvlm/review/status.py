@@ -6,14 +6,16 @@ listing of the claims' heartbeats) and, once the run is complete, its totals (wr
 thousand ranks cost a thousand small reads, a run of a million units none more.
 
 Committed counts are the sum of the ranks' reports, each as fresh as its rank's last commit. Rates come from each
-rank's last samples (its own clock); heartbeat ages from the file system's times against this host's clock, so a
-clock that differs from the file server's shifts them (by what `date` and the server disagree).
+rank's last samples (its own clock), and so do the ages of the units a rank holds (since it claimed them; plus the time
+since its report, on this host's clock); heartbeat ages from the file system's times against this host's clock, so a
+clock that differs from the file server's shifts them (by what `date` and the server disagree), and a heartbeat from
+this host's future is shown as such, with the skew. Metadata that batchvlm did not write, or that is damaged, is named
+in a DamagedMetadata error, not a traceback.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections import Counter
@@ -24,7 +26,8 @@ import yaml
 from tqdm import tqdm
 
 from batchvlm.config import ConfigError, RuntimeConfig
-from batchvlm.rundir.claims import Beat, last_beats, rank_of_owner
+from batchvlm.rundir.claims import AHEAD_S, Beat, last_beats, rank_of_owner
+from batchvlm.rundir.durable import DamagedMetadata, read_json
 from batchvlm.rundir.frontier import claimed_so_far
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.rank_reports import AT, RECORDS_COMMITTED, UNITS_COMMITTED, RankReport, Sample, read_reports
@@ -32,6 +35,10 @@ from batchvlm.rundir.workunits import read_plan
 
 WINDOW_S = 300.0
 """The rate is taken over each rank's samples of the last this many seconds."""
+
+
+SHOWN_UNITS = 3
+"""Units in progress named in the text status, the longest held first."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,8 @@ class RankStatus:
     finished: bool
     stale: bool  # not finished, and its heartbeat older than the lease, or its process gone from this host
     why_stale: str = ""
+    holding: list[tuple[str, float]] = field(default_factory=list)  # (unit, seconds held), the longest held first
+    clock_ahead_s: float = 0.0  # its heartbeat is this far in this host's future (its host's clock is ahead)
 
     @property
     def live(self) -> bool:
@@ -57,7 +66,7 @@ class RankStatus:
 @dataclass(frozen=True)
 class RunStatus:
     run_dir: Path
-    state: str  # complete | running | duplicate pass | stopped | not started
+    state: str  # complete | running | duplicate pass | stopped | starting (ranks beat, none reported) | not started
     units_total: int
     units_committed: int
     records_total: int | None  # None: some units do not know their rows (tar shards) before they are read
@@ -79,6 +88,12 @@ class RunStatus:
     def stale_ranks(self) -> list[RankStatus]:
         return [rank for rank in self.ranks if rank.stale]
 
+    @property
+    def in_progress(self) -> list[tuple[str, RankStatus, float]]:
+        """(unit, its rank, seconds held) of every unit a live rank holds, the longest held first."""
+        held = [(unit, rank, age) for rank in self.ranks if rank.live for unit, age in rank.holding]
+        return sorted(held, key=lambda entry: -entry[2])
+
 
 def run_status(run_dir: Path, now: float | None = None, window_s: float = WINDOW_S) -> RunStatus:
     layout = RunLayout(Path(run_dir))
@@ -87,10 +102,9 @@ def run_status(run_dir: Path, now: float | None = None, window_s: float = WINDOW
                           "that has started")
     now = time.time() if now is None else now
     plan = read_plan(layout)
-    rows = [unit.num_rows for unit in plan.units]
-    records_total = None if None in rows else sum(rows)
-    if layout.success.exists():
-        return _complete(layout, json.loads(layout.success.read_text()), records_total)
+    records_total = plan.rows()
+    if (summary := read_json(layout.success)) is not None:
+        return _complete(layout, summary, records_total)
     lease_s = _lease_s(layout)
     beats = {rank_of_owner(beat.owner): beat for beat in last_beats(layout.claims)}
     reports = [report for attempt in layout.attempts() for report in read_reports(layout, attempt)]
@@ -99,8 +113,10 @@ def run_status(run_dir: Path, now: float | None = None, window_s: float = WINDOW
     committed = [report.units for report in reports]
     by_check = sum((units.by_check for units in committed), Counter())
     units_committed = sum(u.committed for u in committed)
+    starting = not ranks and any(now - beat.at <= lease_s and not beat.gone for beat in beats.values())
+    state = "starting" if starting else _state(ranks, units_committed, len(plan.units))
     status = RunStatus(
-        layout.root, _state(ranks, units_committed, len(plan.units)), len(plan.units), units_committed, records_total,
+        layout.root, state, len(plan.units), units_committed, records_total,
         sum(u.records_in for u in committed), sum(u.written for u in committed),
         sum(u.quarantined for u in committed), dict(sorted(by_check.items())), sum(u.bytes for u in committed),
         ranks=ranks, lease_s=lease_s, blocks_claimed=claimed_so_far(layout),
@@ -109,9 +125,12 @@ def run_status(run_dir: Path, now: float | None = None, window_s: float = WINDOW
 
 
 def _complete(layout: RunLayout, summary: dict, records_total: int | None) -> RunStatus:
-    return RunStatus(layout.root, "complete", summary["units"], summary["units_committed"], records_total,
-                     summary["records_in"], summary["written"], summary["quarantined"], summary["by_check"],
-                     summary.get("bytes", 0), seconds=summary.get("seconds"))
+    try:
+        return RunStatus(layout.root, "complete", summary["units"], summary["units_committed"], records_total,
+                         summary["records_in"], summary["written"], summary["quarantined"], summary["by_check"],
+                         summary.get("bytes", 0), seconds=summary.get("seconds"))
+    except (KeyError, TypeError) as error:
+        raise DamagedMetadata.of(layout.success, "a run's totals", error) from None
 
 
 def _lease_s(layout: RunLayout) -> float:
@@ -124,16 +143,21 @@ def _lease_s(layout: RunLayout) -> float:
 
 def _rank_status(report: RankReport, beat: Beat | None, now: float, lease_s: float, window_s: float) -> RankStatus:
     age = None if beat is None else max(0.0, now - beat.at)
+    ahead = 0.0 if beat is None or beat.at - now <= AHEAD_S else beat.at - now
     why = ""
     if not report.finished:
         if beat is not None and beat.gone:
             why = "its process is gone"
         elif age is None or age > lease_s:
             why = "no heartbeat" if age is None else f"no heartbeat for {age:.0f} s (lease {lease_s:g} s)"
-    return RankStatus(report.attempt, report.rank, report.host, age, max(0.0, now - report.at), report.records,
+    since_report = max(0.0, now - report.at)
+    holding = [] if report.finished else sorted(
+        ((unit, report.at - claimed + since_report) for unit, claimed in report.units.holding.items()),
+        key=lambda entry: -entry[1])
+    return RankStatus(report.attempt, report.rank, report.host, age, since_report, report.records,
                       0 if report.finished else report.units.held, report.units.committed,
                       None if report.finished else _rate(report.samples, RECORDS_COMMITTED, window_s),
-                      report.finished, bool(why), why)
+                      report.finished, bool(why), why, holding, ahead)
 
 
 def _rate(samples: list[Sample], count: int, window_s: float) -> float | None:
@@ -179,6 +203,13 @@ def format_status(status: RunStatus) -> str:
     if status.blocks_total:
         lines.append(f"claimed:     {status.blocks_claimed:,} / {status.blocks_total:,} blocks of units (the claim "
                      "frontier; blocks a dead rank held are handed out again)")
+    if in_progress := status.in_progress:
+        lines.append(f"in progress: {len(in_progress):,} units held by live ranks, the longest first (held since "
+                     "claimed)")
+        lines += [f"{'':13}{tqdm.format_interval(age)}  rank {rank.rank}  {unit}"
+                  for unit, rank, age in in_progress[:SHOWN_UNITS]]
+        if (more := len(in_progress) - SHOWN_UNITS) > 0:
+            lines.append(f"{'':13}and {more:,} more")
     of = f" of {status.records_total:,}" if status.records_total is not None else ""
     share = 100 * status.quarantined / status.records_in if status.records_in else 0.0
     lines.append(f"records:     {status.records_in:,}{of} in committed units: {status.written:,} written, "
@@ -201,10 +232,17 @@ def format_status(status: RunStatus) -> str:
     if status.ranks:
         lines.append("")
         lines += _rank_table(status.ranks)
+    if ahead := [rank for rank in status.ranks if rank.clock_ahead_s]:
+        lines.append(f"clock skew:  the heartbeats of {len(ahead)} rank(s) are up to "
+                     f"{max(rank.clock_ahead_s for rank in ahead):.0f} s ahead of this host's clock: their hosts' clocks "
+                     "are ahead (or this one's behind); a rank takes over their units one lease after it first sees "
+                     "their last beat")
     return "\n".join(lines)
 
 
 def _headline(status: RunStatus) -> str:
+    if status.state == "starting":
+        return "starting: its ranks beat, none has reported yet (loading the model, planning)"
     if status.state in ("complete", "not started"):
         return status.state
     live = sum(rank.live for rank in status.ranks)
@@ -220,7 +258,8 @@ def _rank_table(ranks: list[RankStatus]) -> list[str]:
     for rank in ranks:
         state = "finished" if rank.finished else f"STALE: {rank.why_stale}" if rank.stale else "ok"
         rows.append((rank.attempt, str(rank.rank), rank.host,
-                     "-" if rank.heartbeat_age_s is None else f"{rank.heartbeat_age_s:.0f} s ago",
+                     "-" if rank.heartbeat_age_s is None else
+                     f"{rank.clock_ahead_s:.0f} s ahead" if rank.clock_ahead_s else f"{rank.heartbeat_age_s:.0f} s ago",
                      str(rank.units_held), str(rank.units_committed), f"{rank.records:,}",
                      "-" if rank.rate is None else f"{rank.rate:,.1f}", state))
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]

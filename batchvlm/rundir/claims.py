@@ -10,24 +10,34 @@ exclusive (sink), so a holder that was only frozen never commits twice.
 
 The claims outlive a job: a restart, or a second job on the same run directory, claims beside the
 ones of earlier attempts, and takes over only what a dead holder held. Ages are compared between
-two files' modification times, both set by the file system that holds the run directory, so clocks
-that differ between nodes do not matter; a holder on this host whose process is gone is dead at once.
+two files' modification times: the holder's heartbeat and the reader's own, touched just before. Where
+the file system sets them (NFS) clocks that differ between nodes do not matter; where the client does
+(Lustre, GPFS), a heartbeat from a host whose clock is ahead is in the reader's future: it counts as
+fresh from when the reader first sees it, for one lease at most (a live holder's next beat is seen
+anew), and is logged once with the skew. A holder on this host whose process is gone is dead at once.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from batchvlm.rundir.durable import publish_exclusive
 
+log = logging.getLogger("batchvlm")
+
 ALIVE = "alive"
 """The claims folder's folder of heartbeats, a file per holder."""
+AHEAD_S = 1.0
+"""A heartbeat further than this in the reader's future comes from a host whose clock is ahead (closer is another
+holder's beat between the reader's own and its stat)."""
 
 
 @dataclass(frozen=True)
@@ -43,14 +53,17 @@ class Claim:
 
 
 class Claims:
-    """Claims of one process (`owner`) in a folder every rank sees."""
+    """Claims of one process (`owner`) in a folder every rank sees. `clock` (the tests'): the time its heartbeats are
+    set to and ages are read against; by default the file system's own, a heartbeat touched now."""
 
-    def __init__(self, folder: Path, owner: str, lease_s: float):
+    def __init__(self, folder: Path, owner: str, lease_s: float, clock: Callable[[], float] | None = None):
         self.folder = folder
         self.owner = owner
         self.lease_s = lease_s
+        self.clock = clock
         self.alive = folder / ALIVE
         self.alive.mkdir(parents=True, exist_ok=True)
+        self._ahead: dict[str, tuple[float, float]] = {}  # holder -> (its beat from the future, when first seen)
 
     def _claim_file(self, task: str, generation: int) -> Path:
         return self.folder / f"{task}.{generation}"
@@ -61,13 +74,15 @@ class Claims:
     def beat(self) -> None:
         """Touch the heartbeat; its first beat says where the holder runs."""
         heartbeat = self._heartbeat_file(self.owner)
+        times = None if self.clock is None else (self.clock(),) * 2
         try:
-            os.utime(heartbeat)
+            os.utime(heartbeat, times)
         except FileNotFoundError:
             heartbeat.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+            os.utime(heartbeat, times)
 
     def now(self) -> float:
-        """The file system's time: this process's heartbeat, touched now (every age is measured against it)."""
+        """The time every age is measured against: this process's heartbeat, touched now."""
         self.beat()
         return self._heartbeat_file(self.owner).stat().st_mtime
 
@@ -76,7 +91,22 @@ class Claims:
         dead: its heartbeat older than the lease, seen against this process's own fresh one (`now`, where the caller
         already has it), or its process gone from this host."""
         now = self.now() if now is None else now
-        return all(now - beat > self.lease_s or _gone_from_this_host(path) for path, beat in self._beats(owner))
+        return all(self._age(path.name, beat, now) > self.lease_s or _gone_from_this_host(path)
+                   for path, beat in self._beats(owner))
+
+    def _age(self, holder: str, beat: float, now: float) -> float:
+        """How old a holder's heartbeat is at `now`. One from the future (its host's clock is ahead) is as old as the
+        time since this process first saw it, so it stays fresh for one lease at most unless the holder beats again."""
+        if beat <= now + AHEAD_S:
+            return max(0.0, now - beat)
+        seen = self._ahead.get(holder)
+        if seen is None:
+            log.warning("the heartbeat of %s is %.0f s ahead of this host's clock (its host's clock is ahead, or this "
+                        "one's behind): it counts as alive for one lease (%g s) after each beat is first seen here",
+                        holder, beat - now, self.lease_s)
+        if seen is None or seen[0] != beat:
+            seen = self._ahead[holder] = (beat, now)
+        return now - seen[1]
 
     def _beats(self, owner: str) -> list[tuple[Path, float]]:
         return _heartbeats(self.alive, owner)
@@ -157,17 +187,19 @@ class Claims:
 
 
 class Heartbeat:
-    """Touches the owner's heartbeat file every lease/4 seconds on a daemon thread."""
+    """Touches the owner's heartbeat file every lease/4 seconds on a daemon thread. `wait(seconds)` waits that long or
+    until stopped (True then); the tests' moves their clock instead."""
 
-    def __init__(self, claims: Claims):
+    def __init__(self, claims: Claims, wait: Callable[[float], bool] | None = None):
         self.claims = claims
         self.stopped = threading.Event()
+        self.wait = wait or self.stopped.wait
         claims.beat()
         self.thread = threading.Thread(target=self._run, name="batchvlm-heartbeat", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        while not self.stopped.wait(self.claims.lease_s / 4):
+        while not self.wait(self.claims.lease_s / 4) and not self.stopped.is_set():
             self.claims.beat()
 
     def stop(self) -> None:

@@ -9,9 +9,20 @@ import os
 import threading
 from pathlib import Path
 
+from batchvlm.config import ConfigError
 from batchvlm.faults import crash_point, disk_full_point
 
 TMP_MARK = ".tmp-"
+
+
+class DamagedMetadata(ConfigError):
+    """A file of a run directory that batchvlm did not write, or that is damaged (truncated, overwritten): the message
+    names it and what is wrong, for a job, a status or a verify to say instead of a traceback."""
+
+    @classmethod
+    def of(cls, path: Path, what: str, error: Exception) -> DamagedMetadata:
+        return cls(f"{path} is not {what} ({type(error).__name__}: {error}): batchvlm did not write it, or it is "
+                   "damaged")
 
 
 def fsync_dir(path: Path) -> None:
@@ -79,8 +90,17 @@ def replace_json(path: Path, payload: dict) -> None:
 
 
 def read_json(path: Path) -> dict | None:
-    """A JSON file batchvlm wrote durably, or None where it has not been written (yet)."""
-    return json.loads(path.read_text()) if path.exists() else None
+    """A JSON object batchvlm wrote durably, or None where it has not been written (yet); DamagedMetadata where the
+    file holds no JSON object."""
+    try:
+        found = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+        raise DamagedMetadata.of(path, "a JSON file", error) from None
+    if not isinstance(found, dict):
+        raise DamagedMetadata.of(path, "a JSON object", TypeError(f"it holds a {type(found).__name__}"))
+    return found
 
 
 def sha256_file(path: Path) -> str:

@@ -184,8 +184,8 @@ class Phase:
     """One rank's way through an ordered list of tasks (see the module): the fresh ones first, then those its
     launch's board frees, until the board says every task is done. Rank 0 of a launch (`scan`) writes the board."""
 
-    def __init__(self, name: str, tasks: list[str], claims: Claims, layout: RunLayout, attempt: str,
-                 scan: TailScan | None, backoff: Backoff):
+    def __init__(self, name: str, tasks: Sequence[str], claims: Claims, layout: RunLayout, attempt: str,
+                 scan: Callable[[], Board] | None, backoff: Backoff):
         self.claims, self.scan, self.backoff = claims, scan, backoff
         self.fresh = Frontier(tasks, Hint(layout.frontier(name), claims.owner), claims.claim_first, claims.claimed)
         self.freed_hint = Hint(layout.freed(attempt, name), claims.owner)
@@ -213,14 +213,31 @@ class Phase:
 
 
 def units_phase(layout: RunLayout, plan: Plan, claims: Claims, attempt: str, main: bool, backoff: Backoff) -> Phase:
-    """The plan's blocks; once every unit is committed, rank 0's tail writes the duplicate pass's index."""
+    """The plan's blocks; once every unit is committed, rank 0's tail writes the duplicate pass's index. The tail's
+    record of every block is made at its first look, once this rank has claimed all it could: nothing the size of the
+    plan is held before the first unit (a pattern's plan holds nothing at all until then)."""
     blocks = plan.blocks()
     scan = None
     if main:
-        gather = IdsGather(layout, [unit.unit_id for unit in plan.units])
-        scan = TailScan(claims, {block.task: [unit.unit_id for unit in block.units] for block in blocks},
-                        gather.committed, layout.board(attempt, UNITS), gather.write_index)
-    return Phase(UNITS, [block.task for block in blocks], claims, layout, attempt, scan, backoff)
+        def tail() -> TailScan:
+            gather = IdsGather(layout, [unit.unit_id for unit in plan.units])
+            return TailScan(claims, {block.task: [unit.unit_id for unit in block.units] for block in blocks},
+                            gather.committed, layout.board(attempt, UNITS), gather.write_index)
+
+        scan = at_first_look(tail)
+    return Phase(UNITS, blocks.tasks, claims, layout, attempt, scan, backoff)
+
+
+def at_first_look(make: Callable[[], TailScan]) -> Callable[[], Board]:
+    """A tail scan made when it is first looked at."""
+    made: list[TailScan] = []
+
+    def look() -> Board:
+        if not made:
+            made.append(make())
+        return made[0]()
+
+    return look
 
 
 def buckets_phase(layout: RunLayout, buckets: int, claims: Claims, attempt: str, main: bool,
@@ -249,6 +266,6 @@ def claimed_units(layout: RunLayout, blocks: dict[str, Block], claimed: Iterable
     for claim in claimed:
         todo = [unit for unit in blocks[claim.task].units if not layout.manifest(unit.unit_id).exists()]
         if units is not None:
-            units.claimed += len(todo)
+            units.hold([unit.unit_id for unit in todo])
         for unit in todo:
             yield unit, claim

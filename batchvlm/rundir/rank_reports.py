@@ -1,8 +1,9 @@
 """What each rank of a launch says of itself in the run directory, for rank 0's progress line and `batchvlm-status`.
 
-A rank rewrites one small file (RunLayout.rank_file(attempt, rank, "progress")) once a runtime.progress_interval_s
-and after each unit it commits: the records it has seen, the units it claimed, committed and lost, what its committed
-units hold, and its last few samples of its counts, from which a reader takes the rates. Summed over every
+A rank rewrites one small file (RunLayout.rank_file(attempt, rank, "progress")) as its embedding starts, once a
+runtime.progress_interval_s, and after each block it claims and each unit it commits: the records it has seen, the units
+it claimed, committed and lost, the units it holds and since when, what its committed units hold, and its last few
+samples of its counts, from which a reader takes the rates. Summed over every
 launch's ranks, the committed counts are the run's (a unit commits once): a status reads one file per rank, never the
 manifests. Not made durable: a file lost in a crash costs the counts of at most the units committed since the rank's
 last report, until the run's totals (RunLayout.success) replace them.
@@ -32,8 +33,9 @@ SAMPLES = 32
 @dataclass
 class RankUnits:
     """A rank's units: claimed (the units of the blocks it claimed that were not committed yet), committed by it, lost
-    (another holder committed or took them over first), and what its committed units hold. Claims are counted on the
-    thread that claims, commits and losses on the sink's, and the report is taken on the main thread: `snapshot`."""
+    (another holder committed or took them over first), what its committed units hold, and the units it holds now
+    (claimed, neither committed nor lost) with when it claimed each (its clock). Claims are counted on the thread that
+    claims, commits and losses on the sink's, and the report is taken on the main thread: `snapshot`."""
 
     claimed: int = 0
     committed: int = 0
@@ -43,6 +45,7 @@ class RankUnits:
     quarantined: int = 0
     bytes: int = 0
     by_check: Counter = field(default_factory=Counter)
+    holding: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()  # not a field: a commit's counts change together
@@ -52,6 +55,13 @@ class RankUnits:
         """Claimed and neither committed nor lost yet: what the rank is working on, or has queued."""
         return max(0, self.claimed - self.committed - self.lost)
 
+    def hold(self, unit_ids: list[str], at: float | None = None) -> None:
+        """Units the rank claimed (a block's, but those committed already), at `at` (now)."""
+        at = time.time() if at is None else at
+        with self._lock:
+            self.claimed += len(unit_ids)
+            self.holding.update(dict.fromkeys(unit_ids, at))
+
     def commit(self, manifest: Manifest) -> None:
         with self._lock:
             self.records_in += manifest.records_in
@@ -60,10 +70,16 @@ class RankUnits:
             self.bytes += sum(listing.bytes for listing in manifest.listings())
             self.by_check.update(manifest.checks)
             self.committed += 1
+            self.holding.pop(manifest.unit, None)
+
+    def lose(self, unit_id: str) -> None:
+        with self._lock:
+            self.lost += 1
+            self.holding.pop(unit_id, None)
 
     def snapshot(self) -> RankUnits:
         with self._lock:
-            return dataclasses.replace(self, by_check=Counter(self.by_check))
+            return dataclasses.replace(self, by_check=Counter(self.by_check), holding=dict(self.holding))
 
 
 Sample = tuple[float, int, int, int]
@@ -103,16 +119,16 @@ class RankReporter:
         self.path = layout.rank_file(attempt, rank, PROGRESS)
         self.attempt, self.rank, self.units = attempt, rank, units
         self.samples: deque = deque(maxlen=SAMPLES)
-        self.reported_commits = -1
+        self.reported = (-1, -1)  # (committed, claimed) when last reported
 
     def has_news(self) -> bool:
-        """A unit committed since the last report."""
-        return self.units.committed != self.reported_commits
+        """A unit claimed or committed since the last report."""
+        return (self.units.committed, self.units.claimed) != self.reported
 
     def write(self, records: int, finished: bool = False) -> None:
         now = time.time()
         units = self.units.snapshot()
-        self.reported_commits = units.committed
+        self.reported = (units.committed, units.claimed)
         self.samples.append((now, records, units.committed, units.records_in))
         report = RankReport(self.attempt, self.rank, socket.gethostname(), os.getpid(), now, records, units,
                             list(self.samples), finished)

@@ -72,6 +72,8 @@ class RunDir:
             "jpeg_decode": job.decode.jpeg,  # resolved: nvJPEG's pixels are not libjpeg-turbo's
             "background": job.preprocess.background,
             "placeholder": job.dataset.placeholder,
+            # made ids are the rows' identity; absent where none are made, so runs begun before the key still match
+            **({"missing_ids": job.dataset.missing_ids} if job.dataset.missing_ids != "quarantine" else {}),
             **text_fingerprint(job, family),
             "versions": {"batchvlm": batchvlm.__version__, "transformers": transformers.__version__,
                          "torch": torch.__version__},

@@ -262,7 +262,7 @@ class RunSink:
 
     def _lose(self, unit_id: str) -> None:
         self.lost.append(unit_id)
-        self.units.lost += 1
+        self.units.lose(unit_id)
 
     def _listing(self, path: Path, rows: int, buckets: dict[str, int] | None = None) -> Listing:
         return Listing(self.layout.name_of(path), rows, path.stat().st_size, sha256_file(path), buckets)

@@ -9,7 +9,6 @@ those. The run's totals, once written, equal the manifests'. Each problem names 
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from batchvlm.rundir.dedup import UnitIds, bucket_results, committed_results, duplicate_rows, find_duplicates
-from batchvlm.rundir.durable import TMP_MARK, sha256_file
+from batchvlm.rundir.durable import TMP_MARK, DamagedMetadata, read_json, sha256_file
 from batchvlm.rundir.layout import DATA, IDS, QUARANTINE, SHARD_KINDS, RunLayout
 from batchvlm.rundir.manifest import Listing, Manifest, ManifestError, RunTotals, all_manifests, orphans, unit_manifest
 from batchvlm.rundir.workunits import read_plan
@@ -51,6 +50,13 @@ def verify_run(run_dir: Path) -> list[str]:
     layout = RunLayout(run_dir)
     if not layout.plan.exists():
         return [f"{run_dir}: no {layout.name_of(layout.plan)}; not a batchvlm run directory, or it never started"]
+    try:
+        return _verify(layout)
+    except DamagedMetadata as error:  # the plan, the totals or a bucket's commit: what is checked against is damaged
+        return [str(error)]
+
+
+def _verify(layout: RunLayout) -> list[str]:
     plan = read_plan(layout)
     problems: list[str] = []
     manifests, good = [], []
@@ -73,7 +79,7 @@ def verify_run(run_dir: Path) -> list[str]:
                                                 "no manifest lists it") for path in left]
     if layout.success.exists() and not problems:
         problems += _verify_duplicates(layout, plan, good)
-        summary = json.loads(layout.success.read_text())
+        summary = read_json(layout.success)
         totals = RunTotals.of(manifests, bucket_results(layout, plan.dedup_buckets))
         for key in ("records_in", "written", "quarantined"):
             if summary.get(key) != getattr(totals, key):
@@ -130,7 +136,7 @@ def _listed_ids(layout: RunLayout, name: str, entry: Listing) -> list[str] | str
 def _verify_duplicates(layout: RunLayout, plan, manifests: list[Manifest]) -> list[str]:
     """Bucket by bucket: the later occurrences found again must be exactly those the run listed.
     `manifests` are in plan order, as `verify_run` reads them."""
-    locations = {item.name: item.location for item in plan.inputs}
+    locations = plan.locations()
     results = bucket_results(layout, plan.dedup_buckets)
     problems = [f"{layout.name_of(layout.bucket_result(bucket))}: the duplicate pass did not commit this bucket"
                 for bucket, result in enumerate(results) if result is None]

@@ -18,7 +18,7 @@ import json
 import os
 import posixpath
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import fsspec
 import pyarrow as pa
@@ -27,6 +27,7 @@ from batchvlm.checks import CheckFailed, failure
 from batchvlm.config import ConfigError, DatasetConfig
 from batchvlm.format.strings import escaped_value, unencodable_fields
 from batchvlm.records import Failure, ImageRef, InputFile, SourceRecord, WorkUnit
+from batchvlm.rundir.patterns import BracePattern, PatternInputs, PatternUnits, name_stem
 from batchvlm.sources.conversations import VIDEO_PLACEHOLDER, read_turns, turns_text
 
 KINDS = {"demo": "parquet", "parquet": "parquet", "webdataset": "webdataset", "json": "jsonl", "disk": "hf",
@@ -37,13 +38,23 @@ KINDS = {"demo": "parquet", "parquet": "parquet", "webdataset": "webdataset", "j
 class Source:
     """A kind of input: list the inputs, plan their units from metadata, read a unit's records."""
 
-    def __init__(self, cfg: DatasetConfig, inputs: list[InputFile] | None = None, max_bytes: int | None = None):
+    rows_are_offsets = False
+    """A record's row is the byte offset where it starts (JSON), not its number in its input."""
+
+    def __init__(self, cfg: DatasetConfig, inputs: Sequence[InputFile] | None = None, max_bytes: int | None = None):
         self.cfg = cfg
         self.max_bytes = max_bytes  # decode.max_bytes: what a stream source does not read into memory at all
-        self.inputs = {item.name: item for item in (inputs if inputs is not None else self.list_inputs())}
+        inputs = self.list_inputs() if inputs is None else inputs
+        # a pattern too large to list is looked up name by name, never held
+        self.pattern = inputs if isinstance(inputs, PatternInputs) else None
+        self.inputs = inputs.by_name if self.pattern is not None else {item.name: item for item in inputs}
 
-    def list_inputs(self) -> list[InputFile]:
+    def list_inputs(self) -> Sequence[InputFile]:
         raise NotImplementedError
+
+    def pattern_units(self) -> PatternUnits | None:
+        """The units of inputs named by a pattern too large to list: one per file, from the pattern alone."""
+        return None if self.pattern is None else PatternUnits(self.pattern)
 
     def plan(self) -> list[WorkUnit]:
         raise NotImplementedError
@@ -51,6 +62,22 @@ class Source:
     def records(self, unit: WorkUnit) -> Iterator[SourceRecord]:
         """The unit's records in input order, each with `seq` (its position in the unit) set."""
         raise NotImplementedError
+
+    def unit_records(self, unit: WorkUnit) -> Iterator[SourceRecord]:
+        """records(unit); a file a pattern too large to list named that is not there when its unit is read ends the
+        unit's records with one that fails source.missing_input (its unit commits, the job goes on)."""
+        seq = 0
+        try:
+            for seq, record in enumerate(self.records(unit), 1):
+                yield record
+        except FileNotFoundError as error:
+            if self.pattern is None:
+                raise  # a listed input that went away: the plan no longer holds
+            record = SourceRecord(f"{unit.source}#missing", unit.unit_id, self.inputs[unit.source].location, 0, "",
+                                  [], seq)
+            record.failure = failure("source.missing_input", f"{record.source} does not exist ({error})",
+                                     expected="a file the pattern names", observed="no such file")
+            yield record
 
     def records_at(self, name: str, rows: list[int]) -> Iterator[SourceRecord]:
         """Chosen rows (sorted) of one input, for a requeue; stream sources scan to them."""
@@ -60,11 +87,21 @@ class Source:
         """(row, id) of every row of an input: what a requeue scans when a record moved."""
         raise NotImplementedError
 
+    def input_bytes(self, unit: WorkUnit, first: list[SourceRecord], rest: SourceRecord | None) -> int | None:
+        """The bytes of the unit's input that its `first` records take (`rest`: the record after them, None where they
+        are all of it): how the estimate counts the records of units whose count only reading tells. None where the
+        source cannot tell (its units know their rows)."""
+        return None
+
+
+def source_class(kind: str) -> type[Source]:
+    """The Source that reads inputs of `dataset.kind`."""
+    return importlib.import_module(f"batchvlm.sources.{KINDS[kind]}").SOURCE
+
 
 def make_source(cfg: DatasetConfig, inputs: list[InputFile] | None = None, max_bytes: int | None = None) -> Source:
     """The source of `dataset.kind`; with `inputs` (a plan's), nothing is listed again."""
-    module = importlib.import_module(f"batchvlm.sources.{KINDS[cfg.kind]}")
-    return module.SOURCE(cfg, inputs, max_bytes)
+    return source_class(cfg.kind)(cfg, inputs, max_bytes)
 
 
 # -- files ---------------------------------------------------------------------------------------
@@ -75,10 +112,21 @@ def file_system(location: str, storage_options: dict):
         raise ConfigError(f"dataset.path={location!r}: {error}") from None
 
 
-def list_files(paths: str | list[str], suffixes: tuple[str, ...], storage_options: dict) -> list[InputFile]:
+LISTED_NAMES = 100_000
+"""A brace pattern of up to this many names is listed at planning as a folder is: a missing file is refused before any
+work, the files' sizes order the claims, and a resume checks each file's identity. A larger one is not listed at all
+(rundir.patterns): one unit per name, computed when it is claimed; a missing file is quarantined as its unit is read."""
+
+
+def list_files(paths: str | list[str], suffixes: tuple[str, ...],
+               storage_options: dict) -> list[InputFile] | PatternInputs:
     """Files, folders (searched recursively for the suffixes), globs and brace patterns, or a list of them; local or
     any fsspec URL. O(files): a folder is one recursive listing, the paths a brace pattern names one listing of
-    each folder they sit in."""
+    each folder they sit in; a brace pattern of more than LISTED_NAMES names costs one look at its first file."""
+    if isinstance(paths, str) and "{" in paths:
+        fs, root = file_system(paths, storage_options)
+        if len(names := expand_braces(root)) > LISTED_NAMES:
+            return _pattern_inputs(fs, root, names, paths)
     found: dict[str, dict] = {}
     fs = None
     for pattern in [paths] if isinstance(paths, str) else paths:
@@ -101,7 +149,19 @@ def _matches(fs, root: str, pattern: str, suffixes: tuple[str, ...]) -> dict[str
     return fs.glob(root, detail=True) if fs.exists(root) or glob_pattern(root) else {}
 
 
-def _named(fs, paths: list[str], pattern: str) -> dict[str, dict]:
+def _pattern_inputs(fs, root: str, names: BracePattern, pattern: str) -> PatternInputs:
+    """The inputs of a pattern too large to list; its first file is looked at (a pattern that names nothing that
+    exists is refused before any work), and its size is what each unit is planned to hold."""
+    try:
+        size = fs.size(names[0])
+    except FileNotFoundError:
+        raise ConfigError(f"dataset.path={pattern!r}: its first file {names[0]} does not exist (a pattern of over "
+                          f"{LISTED_NAMES:,} names is not listed: its other files are looked for as they are read)"
+                          ) from None
+    return PatternInputs(root if _is_local(fs) else fs.unstrip_protocol(root), size or 0)
+
+
+def _named(fs, paths: Sequence[str], pattern: str) -> dict[str, dict]:
     """The listings of the files a brace pattern names, one listing of each folder they sit in; ConfigError naming
     those that are missing."""
     wanted = set(paths)
@@ -114,22 +174,11 @@ def _named(fs, paths: list[str], pattern: str) -> dict[str, dict]:
     return found
 
 
-def expand_braces(pattern: str) -> list[str]:
+def expand_braces(pattern: str) -> BracePattern:
     """`{00000..00009}` (a numeric range, zero-padded as written) and `{a,b}` (alternatives), as webdataset and
-    img2dataset name shard lists, expanded left to right."""
-    match = re.search(r"\{([^{}]*)\}", pattern)
-    if match is None:
-        return [pattern]
-    head, body, tail = pattern[:match.start()], match.group(1), pattern[match.end():]
-    if numbers := re.fullmatch(r"(\d+)\.\.(\d+)", body):
-        low, high = numbers.groups()
-        width = len(low) if low.startswith("0") else 0
-        choices = [str(value).zfill(width) for value in range(int(low), int(high) + 1)]
-    elif "," in body:
-        choices = body.split(",")
-    else:
-        raise ConfigError(f"dataset.path={pattern!r}: {{{body}}} is neither a range (00000..00009) nor a list (a,b)")
-    return [path for choice in choices for path in expand_braces(head + choice + tail)]
+    img2dataset name shard lists, expanded left to right: a sequence each name of which is computed when asked for
+    (rundir.patterns), so a pattern of 10^9 names costs what its text does."""
+    return BracePattern(pattern)
 
 
 IDENTITY_KEYS = {"mtime": ("mtime", "LastModified", "last_modified", "updated"), "etag": ("ETag", "etag", "md5Hash"),
@@ -158,9 +207,8 @@ def _is_local(fs) -> bool:
 def stable_name(path: str, root: str) -> str:
     """A name from the path below the inputs' common folder, with a digest that keeps it unique."""
     relative = posixpath.relpath(path, root) if root else posixpath.basename(path)
-    relative = re.sub(r"\.(parquet|tar)$", "", relative)
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", relative).strip("_.") or "input"
-    return f"{stem}-{hashlib.sha256(relative.encode()).hexdigest()[:8]}"
+    digest = hashlib.sha256(re.sub(r"\.(parquet|tar)$", "", relative).encode()).hexdigest()[:8]
+    return f"{name_stem(relative)}-{digest}"
 
 
 def open_input(location: str, storage_options: dict, **options):
@@ -242,23 +290,48 @@ def cut_units(name: str, groups: list[tuple[int, int]], max_records: int, max_by
     return units
 
 
-def record_from_row(cfg: DatasetConfig, row: dict, unit_id: str, source: str, index: int, seq: int,
+CONTENT_ID = "sha256:"
+"""How an id that dataset.missing_ids=content made begins."""
+
+
+def record_id(cfg: DatasetConfig, row: dict, name: str, index: int, id_value=None) -> str | None:
+    """A row's id: its dataset.id_column (or `id_value`, where the source knows it otherwise), else one made as
+    dataset.missing_ids says, else None (the record is quarantined under source.missing_id). `name` is its input's."""
+    given = row.get(cfg.id_column) if id_value is None else id_value
+    if given is not None and str(given) != "":
+        return str(given)
+    if cfg.missing_ids == "position":
+        return f"{name}#{index}"
+    if cfg.missing_ids == "content":
+        canonical = json.dumps(row, sort_keys=True, ensure_ascii=False, default=_canonical_value)
+        return CONTENT_ID + hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return None
+
+
+def _canonical_value(value) -> str:
+    """A value JSON has no type for, as the content digest takes it: bytes by their own digest."""
+    if isinstance(value, (bytes, bytearray)):
+        return "bytes:" + hashlib.sha256(value).hexdigest()
+    return f"{type(value).__name__}:{value}"
+
+
+def record_from_row(cfg: DatasetConfig, row: dict, unit_id: str, item: InputFile, index: int, seq: int,
                     base: str, id_value=None) -> SourceRecord:
-    """A dataset row (column -> value, as pyarrow or datasets give it) as a SourceRecord: one that fails a check as
-    read carries its failure, and only strings a Parquet file can store (see format.strings)."""
-    record_id = row.get(cfg.id_column) if id_value is None else id_value
-    read = {cfg.id_column or "id": record_id, cfg.text_column: row.get(cfg.text_column),
+    """A dataset row (column -> value, as pyarrow or datasets give it) of input `item` as a SourceRecord: one that
+    fails a check as read carries its failure, and only strings a Parquet file can store (see format.strings)."""
+    given_id = row.get(cfg.id_column) if id_value is None else id_value
+    read = {cfg.id_column or "id": given_id, cfg.text_column: row.get(cfg.text_column),
             cfg.images_column: row.get(cfg.images_column)}
     unencodable = unencodable_fields(read)
     if unencodable:  # kept, escaped, to be quarantined
         row = {**row, **{column: escaped_value(value) for column, value in read.items()}}
-        record_id = escaped_value(record_id)
+        given_id = escaped_value(given_id)
     images = _as_list(row.get(cfg.images_column))
     text = row.get(cfg.text_column)
-    record = SourceRecord(id=None if record_id is None or str(record_id) == "" else str(record_id),
-                          unit_id=unit_id, source=source, row=index, text=_as_text(text),
+    record = SourceRecord(id=record_id(cfg, row, item.name, index, given_id), unit_id=unit_id,
+                          source=item.location, row=index, text=_as_text(text),
                           images=[image_ref(image, base, cfg) for image in images], seq=seq)
-    record.failure = (unencodable_failure(unencodable, read) if unencodable else None) or id_failure(record_id) \
+    record.failure = (unencodable_failure(unencodable, read) if unencodable else None) or id_failure(given_id) \
         or text_failure(cfg, text) or source_failure(cfg, row, record)
     if cfg.format != "text" and (record.failure is None or unencodable):  # an escaped conversation shows its turns
         try:

@@ -71,7 +71,7 @@ class HFSource(Source):
     def _check_columns(self, dataset) -> None:
         columns = dataset.column_names or list(dataset.features or [])
         required = {"dataset.images_column": self.cfg.images_column, "dataset.text_column": self.cfg.text_column}
-        if self.cfg.kind != "imagefolder":
+        if self.cfg.kind != "imagefolder" and self.cfg.missing_ids == "quarantine":
             required["dataset.id_column"] = self.cfg.id_column
         for key, column in required.items():
             if column not in columns:
@@ -93,8 +93,9 @@ class HFSource(Source):
 
     def _record(self, values: dict, unit_id: str, row: int, seq: int) -> SourceRecord:
         (item,) = self.inputs.values()
-        return record_from_row(self.cfg, values, unit_id, item.location, row, seq, self.cfg.path,
-                               id_value=None if self.cfg.id_column in values else self._path_id(values, row))
+        return record_from_row(self.cfg, values, unit_id, item, row, seq, self.cfg.path,
+                               id_value=self._path_id(values, row) if self.cfg.kind == "imagefolder" and
+                               self.cfg.id_column not in values else None)
 
     def _path_id(self, values: dict, row: int) -> str:
         """An imagefolder without an id column: the first image's path inside the folder is the record's key."""
@@ -122,7 +123,7 @@ class HFSource(Source):
             yield self._record(self.dataset[row], name, row, row)
 
     def all_ids(self, name: str) -> Iterator[tuple[int, str | None]]:
-        if self.cfg.id_column in self.dataset.column_names:
+        if self.cfg.id_column in self.dataset.column_names and self.cfg.missing_ids == "quarantine":
             for row, value in enumerate(self.dataset.select_columns([self.cfg.id_column])[self.cfg.id_column]):
                 yield row, None if value is None or str(value) == "" else str(value)
         else:

@@ -3,7 +3,8 @@ one array), local or fsspec.
 
 A record's `row` is the byte offset where it starts in its file, and a unit is a byte range of one file: the
 records that start in [start, start + nbytes) (WorkUnit.stop is None: the count is known once read). So a unit is
-read by seeking to it, and a requeue reads a record by its offset.
+read by seeking to it, and a requeue reads a record by its offset where the record there still has its id; a file
+edited since moves its records, and the requeue finds them by id (sources.requeue).
 
 - JSON Lines: units are cut at byte offsets of `dataset.unit_bytes` from the file's size alone, so planning costs
   O(files); a unit's first record is the first line that starts in it.
@@ -18,13 +19,14 @@ source.invalid_unicode, with its id.
 from __future__ import annotations
 
 import codecs
+import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from batchvlm.checks import failure
 from batchvlm.config import ConfigError
 from batchvlm.records import InputFile, SourceRecord, WorkUnit
-from batchvlm.sources import Source, list_files, open_input, parent_of, record_from_row
+from batchvlm.sources import Source, list_files, open_input, parent_of, record_from_row, record_id
 
 UNDECODED = "surrogateescape"
 """How a byte that is not UTF-8 is read: as a surrogate that gives the byte back (the record then fails
@@ -79,8 +81,9 @@ def array_elements(handle, start: int = 0) -> Iterator[tuple[int, int, object]]:
             return
         try:
             value, end = decoder.raw_decode(text, at)
-        except json.JSONDecodeError:
-            if more():  # the element goes on in the next chunk
+        except json.JSONDecodeError as error:
+            # no value starts here (no later byte changes that), else the element may go on in the next chunk
+            if not (error.msg == "Expecting value" and error.pos == at) and more():
                 continue
             raise
         size = _nbytes(text[at:end])
@@ -105,6 +108,8 @@ def line_records(handle, start: int, stop: int | None) -> Iterator[tuple[int, by
 
 
 class JsonSource(Source):
+    rows_are_offsets = True
+
     def list_inputs(self) -> list[InputFile]:
         return list_files(self.cfg.path, (".json", ".jsonl"), self.cfg.storage_options)
 
@@ -115,7 +120,9 @@ class JsonSource(Source):
         with self._open(item) as handle:
             return is_array(handle)
 
-    def plan(self) -> list[WorkUnit]:
+    def plan(self) -> Sequence[WorkUnit]:
+        if (units := self.pattern_units()) is not None:
+            return units
         return [unit for item in self.inputs.values()
                 for unit in (self._plan_array(item) if self._is_array(item) else self._plan_lines(item))]
 
@@ -164,7 +171,7 @@ class JsonSource(Source):
 
     def _record(self, item: InputFile, unit_id: str, offset: int, seq: int, value) -> SourceRecord:
         if isinstance(value, dict):
-            return record_from_row(self.cfg, value, unit_id, item.location, offset, seq, parent_of(item.location))
+            return record_from_row(self.cfg, value, unit_id, item, offset, seq, parent_of(item.location))
         record = SourceRecord(f"{item.name}#{offset}", unit_id, item.location, offset, "", [], seq)
         record.failure = failure("source.malformed_row", f"the record at byte {offset} is not a JSON object "
                                  f"({value})", expected="a JSON object", observed=str(value)[:200])
@@ -172,20 +179,35 @@ class JsonSource(Source):
 
     def records(self, unit: WorkUnit) -> Iterator[SourceRecord]:
         item = self.inputs[unit.source]
-        for seq, (offset, value) in enumerate(self._values(item, unit.start, unit.start + unit.nbytes)):
+        if self.pattern is None:
+            values = self._values(item, unit.start, unit.start + unit.nbytes)
+        else:  # a pattern's unit: its whole file, to the limit
+            values = itertools.islice(self._values(item, 0, None), self.cfg.limit)
+        for seq, (offset, value) in enumerate(values):
             yield self._record(item, unit.unit_id, offset, seq, value)
 
     def records_at(self, name: str, rows: list[int]) -> Iterator[SourceRecord]:
+        """The records that start at these byte offsets; none where no record starts at one now (the file was edited:
+        a requeue then finds the record by its id)."""
         item = self.inputs[name]
         for offset in rows:
-            for _, value in self._values(item, offset, offset + 1):
+            try:
+                found = list(self._values(item, offset, offset + 1))
+            except ValueError:  # inside an element of an array: no JSON value starts there
+                continue
+            for _, value in found:
                 yield self._record(item, name, offset, offset, value)
 
     def all_ids(self, name: str) -> Iterator[tuple[int, str | None]]:
         item = self.inputs[name]
         for offset, value in self._values(item, 0, None):
-            record_id = value.get(self.cfg.id_column) if isinstance(value, dict) else None
-            yield offset, None if record_id is None or str(record_id) == "" else str(record_id)
+            yield offset, record_id(self.cfg, value, name, offset) if isinstance(value, dict) else None
+
+    def input_bytes(self, unit: WorkUnit, first: list[SourceRecord], rest: SourceRecord | None) -> int | None:
+        """From where the first record starts to where the next one does (records' rows are their offsets)."""
+        if rest is None:
+            return unit.nbytes
+        return rest.row - (first[0].row if first else unit.start)
 
 
 def _nbytes(text: str) -> int:

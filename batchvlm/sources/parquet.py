@@ -7,7 +7,7 @@ record batch of one row group at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from batchvlm.config import ConfigError
 from batchvlm.records import InputFile, SourceRecord, WorkUnit
 from batchvlm.sources import (Source, check_column_types, cut_units, list_files, open_input, parent_of,
-                              record_from_row)
+                              record_from_row, record_id)
 
 FOOTER_BLOCK = 1 << 16
 """Read size for footers of remote files: fsspec's default blocks (MBs) would fetch data pages too."""
@@ -35,6 +35,8 @@ class ParquetSource(Source):
     def _open(self, item: InputFile, **options) -> pq.ParquetFile:
         try:
             return pq.ParquetFile(open_input(item.location, self.cfg.storage_options, **options))
+        except FileNotFoundError:
+            raise  # a file a pattern named that is not there: its unit's record says so (Source.unit_records)
         except (OSError, pa.ArrowException) as error:
             raise ConfigError(f"dataset.path: {item.location} is not a readable Parquet file ({error})") from None
 
@@ -45,12 +47,15 @@ class ParquetSource(Source):
         if self.cfg.status_column is not None:
             wanted["dataset.status_column"] = self.cfg.status_column
         for key, column in wanted.items():
-            if column not in names:
+            if column not in names and not (key == "dataset.id_column" and self.cfg.missing_ids != "quarantine"):
                 raise ConfigError(f"{key}={column!r} is not a column of {item.location} (columns: {', '.join(names)})")
         check_column_types(file.schema_arrow, self.cfg, item.location)
+        wanted = {key: column for key, column in wanted.items() if column in names}
         return list(dict.fromkeys([*wanted.values(), *(["error_message"] if "error_message" in names else [])]))
 
-    def plan(self) -> list[WorkUnit]:
+    def plan(self) -> Sequence[WorkUnit]:
+        if (units := self.pattern_units()) is not None:
+            return units
         # Footers are small reads whose time is latency on an object store: many at once, in input order.
         with ThreadPoolExecutor(FOOTER_READERS) as pool:
             return [unit for units in pool.map(self._plan_input, self.inputs.values()) for unit in units]
@@ -64,10 +69,12 @@ class ParquetSource(Source):
                   for i in range(meta.num_row_groups)]
         return cut_units(item.name, _limited(groups, self.cfg.limit), self.cfg.unit_records, self.cfg.unit_bytes)
 
-    def _rows(self, item: InputFile, start: int, stop: int) -> Iterator[tuple[int, dict]]:
-        """(row, values) for rows [start, stop) of a file, reading only the row groups that hold them."""
+    def _rows(self, item: InputFile, start: int, stop: int | None) -> Iterator[tuple[int, dict]]:
+        """(row, values) for rows [start, stop) of a file (stop None: to its end), reading only the row groups that
+        hold them."""
         file = self._open(item)
         meta = file.metadata
+        stop = meta.num_rows if stop is None else stop
         offset, row, groups = 0, None, []
         for index in range(meta.num_row_groups):
             rows = meta.row_group(index).num_rows
@@ -87,8 +94,9 @@ class ParquetSource(Source):
 
     def records(self, unit: WorkUnit) -> Iterator[SourceRecord]:
         item = self.inputs[unit.source]
-        for seq, (row, values) in enumerate(self._rows(item, unit.start, unit.stop)):
-            yield record_from_row(self.cfg, values, unit.unit_id, item.location, row, seq, parent_of(item.location))
+        stop = unit.stop if unit.stop is not None else self.cfg.limit  # a pattern's unit: its file, to the limit
+        for seq, (row, values) in enumerate(self._rows(item, unit.start, stop)):
+            yield record_from_row(self.cfg, values, unit.unit_id, item, row, seq, parent_of(item.location))
 
     def records_at(self, name: str, rows: list[int]) -> Iterator[SourceRecord]:
         item, wanted = self.inputs[name], set(rows)
@@ -96,11 +104,15 @@ class ParquetSource(Source):
             return
         for row, values in self._rows(item, rows[0], rows[-1] + 1):
             if row in wanted:
-                yield record_from_row(self.cfg, values, name, item.location, row, row, parent_of(item.location))
+                yield record_from_row(self.cfg, values, name, item, row, row, parent_of(item.location))
 
     def all_ids(self, name: str) -> Iterator[tuple[int, str | None]]:
         item = self.inputs[name]
         file = self._open(item)
+        if self.cfg.missing_ids != "quarantine":  # an id may be made from the whole row
+            for row, values in self._rows(item, 0, file.metadata.num_rows):
+                yield row, record_id(self.cfg, values, name, row)
+            return
         row = 0
         for batch in file.iter_batches(batch_size=65536, columns=[self.cfg.id_column]):
             for value in batch.column(0).to_pylist():

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from batchvlm.records import WorkUnit
 from batchvlm.rundir.durable import durable_write_json, read_json
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import listed_shards
-from batchvlm.sources import Source, make_source
+from batchvlm.sources import CONTENT_ID, Source, make_source
 
 log = logging.getLogger("batchvlm")
 
@@ -47,7 +48,8 @@ class Located:
     was: Quarantined
     input: str
     row: int
-    matched_by: str  # "row": same file and row, same id; "id": the id found elsewhere in the dataset
+    matched_by: str  # "row": same file and row, same id; "id": the id found elsewhere in the dataset; "position":
+    # same file and row, both ids made from content (the record was edited)
 
 
 def quarantined_records(run_dir: Path, checks: list[str] | None) -> list[Quarantined]:
@@ -72,21 +74,25 @@ def written_ids(run_dir: Path) -> set[str]:
     return ids
 
 
-def _index_by_id(source: Source) -> dict[str, tuple[str, int]]:
-    """Every id of the dataset -> its first (input, row); built only when some record moved."""
+def _index_by_id(source: Source, wanted: set[str]) -> dict[str, tuple[str, int]]:
+    """The first (input, row) of each wanted id in the dataset: one scan of its ids, built only when some record moved,
+    holding the wanted ids alone."""
     index: dict[str, tuple[str, int]] = {}
     for name in source.inputs:
         for row, record_id in source.all_ids(name):
-            index.setdefault(record_id, (name, row))
+            if record_id in wanted:
+                index.setdefault(record_id, (name, row))
     return index
 
 
 def locate(source: Source, wanted: list[Quarantined]) -> tuple[list[Located], list[Quarantined]]:
-    """Find each wanted record in the current dataset: by file and row with the same id, else by id."""
-    by_location = {_same_place(item.location): name for name, item in source.inputs.items()}
+    """Find each wanted record in the current dataset: by file and row with the same id, else by id. A record whose id
+    was made from its content (dataset.missing_ids=content) and is found by neither was edited (so was its id): it is
+    the record with a made id that starts where it started, if one does."""
+    name_at = _names_by_location(source)
     rows_of: dict[str, list[int]] = {}
     for record in wanted:
-        name = by_location.get(_same_place(record.source))
+        name = name_at(record.source)
         if name is not None:
             rows_of.setdefault(name, []).append(record.row)
     id_at = {}
@@ -95,19 +101,34 @@ def locate(source: Source, wanted: list[Quarantined]) -> tuple[list[Located], li
     by_id = None
     found, missing, taken = [], [], set()
     for record in wanted:
-        here = (by_location.get(_same_place(record.source)), record.row)
+        here = (name_at(record.source), record.row)
         # a record quarantined for a missing id had no id to compare: its row is all there is
         if here in id_at and (id_at[here] == record.id or record.check == "source.missing_id"):
             place, matched_by = here, "row"
         else:
-            by_id = _index_by_id(source) if by_id is None else by_id
+            by_id = _index_by_id(source, {item.id for item in wanted}) if by_id is None else by_id
             place, matched_by = by_id.get(record.id), "id"
+            if place is None and _made_from_content(source, id_at.get(here)) and _made_from_content(source, record.id):
+                place, matched_by = here, "position"
         if place is None or place in taken:
             missing.append(record)
             continue
         taken.add(place)
         found.append(Located(record, place[0], place[1], matched_by))
     return found, missing
+
+
+def _made_from_content(source: Source, record_id: str | None) -> bool:
+    return source.cfg.missing_ids == "content" and record_id is not None and record_id.startswith(CONTENT_ID)
+
+
+def _names_by_location(source: Source) -> Callable[[str], str | None]:
+    """An input's name by its location (the same file by another path too, locally); a pattern too large to list
+    reads the name off the location."""
+    if source.pattern is not None:
+        return source.pattern.name_of
+    by_location = {_same_place(item.location): name for name, item in source.inputs.items()}
+    return lambda location: by_location.get(_same_place(location))
 
 
 def _same_place(location: str) -> str:
@@ -123,7 +144,7 @@ class RequeueSource(Source):
 
     def __init__(self, cfg: DatasetConfig, run_dir: Path, checks: list[str] | None):
         self.base = make_source(cfg)
-        super().__init__(cfg, list(self.base.inputs.values()))
+        super().__init__(cfg, self.base.pattern if self.base.pattern is not None else list(self.base.inputs.values()))
         self.from_run, self.checks = run_dir.resolve(), checks
         quarantined = quarantined_records(run_dir, checks)
         if not quarantined:

@@ -15,9 +15,10 @@ are quarantined under source.* checks, and the rest of the shard commits.
 from __future__ import annotations
 
 import json
+import math
 import posixpath
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from batchvlm.checks import CheckFailed, failure
@@ -76,7 +77,9 @@ class WebDatasetSource(Source):
     def list_inputs(self) -> list[InputFile]:
         return list_files(self.cfg.path, (".tar",), self.cfg.storage_options)
 
-    def plan(self) -> list[WorkUnit]:
+    def plan(self) -> Sequence[WorkUnit]:
+        if (units := self.pattern_units()) is not None:
+            return units
         return [WorkUnit(f"{item.name}-all", item.name, 0, None, item.size or 0) for item in self.inputs.values()]
 
     def _row(self, sample: dict, location: str) -> dict:
@@ -118,7 +121,7 @@ class WebDatasetSource(Source):
             row = self._row(sample, item.location)
         except CheckFailed as failed:
             return self._failed(sample[KEY], item, unit_id, index, failed.to_failure())
-        return record_from_row(self.cfg, row, unit_id, item.location, index, index, parent_of(item.location))
+        return record_from_row(self.cfg, row, unit_id, item, index, index, parent_of(item.location))
 
     def _failed(self, record_id: str, item: InputFile, unit_id: str, index: int, why) -> SourceRecord:
         return SourceRecord(id=record_id, unit_id=unit_id, source=item.location, row=index, text="", images=[],
@@ -133,6 +136,19 @@ class WebDatasetSource(Source):
     def all_ids(self, name: str) -> Iterator[tuple[int, str | None]]:
         for record in self._records(self.inputs[name], name, None):
             yield record.row, record.id
+
+    def input_bytes(self, unit: WorkUnit, first: list[SourceRecord], rest: SourceRecord | None) -> int | None:
+        """The shard's size where the records are all of it, else their members' blocks."""
+        return unit.nbytes if rest is None else sum(_tar_bytes(record) for record in first)
+
+
+TAR_BLOCK = 512
+
+
+def _tar_bytes(record: SourceRecord) -> int:
+    """What a record takes in a tar shard: its image and text members, each a header and whole blocks."""
+    sizes = [len(ref.data) if ref.data is not None else ref.size or 0 for ref in record.images] + [len(record.text)]
+    return sum(TAR_BLOCK + math.ceil(size / TAR_BLOCK) * TAR_BLOCK for size in sizes)
 
 
 def _metadata(sample: dict) -> dict:

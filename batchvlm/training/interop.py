@@ -9,7 +9,6 @@ image tokens map to 1 and everything else to 0; batchvlm writes no video.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
@@ -18,7 +17,7 @@ from batchvlm.format.schema import EXTRA_OUTPUTS
 from batchvlm.format.hf_features import EMBED_ID_PREFIX, embedding_layouts, features_key_of
 from batchvlm.rundir.dedup import duplicate_rows
 from batchvlm.rundir.layout import DATA, RunLayout
-from batchvlm.training.reader import RecordTensors, trusted_shards
+from batchvlm.training.reader import RecordTensors, Runs, trusted_shards
 from batchvlm.format.schema import IMAGE
 
 
@@ -27,24 +26,30 @@ def mm_token_type_ids(token_tags: torch.Tensor) -> torch.Tensor:
     return (token_tags == IMAGE).long()
 
 
-def load_run_dataset(run_dir: str | Path, allow_unfinished: bool = False, checksums: bool = False, **kwargs):
+def load_run_dataset(runs: Runs, allow_unfinished: bool = False, checksums: bool = False, **kwargs):
     """`datasets.load_dataset("parquet", split="train")` over the run's committed shards only (never a glob of
     data/, which may hold the files of an attempt that did not commit), each checked against its manifest, without
-    the later occurrences of an id: the records `read_run` and the loader give. `kwargs` go to `load_dataset`."""
+    the later occurrences of an id: the records `read_run` and the loader give. A run and its requeue runs
+    (reader.Runs) are one dataset, each run's shards loaded and left out of as its own. `kwargs` go to
+    `load_dataset`."""
     import datasets
 
-    units, excluded = trusted_shards(run_dir, allow_unfinished, checksums)
-    shards = [shard for _, shard in units]
+    shards = trusted_shards(runs, allow_unfinished, checksums)
     if not shards:
-        raise ValueError(f"{run_dir} has no committed shards")
-    schema = pq.read_schema(shards[0])
+        raise ValueError(f"{runs} has no committed shards")
+    schema = pq.read_schema(shards[0].path)
     if b"huggingface" not in schema.metadata and "features" not in kwargs:
         # Shards written before the job wrote datasets' key (`datasets` takes the features from the first file):
         # the same features, from batchvlm's own keys.
         kwargs["features"] = datasets.Features.from_arrow_schema(
             schema.with_metadata({**schema.metadata, b"huggingface": features_key_of(schema)}))
-    dataset = datasets.load_dataset("parquet", data_files=[str(path) for path in shards], split="train", **kwargs)
-    return _without_later_occurrences(dataset, RunLayout(Path(run_dir))) if excluded else dataset
+    parts = []
+    for run in dict.fromkeys(shard.run for shard in shards):
+        mine = [shard for shard in shards if shard.run == run]
+        dataset = datasets.load_dataset("parquet", data_files=[str(shard.path) for shard in mine], split="train",
+                                        **kwargs)
+        parts.append(_without_later_occurrences(dataset, run) if any(shard.skipped for shard in mine) else dataset)
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
 def _without_later_occurrences(dataset, layout: RunLayout):

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from batchvlm.training.reader import RecordArrays, ShardColumns, read_tensor_group, trusted_shards
+from batchvlm.training.reader import RecordArrays, Runs, ShardColumns, read_tensor_group, trusted_shards
 from batchvlm.training.packing import PackedBatch, PackingError, first_fit_decreasing, pack_arrays
 
 RecordRef = tuple[int, int]  # (shard index, row)
@@ -44,6 +44,9 @@ class LoaderConfig:
     """DataLoader worker processes that read and pack; 0 packs in the calling process."""
     allow_unfinished: bool = False
     """Train on the committed units of a run that is not finished yet."""
+    checksums: bool = False
+    """Check every shard's sha256 against its manifest as the loader opens the run (a read of the whole data, once),
+    refusing a damaged shard by name; off, each shard's size is checked."""
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "shuffle_buffer", "pack_buffer"):
@@ -63,16 +66,17 @@ class RunIndex:
     groups: list[np.ndarray]
 
     @classmethod
-    def of(cls, run_dir: str | Path, allow_unfinished: bool = False) -> RunIndex:
-        units, excluded = trusted_shards(run_dir, allow_unfinished)
-        files = [pq.ParquetFile(path) for _, path in units]
+    def of(cls, runs: Runs, allow_unfinished: bool = False, checksums: bool = False) -> RunIndex:
+        """The index of a run, or of a run and its requeue runs (reader.Runs)."""
+        shards = trusted_shards(runs, allow_unfinished, checksums)
+        files = [pq.ParquetFile(shard.path) for shard in shards]
         tables = [_token_counts(file) for file in files]
         lengths = [table.column("num_tokens").to_numpy().astype(np.int64) for table in tables]
-        kept = [np.flatnonzero(~np.isin(table.column("row").to_numpy(), list(excluded.get(unit, ()))))
-                for (unit, _), table in zip(units, tables)]
+        kept = [np.flatnonzero(~np.isin(table.column("row").to_numpy(), list(shard.skipped)))
+                for shard, table in zip(shards, tables)]
         groups = [np.cumsum([0] + [file.metadata.row_group(g).num_rows for g in range(file.num_row_groups - 1)])
                   for file in files]
-        return cls([path for _, path in units], lengths, kept, groups)
+        return cls([shard.path for shard in shards], lengths, kept, groups)
 
     def digest(self) -> str:
         """Names and row counts of the shards: a resumed loader must see the same data."""
@@ -208,13 +212,14 @@ def _launch_ranks() -> tuple[int, int]:
 
 
 class PackedLoader:
-    """Iterate for one epoch of packed batches; iterate again for the next. `state_dict()` resumes mid-epoch.
+    """Iterate for one epoch of packed batches; iterate again for the next. `state_dict()` resumes mid-epoch. Reads a
+    run, or a run and its requeue runs as one dataset (`[run, requeue_run, ...]`, reader.Runs).
 
     Every rank gets the same number of batches per epoch (the last < world_size packs of an epoch
     are left out of it), so ranks that step together never wait on one another at the end.
     """
 
-    def __init__(self, run_dir: str | Path, config: LoaderConfig = LoaderConfig(),
+    def __init__(self, runs: Runs, config: LoaderConfig = LoaderConfig(),
                  rank: int | None = None, world_size: int | None = None):
         self.config = config
         launched = _launch_ranks()
@@ -222,7 +227,7 @@ class PackedLoader:
         self.world_size = launched[1] if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in 0..world_size-1 ({self.world_size})")
-        self.index = RunIndex.of(run_dir, config.allow_unfinished)
+        self.index = RunIndex.of(runs, config.allow_unfinished, config.checksums)
         self.epoch, self.next_pack = 0, 0
         self._plan: tuple[int, list[list[RecordRef]]] | None = None
 
@@ -261,7 +266,8 @@ class PackedLoader:
         if state["data"] != self.index.digest():
             raise ValueError("the run's committed shards differ from those the state was taken on "
                              f"({state['data']} vs {self.index.digest()}); resuming would skip or repeat records")
-        planned = {k: v for k, v in state["config"].items() if k not in ("num_workers", "allow_unfinished")}
+        planned = {k: v for k, v in state["config"].items()
+                   if k not in ("num_workers", "allow_unfinished", "checksums")}
         ours = {k: v for k, v in asdict(self.config).items() if k in planned}
         if planned != ours:
             raise ValueError(f"the state was taken with {planned}, this loader has {ours}: the packs would differ")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,8 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from batchvlm.config import differences
 from batchvlm.format.schema import EMBED_DTYPES
 from batchvlm.rundir.dedup import excluded_rows
+from batchvlm.rundir.durable import read_json
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.rundir.manifest import checked_shards
 from batchvlm.format.schema import EXTRA_OUTPUTS
@@ -232,21 +234,84 @@ class RunNotFinished(RuntimeError):
     """The run is not finished: its units may still change, so reading it is refused unless asked for."""
 
 
-def trusted_shards(run_dir: str | Path, allow_unfinished: bool = False,
-                   checksums: bool = False) -> tuple[list[tuple[str, Path]], dict[str, set[int]]]:
-    """What every reader reads of a run: (unit, shard) of the data shards the manifests list, each checked against
-    its manifest (its size; its sha256 with `checksums`), and per unit the rows that are later occurrences of an id.
-    A run that is not finished is refused unless `allow_unfinished`."""
-    layout = RunLayout(Path(run_dir))
-    if not layout.success.exists() and not allow_unfinished:
-        raise RunNotFinished(f"{run_dir} has no {layout.name_of(layout.success)}: the run is unfinished or still "
-                             "running; finish it, or pass allow_unfinished=True to read its committed units")
-    return checked_shards(layout, DATA, checksums), excluded_rows(layout)
+Runs = str | Path | Sequence[str | Path]
+"""What a reader reads as one dataset: a run directory, or a run and its requeue runs (`requeue_from=`), each after
+the run it requeued: the records the run quarantined and a requeue wrote are read with the run's."""
 
 
-def read_run(run_dir: str | Path, allow_unfinished: bool = False, checksums: bool = False) -> Iterator[RecordTensors]:
-    """Every committed record of a finished run (an unfinished one with `allow_unfinished`), leaving out the later
-    occurrences of an id that the duplicate pass listed; each shard checked against its manifest first."""
-    shards, excluded = trusted_shards(run_dir, allow_unfinished, checksums)
-    for unit, shard in shards:
-        yield from read_shard(shard, excluded.get(unit, frozenset()))
+def run_layouts(runs: Runs) -> list[RunLayout]:
+    """The runs of `runs`, each after the first checked to be a requeue run of one before it (its lineage says which)
+    and of the first's fingerprint (ValueError naming them). A requeue writes only ids its run did not, so the runs
+    hold each record once, but for two requeues of the same records (trusted_shards refuses those)."""
+    layouts = [RunLayout(Path(run)) for run in ([runs] if isinstance(runs, (str, Path)) else runs)]
+    if not layouts:
+        raise ValueError("no run directory to read")
+    first = read_json(layouts[0].fingerprint) if len(layouts) > 1 else None
+    for position, layout in enumerate(layouts[1:], 1):
+        _check_requeue_of(layout, layouts[:position])
+        if (fingerprint := read_json(layout.fingerprint)) != first:
+            raise ValueError(f"{layout.root} was written with another fingerprint than {layouts[0].root} "
+                             f"({differences(first or {}, fingerprint or {})}): their rows are not one dataset")
+    return layouts
+
+
+def _check_requeue_of(layout: RunLayout, earlier: list[RunLayout]) -> None:
+    lineage = read_json(layout.lineage)
+    if lineage is None:
+        raise ValueError(f"{layout.root} is not a requeue run (no {layout.name_of(layout.lineage)}): the runs read "
+                         f"together are a run and its requeue runs, each after the run it requeued")
+    origin = Path(lineage["requeue_from"])
+    # by its folder where the runs were moved since (a copy to the training cluster)
+    if not any(run.root.resolve() == origin or run.root.name == origin.name for run in earlier):
+        raise ValueError(f"{layout.root} requeued {origin}, which is not before it in the runs given "
+                         f"({', '.join(str(run.root) for run in earlier)})")
+
+
+@dataclass(frozen=True)
+class TrustedShard:
+    """A data shard that a manifest of `run` lists, checked against it, and its rows a reader leaves out: the later
+    occurrences of an id that the run's duplicate pass listed."""
+
+    run: RunLayout
+    path: Path
+    skipped: frozenset[int]
+
+
+def trusted_shards(runs: Runs, allow_unfinished: bool = False, checksums: bool = False) -> list[TrustedShard]:
+    """What every reader reads of a run (or of a run and its requeue runs, `run_layouts`): the data shards the
+    manifests list, each checked against its manifest (its size; its sha256 with `checksums`: DamagedFile naming a
+    shard that differs). A run that is not finished is refused unless `allow_unfinished`."""
+    shards = []
+    for layout in run_layouts(runs):
+        if not layout.success.exists() and not allow_unfinished:
+            raise RunNotFinished(f"{layout.root} has no {layout.name_of(layout.success)}: the run is unfinished or "
+                                 "still running; finish it, or pass allow_unfinished=True to read its committed units")
+        excluded = excluded_rows(layout)
+        shards += [TrustedShard(layout, path, frozenset(excluded.get(unit, ())))
+                   for unit, path in checked_shards(layout, DATA, checksums)]
+    _check_requeues_apart(shards)
+    return shards
+
+
+def _check_requeues_apart(shards: list[TrustedShard]) -> None:
+    """No id in two requeue runs (two requeues of the same records): their ids are read, a requeue's few."""
+    first_run = shards[0].run if shards else None
+    seen: dict[str, Path] = {}
+    for shard in shards:
+        if shard.run == first_run:
+            continue
+        table = pq.read_table(shard.path, columns=["id", "row"])
+        for record_id, row in zip(table.column("id").to_pylist(), table.column("row").to_pylist()):
+            if row in shard.skipped:
+                continue
+            if seen.setdefault(record_id, shard.run.root) != shard.run.root:
+                raise ValueError(f"id {record_id!r} is written by both {seen[record_id]} and {shard.run.root} (two "
+                                 "requeues of the same records): read one of them")
+
+
+def read_run(runs: Runs, allow_unfinished: bool = False, checksums: bool = False) -> Iterator[RecordTensors]:
+    """Every committed record of a finished run, or of a run and its requeue runs (an unfinished one with
+    `allow_unfinished`), leaving out the later occurrences of an id that the duplicate pass listed; each shard checked
+    against its manifest first."""
+    for shard in trusted_shards(runs, allow_unfinished, checksums):
+        yield from read_shard(shard.path, shard.skipped)

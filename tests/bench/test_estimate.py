@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 
@@ -60,3 +61,56 @@ def test_the_estimate_of_mixed_image_sizes_from_a_sample_is_within_ten_percent(t
                                                               unit_records=8), records=24))
     assert abs(estimated.total_bytes / written_bytes(tmp_path / "mixed") - 1) <= 0.10
     assert "tokens per image: p50 " in format_estimate(estimated)
+
+
+def llava_lines(folder, count: int, images: bool = True) -> str:
+    """LLaVA records as JSON Lines, about as long as each other, over three image files (or text only)."""
+    (folder / "img").mkdir(exist_ok=True)
+    for n in range(3):
+        Image.fromarray(np.random.default_rng(n).integers(0, 255, (40, 56, 3), np.uint8)).save(folder / "img" / f"{n}.png")
+    lines = []
+    for n in range(count):
+        turns = [{"from": "human", "value": ("<image> " if images else "") + f"what is {n:06d}?"},
+                 {"from": "gpt", "value": "noise " * 8}]
+        lines.append(json.dumps({"id": f"r{n}", **({"image": f"img/{n % 3}.png"} if images else {}),
+                                 "conversations": turns}) + "\n")
+    return "".join(lines)
+
+
+LLAVA = dict(kind="json", format="llava", images_column="image", text_column="conversations")
+
+
+@pytest.mark.parametrize("array", [False, True], ids=["json lines", "json array"])
+def test_json_records_are_counted_from_their_own_bytes_not_as_tar_members(tmp_path, array):
+    text = llava_lines(tmp_path, 20_000)
+    path = tmp_path / ("llava.json" if array else "llava.jsonl")
+    path.write_text("[" + ",".join(text.splitlines()) + "]" if array else text)
+    result = estimate(EstimateConfig(dataset=DatasetConfig(path=str(path), unit_bytes=200_000, **LLAVA), records=100))
+    assert result.units > 5 and abs(result.records / 20_000 - 1) < 0.05
+
+
+def test_a_small_dataset_read_whole_by_the_sample_is_counted_exactly_and_its_totals_agree(tmp_path):
+    path = tmp_path / "llava.json"
+    path.write_text("[" + ",".join(llava_lines(tmp_path, 6).splitlines()) + "]")
+    result = estimate(EstimateConfig(dataset=DatasetConfig(path=str(path), **LLAVA), records=32))
+    assert result.records == result.sampled == 6 and result.units == 1
+    assert result.unit_bytes <= result.total_bytes and result.quarantine_bytes_per_record >= 0
+    shown = format_estimate(result)
+    assert "sample: 6 records" in shown and "records: 6 in 1 units" in shown and "data per unit (6 records" in shown
+
+
+def test_a_dataset_with_quarantined_records_sizes_its_quarantine_rows_at_no_negative_bytes(tmp_path):
+    text = llava_lines(tmp_path, 40).replace("<image> what is 000003", "<image><image> what is 000003")
+    (tmp_path / "llava.jsonl").write_text(text)
+    result = estimate(EstimateConfig(dataset=DatasetConfig(path=str(tmp_path / "llava.jsonl"), **LLAVA), records=40))
+    assert (result.sampled, result.quarantined, result.records) == (40, 1, 40)
+    assert result.quarantine_bytes_per_record > 0 and result.total_bytes > 0
+
+
+def test_a_text_only_dataset_is_estimated_without_dividing_by_zero(tmp_path):
+    (tmp_path / "text.jsonl").write_text(llava_lines(tmp_path, 50, images=False))
+    result = estimate(EstimateConfig(dataset=DatasetConfig(path=str(tmp_path / "text.jsonl"), **LLAVA), records=50,
+                                     images_per_s=100.0))
+    assert result.records == 50 and result.images_per_record == 0 and result.tokens_per_image == []
+    shown = format_estimate(result)
+    assert "tokens per image: no image in the sample" in shown and "no image to embed" in shown

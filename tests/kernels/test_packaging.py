@@ -45,3 +45,21 @@ def test_the_tests_do_not_take_the_checkouts_kernels_folder_for_the_distribution
     import transformers.activations  # noqa: F401  (transformers 5.25 imports the kernels distribution here)
 
     assert "kernels" not in sys.modules or not str(sys.modules["kernels"].__file__).startswith(str(REPO / "kernels"))
+
+
+FROM_THE_ROOT = """
+import json, kernels
+from kernels import CUDAProperties  # what transformers' hub_kernels imports as it loads a model
+import batchvlm.kernels.reference
+print(json.dumps({"kernels": kernels.__file__, "reference": batchvlm.kernels.reference.__file__}))
+"""
+
+
+def test_python_run_in_the_checkouts_root_imports_the_kernels_distribution_not_the_folder():
+    # `python -c` (or a notebook) started in the root puts the root first on sys.path, beside the kernels/ folder.
+    result = subprocess.run([sys.executable, "-c", FROM_THE_ROOT], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert not seen["kernels"].startswith(str(REPO / "kernels"))
+    assert seen["reference"] == str(REPO / "kernels" / "reference.py")

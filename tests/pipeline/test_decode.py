@@ -13,7 +13,7 @@ from PIL import Image
 
 from batchvlm.checks import CheckFailed
 from batchvlm.config import DecodeConfig
-from batchvlm.pipeline.decode import Decoder, decode_image
+from batchvlm.pipeline.decode import Decoder, decode_image, read_bytes
 from batchvlm.records import ImageRef
 
 
@@ -247,3 +247,19 @@ def test_a_huge_sparse_file_is_refused_by_its_size_before_a_byte_is_read(tmp_pat
     ref = ImageRef(path=str(sparse), root=str(tmp_path))
     assert refused(ref, isolation="none") == "decode.too_many_bytes"
     assert refused(ImageRef(data=b"x" * 65), DecodeConfig(max_bytes=64)) == "decode.too_many_bytes"
+
+
+def test_a_symlinked_image_folder_is_refused_with_where_its_link_leads(tmp_path):
+    """The path is under the root by its name; its folder is a link out of it: the message says so, and what to do."""
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "disk" / "0.png").write_bytes(png_bytes(7))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "img").symlink_to(tmp_path / "disk")
+    with pytest.raises(CheckFailed) as caught:
+        read_bytes(ImageRef(path=str(tmp_path / "data" / "img" / "0.png"), root=str(tmp_path / "data")),
+                   DecodeConfig(), 0)
+    failed = caught.value
+    assert failed.check == "decode.path_outside_root"
+    assert f"a link takes it to {tmp_path / 'disk' / '0.png'}, outside the image root" in failed.message
+    assert "dataset.image_root" in failed.message and "is not under the image root" not in failed.message
+    assert failed.observed == f"{tmp_path / 'data' / 'img' / '0.png'} -> {tmp_path / 'disk' / '0.png'}"

@@ -214,3 +214,30 @@ def test_the_report_of_a_conversation_run_shows_roles_and_counts_the_cut_convers
     assert report.cut_conversations[0] == 1 and report.cut_conversations[1] >= 2
     assert "conversations cut to whole turns (text.overflow=drop_turns): 1 records" in summary_text(report)
     assert 'data-role="assistant"' in render(report)
+
+
+@pytest.mark.slow
+def test_a_json_lines_record_is_named_by_its_number_in_the_file_and_its_byte_not_a_row(tmp_path):
+    from batchvlm.config import ChecksConfig, DatasetConfig, DecodeConfig, JobConfig, OutputConfig, RuntimeConfig
+    from batchvlm.executor.job import run_job
+
+    Image.fromarray(np.zeros((28, 42, 3), np.uint8)).save(tmp_path / "black.png")
+    bad = {7, 18, 25}
+    lines = [json.dumps({"id": f"r{n}", "images": ["black.png"],
+                         "text": ("<image><image> twice" if n in bad else "<image> once") + " x" * (n % 5)}) + "\n"
+             for n in range(30)]
+    lines.insert(10, "\n")  # a blank line is no record
+    (tmp_path / "captions.jsonl").write_text("".join(lines))
+    job = JobConfig(run_name="captions", output=OutputConfig(root=str(tmp_path)),
+                    dataset=DatasetConfig(kind="json", path=str(tmp_path / "captions.jsonl"), unit_bytes=400),
+                    decode=DecodeConfig(isolation="none"), checks=ChecksConfig(max_quarantine_fraction=1),
+                    runtime=RuntimeConfig(num_workers=0, progress=False))
+    run_job(job, tmp_path / "captions")
+    report = build_report(tmp_path / "captions", thumbnails=False)
+    cards = sorted(report.cards["text.placeholder_count"], key=lambda card: card.row["row"])
+    offsets = {json.loads(line)["id"]: sum(map(len, lines[:index])) for index, line in enumerate(lines) if line.strip()}
+    assert len({card.row["unit"] for card in cards}) == 3  # in units after the first: counted over those before
+    assert [(card.row["id"], card.record, card.row["row"]) for card in cards] == [
+        (f"r{n}", n, offsets[f"r{n}"]) for n in sorted(bad)]
+    page = render(report)
+    assert f"record 18 · byte {offsets['r18']:,}" in page and f"row {offsets['r18']}" not in page

@@ -19,7 +19,8 @@ from batchvlm.review.status import format_status, run_status
 from batchvlm.rundir.claims import Claims, owner_name
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.rank_reports import RankReporter, RankUnits
-from batchvlm.rundir.verify import run_counts
+from batchvlm.rundir.manifest import Manifest
+from batchvlm.rundir.verify import run_counts, verify_run
 from batchvlm.rundir.workunits import Plan, write_plan
 
 
@@ -99,6 +100,68 @@ def test_a_run_whose_ranks_all_finished_or_died_is_stopped_and_says_how_to_finis
 def test_a_folder_that_holds_no_run_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match="run_dir="):
         run_status(tmp_path)
+
+
+def test_a_run_whose_ranks_beat_before_any_reported_is_starting_not_not_started(tmp_path):
+    layout = planned_run(tmp_path / "run")
+    assert run_status(layout.root).state == "not started"
+    Claims(layout.claims, owner_name("a1", 0), lease_s=60).beat()  # a rank up, loading its model
+    status = run_status(layout.root)
+    assert status.state == "starting" and "starting: its ranks beat, none has reported yet" in format_status(status)
+
+
+def test_the_units_in_progress_are_named_with_how_long_their_rank_has_held_them(tmp_path):
+    layout = planned_run(tmp_path / "run")
+    units = RankUnits()
+    now = time.time()
+    units.hold(["u000", "u001"], at=now - 600)  # a block claimed ten minutes ago
+    units.hold(["u002", "u003"], at=now - 30)
+    units.commit(Manifest("u000", "in", 0, 100, 100, 100, 0, {}, {}, 0, "a0"))
+    units.lose("u002")  # another rank took it over
+    layout.attempt("a1").mkdir(parents=True)
+    RankReporter(layout, "a1", 0, units).write(100)
+    Claims(layout.claims, owner_name("a1", 0), lease_s=60).beat()
+    status = run_status(layout.root, now=now + 5)
+    assert status.state == "running" and status.ranks[0].units_held == 2
+    assert [(unit, round(age)) for unit, _, age in status.in_progress] == [("u001", 605), ("u003", 35)]
+    assert ("in progress: 2 units held by live ranks, the longest first (held since claimed)\n"
+            "             10:05  rank 0  u001\n             00:35  rank 0  u003\n") in format_status(status)
+
+
+def test_a_heartbeat_from_a_host_whose_clock_is_ahead_is_shown_with_the_skew(tmp_path):
+    layout = planned_run(tmp_path / "run")
+    claims = report_rank(layout, "a1", 0, [(10, 0), (0, 100)], claimed=1, committed=1)
+    os.utime(claims.alive / claims.owner, (time.time() + 3600, time.time() + 3600))
+    status = run_status(layout.root)
+    assert status.ranks[0].clock_ahead_s == pytest.approx(3600, abs=5) and not status.ranks[0].stale
+    shown = format_status(status)
+    assert "3600 s ahead" in shown and "clock skew:  the heartbeats of 1 rank(s) are up to 3600 s ahead" in shown
+
+
+FOREIGN = {"another tool's": '{"units": [{"name": "part-0"}]}', "a list": "[]", "truncated": '{"inputs": [], "par',
+           "not text": b"\xff\xfe\x00", "empty": ""}
+
+
+@pytest.mark.parametrize("content", FOREIGN.values(), ids=FOREIGN.keys())
+def test_status_and_verify_on_a_plan_batchvlm_did_not_write_say_so(tmp_path, content):
+    (tmp_path / "units.json").write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'units.json'} is not a .*batchvlm did not write it, or it is "
+                                          "damaged"):
+        run_status(tmp_path)
+    (problem,) = verify_run(tmp_path)
+    assert problem.startswith(f"{tmp_path / 'units.json'} is not a")
+
+
+@pytest.mark.parametrize("content", ['{"records": 3}', "{"])
+def test_status_and_verify_on_damaged_totals_say_so(tmp_path, content):
+    layout = planned_run(tmp_path / "run", units=0)
+    layout.success.write_text(content)
+    with pytest.raises(ConfigError, match="_SUCCESS .*batchvlm did not write it, or it is damaged"):
+        run_status(layout.root)
+    if content == "{":
+        assert verify_run(layout.root) == [f"{layout.success} is not a JSON file (JSONDecodeError: Expecting property "
+                                           "name enclosed in double quotes: line 1 column 2 (char 1)): batchvlm did "
+                                           "not write it, or it is damaged"]
 
 
 # a real job in a subprocess

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from batchvlm.config import ConfigError, JobConfig, OutputConfig
+from batchvlm.config import ConfigError, DatasetConfig, JobConfig, OutputConfig
 from batchvlm.records import WorkUnit
 from batchvlm.rundir.dedup import commit_bucket
 from batchvlm.rundir.durable import durable_write_json
@@ -30,6 +30,17 @@ def test_a_run_directory_refuses_another_fingerprint_naming_what_differs(tmp_pat
     other = JobConfig(output=OutputConfig(embed_dtype="float16"))
     with pytest.raises(ConfigError, match="embed_dtype: 'bfloat16' -> 'float16'.*run_name="):
         RunDir(RunLayout(tmp_path), other, kimi_family, encoder, ONE_RANK)
+
+
+def test_how_missing_ids_are_made_is_part_of_the_fingerprint(tmp_path, kimi_family, encoder):
+    RunDir(RunLayout(tmp_path), JobConfig(), kimi_family, encoder, ONE_RANK)
+    content = JobConfig(dataset=DatasetConfig(missing_ids="content"))
+    with pytest.raises(ConfigError, match="another fingerprint.*missing_ids: None -> 'content'"):
+        RunDir(RunLayout(tmp_path), content, kimi_family, encoder, ONE_RANK)
+    RunDir(RunLayout(tmp_path / "content"), content, kimi_family, encoder, ONE_RANK)
+    with pytest.raises(ConfigError, match="missing_ids: 'content' -> 'position'"):
+        RunDir(RunLayout(tmp_path / "content"), JobConfig(dataset=DatasetConfig(missing_ids="position")), kimi_family,
+               encoder, ONE_RANK)
 
 
 def _manifest(run_dir, unit: WorkUnit, written: int, quarantined: dict[str, int]) -> None:

@@ -86,3 +86,44 @@ def test_a_file_that_is_no_json_array_is_refused_at_planning(tmp_path):
     path.write_text('[{"id": "a"}, {"id": ')
     with pytest.raises(ConfigError, match="not a JSON array"):
         source_of(path).plan()
+
+
+LLAMA_FACTORY = [  # LLaMA-Factory's sharegpt-style records: no id field
+    {"messages": [{"role": "user", "content": f"<image>Who is in picture {i}?"},
+                  {"role": "assistant", "content": "Nobody."}], "images": [f"img/{i}.jpg"]} for i in range(6)]
+
+
+def _ids(path, **options) -> list[str | None]:
+    source = source_of(path, format="messages", text_column="messages", **options)
+    return [r.id for r in read_all(source)[1]]
+
+
+def test_a_dataset_without_ids_gets_none_unless_missing_ids_makes_them(tmp_path):
+    path = tmp_path / "mllm.json"
+    path.write_text(json.dumps(LLAMA_FACTORY, indent=2))
+    assert _ids(path) == [None] * 6  # quarantined under source.missing_id by the job
+    content = _ids(path, missing_ids="content")
+    assert len(set(content)) == 6 and all(i.startswith("sha256:") and len(i) == 39 for i in content)
+    position = _ids(path, missing_ids="position")
+    raw = path.read_bytes()
+    assert [raw[int(i.rsplit("#", 1)[1]):][:1] for i in position] == [b"{"] * 6
+
+    records = [dict(record) for record in LLAMA_FACTORY]
+    records[1] = {**records[1], "images": ["img/other.jpg"]}  # one record edited, the others moved by nothing
+    records.insert(0, {"messages": [], "images": []})  # and a record added before them all
+    path.write_text(json.dumps(records, indent=2))
+    edited = _ids(path, missing_ids="content")
+    assert edited[1:] == [content[0], edited[2], *content[2:]] and edited[2] != content[1]
+    assert _ids(path, missing_ids="position") != position[:1] + position  # positions moved
+
+
+def test_missing_ids_takes_one_of_its_choices_naming_the_key():
+    with pytest.raises(ConfigError, match="dataset.missing_ids='hash' is not one of quarantine, content, position"):
+        DatasetConfig(missing_ids="hash")
+
+
+def test_requeue_scans_the_made_ids_as_the_job_made_them(tmp_path):
+    path = tmp_path / "mllm.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in LLAMA_FACTORY))
+    source = source_of(path, format="messages", text_column="messages", missing_ids="content")
+    assert [i for _, i in source.all_ids(next(iter(source.inputs)))] == [r.id for r in read_all(source)[1]]

@@ -94,3 +94,15 @@ def test_bare_bytes_paths_and_integer_ids_are_columns_batchvlm_reads(tmp_path):
     source = make_source(DatasetConfig(kind="parquet", path=str(tmp_path / "plain.parquet")))
     records = [record for unit in source.plan() for record in source.records(unit)]
     assert [(r.id, r.images[0].data, r.text) for r in records] == [("1", b"png", "<image> x"), ("2", b"png", "")]
+
+
+def test_a_file_without_the_id_column_is_read_with_made_ids_where_missing_ids_says(tmp_path):
+    table = pa.table({"images": [[b"\x89PNG one"], [b"\x89PNG two"], [b"\x89PNG one"]], "text": ["<image> a"] * 3})
+    pq.write_table(table, tmp_path / "no_ids.parquet")
+    cfg = DatasetConfig(kind="parquet", path=str(tmp_path / "no_ids.parquet"))
+    with pytest.raises(ConfigError, match="dataset.id_column='id' is not a column"):
+        make_source(cfg).plan()
+    source = make_source(DatasetConfig(kind="parquet", path=cfg.path, missing_ids="content"))
+    records = [record for unit in source.plan() for record in source.records(unit)]
+    assert records[0].id == records[2].id != records[1].id  # the same content: one record twice (source.duplicate_id)
+    assert [i for _, i in source.all_ids(next(iter(source.inputs)))] == [r.id for r in records]

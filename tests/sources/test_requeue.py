@@ -19,7 +19,8 @@ from batchvlm.executor.job import run_job
 from batchvlm.review.html import render
 from batchvlm.review.report import build_report, summary_text
 from batchvlm.rundir.verify import verify_run
-from batchvlm.sources.requeue import quarantined_records, requeue_source
+from batchvlm.sources import make_source
+from batchvlm.sources.requeue import Quarantined, locate, quarantined_records, requeue_source
 
 
 def _job(root: Path, name: str, **fields) -> JobConfig:
@@ -115,3 +116,93 @@ def test_check_selects_by_name_and_an_unknown_name_fails_naming_the_key(tmp_path
         JobConfig(check="decode.truncated")
     with pytest.raises(ConfigError, match="requeue_from=.*not a batchvlm run directory"):
         quarantined_records(tmp_path, None)
+
+
+def _quarantined(records, check: str = "text.placeholder_count") -> list[Quarantined]:
+    return [Quarantined(r.id, r.source, r.row, check, "text") for r in records]
+
+
+@pytest.mark.parametrize("name", ["data.json", "data.jsonl"])
+def test_a_record_of_a_json_file_edited_in_place_is_found_again_by_its_id(tmp_path, name):
+    """The record's identity is its id; its byte offset is only evidence: an edit before it moves it."""
+    path = tmp_path / name
+    records = [{"id": f"r{i}", "images": [], "text": f"caption {i}"} for i in range(12)]
+
+    def write() -> None:
+        path.write_text(json.dumps(records) if name.endswith(".json") else
+                        "".join(json.dumps(record) + "\n" for record in records))
+
+    write()
+    source = make_source(DatasetConfig(kind="json", path=str(path)))
+    (unit,) = source.plan()
+    wanted = _quarantined([r for r in source.records(unit) if r.id in ("r5", "r9")])
+    records[2]["text"] += "!!"  # two bytes more: the old offsets of r5 and r9 now point inside the record before
+    records[5]["text"] = "fixed"
+    write()
+    found, missing = locate(make_source(DatasetConfig(kind="json", path=str(path))), wanted)
+    assert missing == [] and [(f.was.id, f.matched_by) for f in found] == [("r5", "id"), ("r9", "id")]
+    rows = [f.row for f in found]
+    assert [path.read_bytes()[row:row + 1] for row in rows] == [b"{", b"{"]
+    again = make_source(DatasetConfig(kind="json", path=str(path)))
+    assert [(r.id, r.text) for r in again.records_at(next(iter(again.inputs)), rows)] == [("r5", "fixed"),
+                                                                                         ("r9", "caption 9")]
+
+
+def test_a_record_with_a_made_id_fixed_in_place_is_found_by_its_position(tmp_path):
+    """missing_ids=content: the fixed record's content, so its id, changed; where it starts is what is left of it."""
+    path = tmp_path / "mllm.jsonl"
+    records = [{"messages": [{"role": "user", "content": f"<image> {i}"}, {"role": "assistant", "content": "ok"}],
+                "images": [f"{i}.jpg"]} for i in range(6)]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    cfg = DatasetConfig(kind="json", path=str(path), format="messages", text_column="messages", missing_ids="content")
+    source = make_source(cfg)
+    (unit,) = source.plan()
+    read = list(source.records(unit))
+    wanted = _quarantined([read[2], read[4]])
+    records[2]["messages"][0]["content"] = "<image> fixed, and longer"  # moves record 4 too
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    found, missing = locate(make_source(cfg), wanted)
+    moved = read[4].row + len(json.dumps(records[2])) - (read[3].row - read[2].row - 1)
+    assert missing == [] and [(f.was.id, f.row, f.matched_by) for f in found] == [
+        (read[2].id, read[2].row, "position"), (read[4].id, moved, "id")]
+
+
+@pytest.mark.slow
+def test_a_json_array_edited_in_place_requeues_and_reads_back_with_its_run_as_one_dataset(tmp_path):
+    from batchvlm.training import LoaderConfig, PackedLoader, load_run_dataset
+    from batchvlm.training.reader import read_run
+
+    (tmp_path / "img").mkdir()
+    for n in range(3):
+        (tmp_path / "img" / f"{n}.png").write_bytes(_png(n))
+    records = [{"id": f"r{n}", "image": f"img/{n % 3}.png", "conversations": [
+        {"from": "human", "value": "<image> what is it?" if n != 2 else "<image> and <image>?"},
+        {"from": "gpt", "value": "noise"}]} for n in range(6)]
+    path = tmp_path / "llava.json"
+    path.write_text(json.dumps(records, indent=1))
+    dataset = DatasetConfig(kind="json", path=str(path), format="llava", images_column="image",
+                            text_column="conversations")
+    run = tmp_path / "out" / "llava"
+    run_job(_job(tmp_path / "out", "llava", dataset=dataset, decode=DecodeConfig(isolation="none")), run)
+    assert [row["id"] for row in quarantine_rows(run)] == ["r2"]
+
+    records[0]["conversations"][1]["value"] = "noise, described at more length than before"  # moves every record after
+    records[2]["conversations"][0]["value"] = "<image> and nothing else?"  # the fix
+    path.write_text(json.dumps(records, indent=1))
+    requeue = tmp_path / "out" / "llava-requeue"
+    run_job(_job(tmp_path / "out", "llava-requeue", dataset=dataset, decode=DecodeConfig(isolation="none"),
+                 requeue_from=str(run)), requeue)
+    assert data_ids(requeue) == {"r2"} and verify_run(requeue) == []
+    assert [e["matched_by"] for e in json.loads((requeue / "lineage.json").read_text())["requeued"]] == ["id"]
+
+    everything = [f"r{n}" for n in range(6)]
+    assert sorted(record.id for record in read_run([run, requeue])) == everything
+    assert sorted(load_run_dataset([run, requeue])["id"]) == everything
+    loader = PackedLoader([run, requeue], LoaderConfig(max_tokens=4096, num_workers=0))
+    assert sorted(i for batch in loader for i in batch.ids) == everything
+
+    twice = tmp_path / "out" / "llava-requeue-2"  # the same records requeued again: read with the first, twice
+    run_job(_job(tmp_path / "out", "llava-requeue-2", dataset=dataset, decode=DecodeConfig(isolation="none"),
+                 requeue_from=str(run)), twice)
+    with pytest.raises(ValueError, match="id 'r2' is written by both .*llava-requeue and .*llava-requeue-2"):
+        list(read_run([run, requeue, twice]))

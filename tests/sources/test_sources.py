@@ -108,12 +108,14 @@ def test_a_dataset_naming_files_outside_its_folder_gets_them_quarantined_unread_
 def test_brace_patterns_expand_as_shard_lists_are_written():
     from batchvlm.sources import expand_braces
 
-    assert expand_braces("s3://b/{00008..00011}.tar") == [f"s3://b/{i:05d}.tar" for i in range(8, 12)]
-    assert expand_braces("x/{a,b}/{1..2}.parquet") == ["x/a/1.parquet", "x/a/2.parquet", "x/b/1.parquet",
-                                                       "x/b/2.parquet"]
-    assert expand_braces("plain.tar") == ["plain.tar"]
+    assert list(expand_braces("s3://b/{00008..00011}.tar")) == [f"s3://b/{i:05d}.tar" for i in range(8, 12)]
+    assert list(expand_braces("x/{a,b}/{1..2}.parquet")) == ["x/a/1.parquet", "x/a/2.parquet", "x/b/1.parquet",
+                                                             "x/b/2.parquet"]
+    assert list(expand_braces("plain.tar")) == ["plain.tar"]
     with pytest.raises(ConfigError, match=r"\{x\} is neither a range"):
         expand_braces("odd{x}.tar")
+    with pytest.raises(ConfigError, match="nested or unpaired"):
+        expand_braces("x/{a,{b,c}}.tar")
 
 
 def test_a_list_of_paths_and_brace_patterns_name_the_inputs_and_a_missing_one_is_named(tmp_path):

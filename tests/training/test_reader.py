@@ -3,7 +3,7 @@ the shards a manifest lists, of a finished run, each what its manifest says."""
 
 from __future__ import annotations
 
-
+import json
 import shutil
 
 import pyarrow as pa
@@ -14,7 +14,7 @@ from conftest import committed_shards
 
 from batchvlm.format.schema import DATA_SCHEMA
 from batchvlm.pipeline.assemble import embed_bytes
-from batchvlm.training.reader import read_run, read_shard, table_tensors, tensors_of
+from batchvlm.training.reader import read_run, read_shard, run_layouts, table_tensors, tensors_of
 
 
 @pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"),
@@ -127,3 +127,36 @@ def test_a_flipped_bit_is_caught_by_the_readers_when_asked_to_check_checksums(de
     assert len(list(read_run(copy))) == 18  # a size check alone cannot see it
     with pytest.raises(DamagedFile, match=f"{shard.name} does not match its sha256"):
         list(read_run(copy, checksums=True))
+    from batchvlm.training import LoaderConfig, PackedLoader, load_run_dataset
+
+    for read in (lambda: load_run_dataset(copy, checksums=True),
+                 lambda: PackedLoader(copy, LoaderConfig(checksums=True, num_workers=0))):
+        with pytest.raises(DamagedFile, match=f"{shard.name} does not match its sha256"):
+            read()
+
+
+def _fake_run(folder, fingerprint: dict, requeue_from=None):
+    """A run directory as far as choosing the runs to read together looks: its fingerprint, its lineage."""
+    folder.mkdir(parents=True)
+    (folder / "fingerprint.json").write_text(json.dumps(fingerprint))
+    if requeue_from is not None:
+        (folder / "lineage.json").write_text(json.dumps({"requeue_from": str(requeue_from), "requeued": []}))
+    return folder
+
+
+def test_runs_read_together_are_a_run_and_its_requeue_runs_of_one_fingerprint(tmp_path):
+    run = _fake_run(tmp_path / "llava", {"family": "qwen2_vl"})
+    requeue = _fake_run(tmp_path / "llava-requeue", {"family": "qwen2_vl"}, requeue_from=run)
+    again = _fake_run(tmp_path / "llava-requeue-requeue", {"family": "qwen2_vl"}, requeue_from=requeue)
+    assert [layout.root for layout in run_layouts([run, requeue, again])] == [run, requeue, again]
+    assert [layout.root for layout in run_layouts(run)] == [run]
+    other = _fake_run(tmp_path / "other", {"family": "qwen2_vl"})
+    with pytest.raises(ValueError, match="other is not a requeue run .*each after the run it requeued"):
+        run_layouts([run, other])
+    with pytest.raises(ValueError, match="llava-requeue-requeue requeued .*llava-requeue, which is not before it"):
+        run_layouts([run, again])
+    with pytest.raises(ValueError, match="llava is not a requeue run"):
+        run_layouts([requeue, run])
+    tiny = _fake_run(tmp_path / "tiny-requeue", {"family": "kimi_k25"}, requeue_from=run)
+    with pytest.raises(ValueError, match="another fingerprint .*family: 'qwen2_vl' -> 'kimi_k25'"):
+        run_layouts([run, tiny])
