@@ -77,6 +77,9 @@ class BenchConfig:
     """task=e2e|tower: the tower's dtype (model.dtype), as checkpoints ship: bfloat16 | float16 | float32."""
     job_workers: int = 2
     """task=e2e: the job's runtime.num_workers; the records are cut into two work units per worker."""
+    stages: bool = True
+    """task=e2e: also each stage alone, the text side and the sink against a bare write (false: the job's runs, the
+    tower, the host ceiling and the decode stage only, as the GPU check runs it)."""
     peak_tflops: float = 989.0
     """task=tower: the device's dense bf16 peak that model FLOPs utilization is taken against (the H100/H200 SXM
     datasheet's; an H200 here measured 788 on an 8192-cube matmul)."""

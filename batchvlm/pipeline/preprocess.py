@@ -71,7 +71,7 @@ def pixels_on(image: DecodedImage, device: torch.device) -> torch.Tensor:
     return to_device(pixels, device)
 
 
-def _images_and_plans(records: list[PreparedRecord]) -> tuple[list[DecodedImage], list[ImagePlan]]:
+def images_and_plans(records: list[PreparedRecord]) -> tuple[list[DecodedImage], list[ImagePlan]]:
     return ([image for record in records for image in record.images],
             [plan for record in records for plan in record.plans])
 
@@ -140,7 +140,7 @@ class TorchPreprocessor:
         return self.normalized_rows(canvas), self.family.grid_of(canvas)
 
     def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
-        images, plans = _images_and_plans(records)
+        images, plans = images_and_plans(records)
         rows, grids = [], []
         for image, pixels, plan in zip(images, images_on([image.pixels for image in images], self.device), plans):
             image_rows, grid = self.rows_of(pixels, backend_plan(image, plan, self.family.layout))
@@ -163,7 +163,7 @@ class TritonPreprocessor:
         self.scale, self.bias = normalization(family, device)
 
     def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
-        images, plans = _images_and_plans(records)
+        images, plans = images_and_plans(records)
         plans = [backend_plan(image, plan, self.family.layout) for image, plan in zip(images, plans)]
         packed, counts = self.pack_images([torch.as_tensor(image.pixels) for image in images],
                                           [plan.resized for plan in plans], [plan.padded for plan in plans],
@@ -287,7 +287,7 @@ def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: Preproc
     and a batch that fails it is redone on the checked path."""
     guard = guard or PreprocessGuard()
     rows, grids = preprocessor(records)
-    images, plans = _images_and_plans(records)
+    images, plans = images_and_plans(records)
     # Which image lost its grid cannot be told from a short list: the device stage bisects such a batch.
     require(len(grids) == len(plans), "preprocess.grid_match", "the backend returned a grid count that differs "
             "from the batch's image count", expected=len(plans), observed=len(grids))
