@@ -286,10 +286,11 @@ class ChecksConfig:
 
 @dataclass
 class RuntimeConfig:
-    num_workers: int = 2
-    """DataLoader worker processes for decode/plan/layout; 0 runs every stage inline (debugging)."""
+    num_workers: int | None = None
+    """DataLoader worker processes for decode/plan/layout; null: one per core of the rank (the node's cores shared by
+    its ranks) but the main process's; 0 runs every stage inline (debugging)."""
     prefetch: int = 8
-    """Records each worker keeps ready (bounds the worker-to-device queue)."""
+    """Records a worker sends in one crossing at most, two crossings ready (bounds the worker-to-device queue)."""
     writer_queue: int = 16
     """Batches waiting for the writer thread (bounds the device-to-sink queue)."""
     progress: bool = True
@@ -311,7 +312,7 @@ class RuntimeConfig:
     plan would give a rank of the launch that plans it under 8 blocks. Recorded in the plan."""
 
     def __post_init__(self) -> None:
-        if self.num_workers < 0:
+        if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError("runtime.num_workers must be >= 0")
         positive("runtime.prefetch", self.prefetch)
         positive("runtime.writer_queue", self.writer_queue)

@@ -31,7 +31,7 @@ from batchvlm.executor.overlap import Streams
 from batchvlm.executor.progress import Progress
 from batchvlm.executor.rows import Assembler, rows
 from batchvlm.executor.tally import JobAborted, QuarantineOverLimit, Tally, check_run_totals
-from batchvlm.executor.worker import prepared_units
+from batchvlm.executor.worker import main_threads, prepared_units, worker_count
 from batchvlm.families import Family, load_family, resolve_checkpoint
 from batchvlm.format.schema import EMBED_DTYPES
 from batchvlm.pipeline.chat import ChatRenderer
@@ -246,14 +246,15 @@ class Job:
         if queued is not None:
             queued.start()
         try:
-            for item in rows(encoded(batches(prepared, batcher), parts.stage), parts.assembler):
-                if not isinstance(item, list):
-                    writer.submit(item)  # a unit opens or closes
-                    continue
-                for row in item:
-                    writer.submit(row)
-                self.tally.count(item)
-                shown()
+            with main_threads(worker_count(runtime.num_workers)):
+                for item in rows(encoded(batches(prepared, batcher), parts.stage), parts.assembler):
+                    if not isinstance(item, list):
+                        writer.submit(item)  # a unit opens or closes
+                        continue
+                    for row in item:
+                        writer.submit(row)
+                    self.tally.count(item)
+                    shown()
             writer.close()
             if queued is not None:
                 queued.check()
