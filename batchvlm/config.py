@@ -158,7 +158,9 @@ class ModelConfig:
     """Compute dtype of the tower: float32 | bfloat16 | float16 (flash_attention_2 needs one of the last two)."""
     device: str = "auto"
     """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "auto"
+    """auto (varlen on CUDA in bfloat16/float16 where torch has it, sdpa otherwise) | varlen (one call per layer over
+    the packed batch, torch's varlen flash attention) | sdpa | eager | flash_attention_2 (the flash_attn package)."""
     embedding: str = "auto"
     """Which output is stored as image_embeds: auto (the projector's LLM-ready tokens where the checkpoint has a
     projector, the tower's tokens otherwise) | projector | tower | both (projector tokens, plus the tower's in
@@ -179,7 +181,8 @@ class ModelConfig:
         one_of("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         one_of("model.embedding", self.embedding, ("auto", "projector", "tower", "both"))
         one_of("model.framing", self.framing, ("k3", "plain"))
-        one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", FLASH_ATTENTION))
+        one_of("model.attn_implementation", self.attn_implementation, ("auto", "varlen", "sdpa", "eager",
+                                                                        FLASH_ATTENTION))
         if self.attn_implementation == FLASH_ATTENTION and self.dtype == "float32":
             raise ConfigError(f"model.attn_implementation={FLASH_ATTENTION} runs in float16 or bfloat16 only, and "
                               "model.dtype=float32: set model.dtype=bfloat16 (or float16), or "

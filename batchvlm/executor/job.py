@@ -33,6 +33,7 @@ from batchvlm.executor.rows import Assembler, rows
 from batchvlm.executor.tally import JobAborted, QuarantineOverLimit, Tally, check_run_totals
 from batchvlm.executor.worker import main_threads, prepared_units, worker_count
 from batchvlm.families import Family, load_family, resolve_checkpoint
+from batchvlm.towers.attention import resolve_attention
 from batchvlm.format.schema import EMBED_DTYPES
 from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
@@ -64,9 +65,11 @@ class Terminated(BaseException):
 def resolve_auto(job: JobConfig, device: torch.device) -> JobConfig:
     """The config with its `auto` choices made for the device the job runs on: the fingerprint and config.yaml name
     what runs (the backends' pixels differ by a level, nvJPEG's are not libjpeg-turbo's)."""
+    attention = resolve_attention(job.model.attn_implementation, device, EMBED_DTYPES[job.model.dtype])
     return dataclasses.replace(
         job, preprocess=dataclasses.replace(job.preprocess, backend=resolve_backend(job.preprocess.backend, device)),
-        decode=dataclasses.replace(job.decode, jpeg=resolve_jpeg_decode(job.decode.jpeg, device)))
+        decode=dataclasses.replace(job.decode, jpeg=resolve_jpeg_decode(job.decode.jpeg, device)),
+        model=dataclasses.replace(job.model, attn_implementation=attention))
 
 
 @dataclass

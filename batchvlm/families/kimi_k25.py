@@ -20,7 +20,8 @@ from batchvlm.devices import to_device
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, choose_projector, processor_params,
                                       published_template, tiny_tokenizer, token_id, tokenizer_digest,
                                       tower_inputs)
-from batchvlm.families.grids import PerGrid, interpolation_taps, joined
+from batchvlm.towers.attention import resolve_attention, use
+from batchvlm.towers.grids import PerGrid, interpolation_taps, joined
 from batchvlm.format.layouts import RASTER_CHW, PatchLayout
 from batchvlm.records import ImagePlan
 from batchvlm.format.schema import FRAME, IMAGE
@@ -90,7 +91,7 @@ class KimiEncoder(torch.nn.Module):
                  attention: str):
         super().__init__()
         self.tower = tower
-        self.attention = attention
+        self.attention = use(tower, attention)
         self.projector = projector
         self.merge_area = merge_size * merge_size
         self.keep_tower = keep_tower
@@ -104,7 +105,7 @@ class KimiEncoder(torch.nn.Module):
     def inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The tower's inputs for a batch of the host grid `grid_thw`: what MoonViT computes from the grid (rotary
         positions, the bicubic taps of its position table, frame indices, the 2x2 merge's scatter index), each image's
-        part computed once per grid on the host (families.grids), joined here (common.tower_inputs)."""
+        part computed once per grid on the host (towers.grids), joined here (common.tower_inputs)."""
         from transformers.vision_utils import get_vision_cu_seqlens
 
         parts = self.per_grid(grid_thw)
@@ -203,7 +204,7 @@ class KimiK25(PatchFamily):
                               "not kimi_k25 or kimi_k25_vision")
         projector = choose_projector(self.embedding, projector)
         return KimiEncoder(tower, projector, self.params.merge_size, self.embedding == "both",
-                           self.attn_implementation).to(device).eval()
+                           resolve_attention(self.attention, device, dtype)).to(device).eval()
 
     def just_over_budget(self) -> tuple[int, int]:
         side, p = math.isqrt(self.params.max_patches), self.params.patch_size

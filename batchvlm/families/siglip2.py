@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.towers.attention import VARLEN, resolve_attention, varlen
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_inputs,
                                       processor_params, tiny_tokenizer, token_id, tokenizer_digest, tower_inputs)
 from batchvlm.format.layouts import RASTER_HWC, PatchLayout
@@ -112,6 +113,9 @@ def packed_attention(module, query, key, value, attention_mask: PackedImages, sc
     images = attention_mask
     if images.attention == "flash_attention_2":
         return _flash_varlen(query, key, value, images, scaling), None
+    if images.attention == VARLEN:
+        tokens_first = [t[0].transpose(0, 1) for t in (query, key, value)]
+        return varlen(*tokens_first, images.cu_seqlens, max(images.lengths), scaling)[None], None
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(images.attention, eager_attention_forward)
     outputs = []
     for start, count, length in images.runs():
@@ -136,14 +140,14 @@ class SiglipEncoder(torch.nn.Module):
     attending only to itself with its own resized positional table. The whole batch runs through the
     encoder in one call; only attention sees the image boundaries (`packed_attention`)."""
 
-    def __init__(self, tower: torch.nn.Module):
+    def __init__(self, tower: torch.nn.Module, attention: str | None = None):
         from transformers import AttentionInterface
 
         super().__init__()
         # Siglip2Attention hands its attention function nothing but the mask from the encoder's caller (no
         # cu_seqlens), so the image boundaries ride in the mask argument, under an implementation of our own.
         AttentionInterface.register(PACKED_ATTENTION, packed_attention)
-        self.attention = tower.config._attn_implementation
+        self.attention = VARLEN if attention == "varlen" else tower.config._attn_implementation
         tower.config._attn_implementation = PACKED_ATTENTION
         self.tower = tower
         size = tower.config.hidden_size
@@ -246,7 +250,7 @@ class Siglip2(PatchFamily):
                               f"is {self.params.patch_size}")
         tower = load_submodule(self.checkpoint, Siglip2VisionModel, vision_config, CHECKPOINTS[config.model_type],
                                dtype=dtype, attn_implementation=self.attn_implementation)
-        return SiglipEncoder(tower).to(device).eval()
+        return SiglipEncoder(tower, resolve_attention(self.attention, device, dtype)).to(device).eval()
 
     def just_over_budget(self) -> tuple[int, int]:
         side, p = math.isqrt(self.params.max_num_patches), self.params.patch_size

@@ -1,4 +1,4 @@
-"""A tower's inputs built once per image grid (families.grids) are transformers' own for the whole batch, bit for bit."""
+"""A tower's inputs built once per image grid (towers.grids) are transformers' own for the whole batch, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from transformers.models.kimi_k25.modeling_kimi_k25 import get_vision_frame_inde
 from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights,
                                        get_vision_position_ids)
 
-from batchvlm.families.grids import PerGrid, interpolation_taps
+from batchvlm.towers.grids import PerGrid, interpolation_taps
 
 GRIDS = [(1, 78, 138), (1, 2, 2), (1, 54, 72), (2, 8, 6), (1, 78, 138), (1, 130, 130), (1, 2, 512), (1, 34, 46)]
 
