@@ -95,7 +95,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         one_of("task", self.task, ("preprocess", "scale", "loader", "e2e", "tower", "jpeg", "claims"))
-        one_of("tower", self.tower, ("base", "tiny"))
+        one_of("tower", self.tower, ("base", "tiny", "released"))
         one_of("dtype", self.dtype, ("bfloat16", "float16", "float32"))
         for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens", "records",
                     "job_workers", "peak_tflops", "ranks", "units", "block_units"):
