@@ -31,6 +31,7 @@ from batchvlm.executor.overlap import Streams
 from batchvlm.executor.progress import Progress
 from batchvlm.executor.rows import Assembler, rows
 from batchvlm.executor.tally import JobAborted, QuarantineOverLimit, Tally, check_run_totals
+from batchvlm.executor.transport import pinned
 from batchvlm.executor.worker import main_threads, prepared_units, worker_count
 from batchvlm.families import Family, load_family, resolve_checkpoint
 from batchvlm.towers.attention import resolve_attention
@@ -243,13 +244,13 @@ class Job:
         claimed units to committed shards."""
         runtime, parts = self.job.runtime, self.parts
         # the workers fork before any thread of this pass starts
-        prepared, queued = prepared_units(source, claimed, parts.family, self.job, parts.chat)
+        prepared, queued, rings = prepared_units(source, claimed, parts.family, self.job, parts.chat)
         writer = SinkWriter(sink, runtime.writer_queue)
         batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
         if queued is not None:
             queued.start()
         try:
-            with main_threads(worker_count(runtime.num_workers)):
+            with main_threads(worker_count(runtime.num_workers)), pinned(rings, parts.device):
                 for item in rows(encoded(batches(prepared, batcher), parts.stage), parts.assembler):
                     if not isinstance(item, list):
                         writer.submit(item)  # a unit opens or closes

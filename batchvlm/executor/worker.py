@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from batchvlm.checks import CheckFailed, failure
 from batchvlm.config import JobConfig
-from batchvlm.executor.transport import ChunkedStream, unchunked
+from batchvlm.executor.transport import ChunkedStream, Rings, unchunked
 from batchvlm.faults import crash_point
 from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
@@ -165,16 +165,18 @@ def main_threads(workers: int) -> Iterator[None]:
 
 
 def prepared_units(source: Source, claimed: Iterator[tuple[WorkUnit, Claim]], family, job: JobConfig,
-                   chat: ChatRenderer | None = None) -> tuple[Iterator, QueuedUnits | None]:
+                   chat: ChatRenderer | None = None) -> tuple[Iterator, QueuedUnits | None, Rings | None]:
     """The rank's claimed units prepared in `runtime.num_workers` DataLoader worker processes (0: inline, for
-    debugging; the decoder still forks its child on first use), and the queue that feeds the workers, to be started
-    once the caller has nothing more to fork. The workers' items cross in chunks (transport.py): each worker keeps
-    two chunks of up to `runtime.prefetch` records ready."""
+    debugging; the decoder still forks its child on first use), the queue that feeds the workers, to be started
+    once the caller has nothing more to fork, and the workers' pixel rings. The workers' items cross in chunks
+    (transport.py): each worker keeps two chunks of up to `runtime.prefetch` records ready."""
     workers = worker_count(job.runtime.num_workers)
     if workers == 0:
-        return iter(PreparedStream(source, claimed, family, job, chat)), None
+        return iter(PreparedStream(source, claimed, family, job, chat)), None, None
     queued = QueuedUnits(claimed, workers)
+    rings = Rings(workers)
     stream = ChunkedStream(PreparedStream(source, queued, family, job, chat), job.preprocess.token_budget,
-                           job.runtime.prefetch)
-    return unchunked(DataLoader(stream, batch_size=None, num_workers=workers, collate_fn=_keep, prefetch_factor=2,
-                                persistent_workers=False)), queued
+                           job.runtime.prefetch, rings)
+    loader = iter(DataLoader(stream, batch_size=None, num_workers=workers, collate_fn=_keep, prefetch_factor=2,
+                             persistent_workers=False))  # the workers fork here, before any thread of the pass starts
+    return unchunked(loader, rings), queued, rings

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from batchvlm.executor.transport import ChunkedStream, chunked, unchunked
+from batchvlm.executor.transport import Chunk, ChunkedStream, Rings, chunked, rings_offset, unchunked
 from batchvlm.records import (DecodedImage, EncodedJpeg, ImagePlan, PreparedRecord, QuarantinedRecord, SourceRecord,
                               TokenLayout, UnitEnd, UnitStart, WorkUnit)
 
@@ -70,3 +70,28 @@ def test_a_chunk_crosses_from_a_worker_process_as_one_shared_block_not_its_bytes
     assert [item.source.id for item in items if isinstance(item, PreparedRecord)] == ["a", "b", "d", "e"]
     big = list(chunked([record("big", photo(7, (1000, 1000, 3)))], patch_budget=25, records=100))[0]
     assert len(pickle.dumps(big.items)) < 10_000  # what crosses the pipe: the records without their pixels
+
+
+def test_a_ring_hands_out_its_free_run_in_order_and_takes_back_what_the_main_process_dropped():
+    rings = Rings(1, size=100)
+    writer = rings.writer(0)
+    assert writer.free_run() == (0, 100)
+    first = writer.taken((0, 100), (30,))
+    assert writer.free_run() == (30, 70)
+    writer.taken((30, 70), (40,))
+    assert writer.free_run() == (70, 30)  # a 50-byte image does not fit: the decoder writes it to its arena instead
+    chunk = Chunk([], worker=0, slices=writer.handed(), in_ring=[(0, 0, 0, (30,)), (0, 1, 30, (40,))])
+    rings.arrived(chunk)
+    views = [rings.view(0, start, rings_offset(rings, chunk, start, shape), shape)
+             for _, _, start, shape in chunk.in_ring]
+    first[:] = 7
+    assert int(views[0].sum()) == 7 * 30  # the worker's bytes, seen by the main process, not copied
+    del views[1]
+    assert rings.released[0] == 0  # the first slice still held: nothing is given back out of order
+    del views[0]
+    assert rings.released[0] == 70
+    place = writer.free_run()
+    assert place == (0, 70)  # the longer run, from the ring's start: the 30 bytes at its end skipped
+    writer.taken(place, (60,))
+    rings.arrived(Chunk([], worker=0, slices=writer.handed()))  # an image that no record kept (quarantined)
+    assert rings.released[0] == 160 and writer.free_run() == (0, 60)  # the longer run again

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from batchvlm.config import DatasetConfig, DecodeConfig, JobConfig, RuntimeConfig
+from batchvlm.executor.transport import ring_address
 from batchvlm.executor.worker import (PreparedStream, QueuedUnits, checked_id, main_threads, prepared_units, rank_cores,
                                      worker_count)
 from batchvlm.records import PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd, UnitStart, WorkUnit
@@ -87,7 +88,7 @@ def test_the_ranks_claimed_units_reach_its_workers_each_once_claimed_only_as_the
     assert sorted(got[0] + got[1]) == list(range(10))
 
 
-def test_a_workers_decoded_pixels_reach_the_main_process_in_shared_memory_in_order(tmp_path, kimi_family):
+def test_a_workers_decoded_pixels_reach_the_main_process_in_its_shared_ring_in_order(tmp_path, kimi_family):
     pq.write_table(pa.table({"id": ["a", "b", "c"], "images": [[png()], [png(), png()], [png()]],
                              "text": ["<image> one", "<image> <image> two", "<image> three"]}), tmp_path / "in.parquet")
     job = JobConfig(dataset=DatasetConfig(kind="parquet", path=str(tmp_path / "in.parquet")),
@@ -98,14 +99,18 @@ def test_a_workers_decoded_pixels_reach_the_main_process_in_shared_memory_in_ord
     claims = Claims(tmp_path / "claims", "rank00000-a", 60)
     block = Block(source.plan()[0].unit_id, tuple(source.plan()))
     claimed = claimed_units(layout, {block.task: block}, [claims.claim_first(block.task)])
-    prepared, queued = prepared_units(source, claimed, kimi_family, job)
+    prepared, queued, rings = prepared_units(source, claimed, kimi_family, job)
     queued.start()
     records = [item for item in prepared if isinstance(item, PreparedRecord)]
     queued.check()
     assert [record.source.id for record in records] == ["a", "b", "c"]
     images = [image for record in records for image in record.images]
-    assert len(images) == 4 and all(isinstance(image.pixels, torch.Tensor) and image.pixels.is_shared()
-                                     and int(image.pixels.float().mean()) == 120 for image in images)
+    ring = ring_address(rings.maps[0])
+    assert len(images) == 4 and all(ring <= image.pixels.data_ptr() < ring + len(rings.maps[0])
+                                    and int(image.pixels.float().mean()) == 120 for image in images)
+    assert rings.released[0] == 0  # held while the records are alive
+    del records, images
+    assert rings.released[0] == 4 * 40 * 50 * 3  # given back, in order, once they are dropped
 
 
 def test_a_rank_has_a_worker_per_core_but_the_main_process_and_its_main_process_the_cores_left(monkeypatch):
