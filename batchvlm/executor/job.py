@@ -31,7 +31,7 @@ from batchvlm.executor.overlap import Streams
 from batchvlm.executor.progress import Progress
 from batchvlm.executor.rows import Assembler, rows
 from batchvlm.executor.tally import JobAborted, QuarantineOverLimit, Tally, check_run_totals
-from batchvlm.executor.transport import pinned
+from batchvlm.executor.transport import Rings, job_rings
 from batchvlm.executor.worker import main_threads, prepared_units, worker_count
 from batchvlm.families import Family, load_family, resolve_checkpoint
 from batchvlm.towers.attention import resolve_attention
@@ -97,6 +97,7 @@ class Parts:
     requeue: RequeueSource | None
     chat: ChatRenderer | None  # a conversation format's chat template renderer
     draft: Draft | None  # rank 0's
+    rings: Rings | None  # the workers' pixel rings (executor.transport), page-locked once on CUDA
 
 
 def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device) -> Parts:
@@ -121,7 +122,8 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
                    overlap, Streams(device, overlap), _jpeg_decoder(job, device))
     assembler = Assembler(embed_dtype, encoder.hidden_sizes, job.output.quarantine_bytes_cap, run.fingerprint_digest,
                           job.text.trained(job.dataset.format), job.dataset.placeholder)
-    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue, chat, draft)
+    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue, chat, draft,
+                 job_rings(worker_count(job.runtime.num_workers), device))
 
 
 def _jpeg_decoder(job: JobConfig, device: torch.device) -> JpegBatchDecoder | None:
@@ -244,13 +246,13 @@ class Job:
         claimed units to committed shards."""
         runtime, parts = self.job.runtime, self.parts
         # the workers fork before any thread of this pass starts
-        prepared, queued, rings = prepared_units(source, claimed, parts.family, self.job, parts.chat)
+        prepared, queued = prepared_units(source, claimed, parts.family, self.job, parts.chat, parts.rings)
         writer = SinkWriter(sink, runtime.writer_queue)
         batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
         if queued is not None:
             queued.start()
         try:
-            with main_threads(worker_count(runtime.num_workers)), pinned(rings, parts.device):
+            with main_threads(worker_count(runtime.num_workers)):
                 for item in rows(encoded(batches(prepared, batcher), parts.stage), parts.assembler):
                     if not isinstance(item, list):
                         writer.submit(item)  # a unit opens or closes

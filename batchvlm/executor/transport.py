@@ -6,10 +6,11 @@ DataLoader pickles whatever a worker yields into a pipe, which the main process 
 - Each worker has a ring of shared memory (`Rings`), mapped by the main process before the workers fork, so that the
   main process, the worker and the worker's decoder child (forked from it) all map the same pages. The child writes an
   image's pixels straight into the free run at the ring's head (`RingWriter.free_run`, pipeline.decode); the worker
-  keeps a view; the main process makes a tensor view of its own mapping. On CUDA the rings are page-locked
-  (`Rings.pinned`), so that a batch's pixels cross to the device from the ring itself (devices.gather_to). A slice is
-  given back once the main process has dropped the image (its batch finished): the worker reuses ring space in order,
-  and where the ring is full it falls back to the path below.
+  keeps a view; the main process makes a tensor view of its own mapping. On CUDA the rings are page-locked once, when
+  the job is built (`Rings.pin`), so that a batch's pixels cross to the device from the ring itself
+  (devices.gather_to). A slice is given back once the main process has dropped the image (its batch finished): the
+  worker reuses ring space in order, and where the ring is full it falls back to the path below. Every pass of the
+  job (its workers fork anew) starts the rings over (`Rings.restart`).
 - Pixels not in a ring (decoded in-process, too large for the free run) are copied into one new shared block per
   chunk (`torch.multiprocessing` hands its file descriptor over).
 - A worker groups its stream into chunks, closed at a batch's patch budget, at `records`, or at a unit's end (so that
@@ -26,7 +27,7 @@ import mmap
 import multiprocessing
 import weakref
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,9 +38,9 @@ from batchvlm.records import DecodedImage, PreparedRecord, UnitEnd
 
 log = logging.getLogger("batchvlm")
 
-RING_BYTES = 256 << 20
-"""Each worker's ring: room for its chunks in flight and the main process's batches (a page-locked 1 GB for four
-workers on CUDA); an image that does not fit the free run takes the copying path."""
+RING_BYTES = 128 << 20
+"""Each worker's ring: room for its chunks in flight and the main process's batches (page-locked on CUDA: 1.9 GB for
+fifteen workers); an image that does not fit the free run takes the copying path."""
 
 
 @dataclass
@@ -107,9 +108,15 @@ class Rings:
     def __init__(self, workers: int, size: int = RING_BYTES):
         self.maps = [mmap.mmap(-1, size) for _ in range(workers)]
         self.released = multiprocessing.RawArray("q", workers)
-        self.ends: list[dict[int, int]] = [{} for _ in range(workers)]  # slice start -> end, not yet released
-        self.holders: list[dict[int, int]] = [{} for _ in range(workers)]  # slice start -> images alive
-        self.freed: list[set[int]] = [set() for _ in range(workers)]
+        self.generation = 0
+        self.restart()
+
+    def restart(self) -> None:
+        """For a pass's new workers: every ring empty (an image of the last pass still alive gives nothing back)."""
+        self.generation += 1
+        self.released[:] = [0] * len(self.maps)
+        self.ends: list[dict[int, int]] = [{} for _ in self.maps]  # slice start -> end, not yet released
+        self.freed: list[set[int]] = [set() for _ in self.maps]
 
     def writer(self, worker: int) -> RingWriter:
         return RingWriter(self.maps[worker], self.released, worker)
@@ -122,16 +129,18 @@ class Rings:
         held = {start for _, _, start, _ in chunk.in_ring}
         for start, _ in chunk.slices:
             if start not in held:
-                self._release(worker, start)
+                self._release(worker, start, self.generation)
 
     def view(self, worker: int, start: int, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
         """The pixels at `offset` of a worker's ring, as a tensor; their slice released once it is dropped."""
         size = int(np.prod(shape))
         pixels = torch.frombuffer(self.maps[worker], dtype=torch.uint8, count=size, offset=offset).view(shape)
-        weakref.finalize(pixels, self._release, worker, start)
+        weakref.finalize(pixels, self._release, worker, start, self.generation)
         return pixels
 
-    def _release(self, worker: int, start: int) -> None:
+    def _release(self, worker: int, start: int, generation: int) -> None:
+        if generation != self.generation:
+            return
         self.freed[worker].add(start)
         released = self.released[worker]
         while released in self.freed[worker]:
@@ -139,9 +148,9 @@ class Rings:
             released = self.ends[worker].pop(released)
         self.released[worker] = released
 
-    @contextmanager
-    def pinned(self, device: torch.device) -> Iterator[None]:
-        """On CUDA the rings page-locked while the workers run, so that pixels cross to the device from them."""
+    def pin(self, device: torch.device) -> None:
+        """On CUDA the rings page-locked (once: it touches every page), so that pixels cross to the device from them;
+        unlocked when the rings are dropped."""
         addresses = []
         try:
             for ring in self.maps if device.type == "cuda" else ():
@@ -150,16 +159,21 @@ class Rings:
                 addresses.append(address)
         except RuntimeError as error:
             log.warning("a worker's ring could not be page-locked (%s): its pixels cross through a staging copy", error)
-        try:
-            yield
-        finally:
-            for address in addresses:
-                torch.cuda.cudart().cudaHostUnregister(address)
+        weakref.finalize(self, unpin, addresses)
 
 
-def pinned(rings: Rings | None, device: torch.device):
-    """`Rings.pinned`, or nothing where the stream runs inline."""
-    return rings.pinned(device) if rings is not None else nullcontext()
+def unpin(addresses: list[int]) -> None:
+    for address in addresses:
+        torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def job_rings(workers: int, device: torch.device) -> Rings | None:
+    """A job's rings (none where its stream runs inline), page-locked on CUDA."""
+    if workers == 0:
+        return None
+    rings = Rings(workers)
+    rings.pin(device)
+    return rings
 
 
 class ChunkedStream(IterableDataset):

@@ -165,18 +165,21 @@ def main_threads(workers: int) -> Iterator[None]:
 
 
 def prepared_units(source: Source, claimed: Iterator[tuple[WorkUnit, Claim]], family, job: JobConfig,
-                   chat: ChatRenderer | None = None) -> tuple[Iterator, QueuedUnits | None, Rings | None]:
+                   chat: ChatRenderer | None = None,
+                   rings: Rings | None = None) -> tuple[Iterator, QueuedUnits | None]:
     """The rank's claimed units prepared in `runtime.num_workers` DataLoader worker processes (0: inline, for
-    debugging; the decoder still forks its child on first use), the queue that feeds the workers, to be started
-    once the caller has nothing more to fork, and the workers' pixel rings. The workers' items cross in chunks
-    (transport.py): each worker keeps two chunks of up to `runtime.prefetch` records ready."""
+    debugging; the decoder still forks its child on first use), and the queue that feeds the workers, to be started
+    once the caller has nothing more to fork. The workers' items cross in chunks (transport.py), their pixels in
+    `rings` (one per worker: transport.job_rings); each worker keeps two chunks of up to `runtime.prefetch` records
+    ready."""
     workers = worker_count(job.runtime.num_workers)
     if workers == 0:
-        return iter(PreparedStream(source, claimed, family, job, chat)), None, None
+        return iter(PreparedStream(source, claimed, family, job, chat)), None
     queued = QueuedUnits(claimed, workers)
-    rings = Rings(workers)
+    if rings is not None:
+        rings.restart()
     stream = ChunkedStream(PreparedStream(source, queued, family, job, chat), job.preprocess.token_budget,
                            job.runtime.prefetch, rings)
     loader = iter(DataLoader(stream, batch_size=None, num_workers=workers, collate_fn=_keep, prefetch_factor=2,
                              persistent_workers=False))  # the workers fork here, before any thread of the pass starts
-    return unchunked(loader, rings), queued, rings
+    return unchunked(loader, rings), queued

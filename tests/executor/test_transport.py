@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 
 import numpy as np
+import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -95,3 +96,22 @@ def test_a_ring_hands_out_its_free_run_in_order_and_takes_back_what_the_main_pro
     writer.taken(place, (60,))
     rings.arrived(Chunk([], worker=0, slices=writer.handed()))  # an image that no record kept (quarantined)
     assert rings.released[0] == 160 and writer.free_run() == (0, 60)  # the longer run again
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bash jobs/gpu_check.sh)")
+def test_on_cuda_a_page_locked_rings_pixels_cross_to_the_device_from_the_ring_itself():
+    from batchvlm.devices import gather_to
+
+    rings = Rings(1, size=1 << 20)
+    writer = rings.writer(0)
+    ring_pixels = writer.taken(writer.free_run(), (10, 10, 3))
+    ring_pixels[:] = 5
+    chunk = Chunk([], worker=0, slices=writer.handed(), in_ring=[(0, 0, 0, (10, 10, 3))])
+    rings.arrived(chunk)
+    view = rings.view(0, 0, 0, (10, 10, 3))
+    out = torch.empty(300 + 4, dtype=torch.uint8, device="cuda")
+    rings.pin(torch.device("cuda"))
+    assert view.is_pinned()
+    gather_to([view, torch.full((4,), 9, dtype=torch.uint8)], out)
+    torch.cuda.synchronize()
+    assert out[:300].eq(5).all() and out[300:].eq(9).all()

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from batchvlm.config import DatasetConfig, DecodeConfig, JobConfig, RuntimeConfig
-from batchvlm.executor.transport import ring_address
+from batchvlm.executor.transport import Rings, ring_address
 from batchvlm.executor.worker import (PreparedStream, QueuedUnits, checked_id, main_threads, prepared_units, rank_cores,
                                      worker_count)
 from batchvlm.records import PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd, UnitStart, WorkUnit
@@ -99,7 +99,8 @@ def test_a_workers_decoded_pixels_reach_the_main_process_in_its_shared_ring_in_o
     claims = Claims(tmp_path / "claims", "rank00000-a", 60)
     block = Block(source.plan()[0].unit_id, tuple(source.plan()))
     claimed = claimed_units(layout, {block.task: block}, [claims.claim_first(block.task)])
-    prepared, queued, rings = prepared_units(source, claimed, kimi_family, job)
+    rings = Rings(1)
+    prepared, queued = prepared_units(source, claimed, kimi_family, job, rings=rings)
     queued.start()
     records = [item for item in prepared if isinstance(item, PreparedRecord)]
     queued.check()
