@@ -10,6 +10,7 @@ warm-up pass, the device synchronized around each pass, the best of `repeats`.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -40,6 +41,9 @@ RELEASED = {
                     patch_size=16, num_patches=256, vision_use_head=True),
 }
 """The vision towers of the released checkpoints (Kimi-K2.5, Qwen2-VL-7B-Instruct, SigLIP2 so400m NaFlex)."""
+RELEASED_PROCESSOR = {"qwen2_vl": {"max_pixels": 12845056}}
+"""Processor parameters of the released checkpoints where the tiny ones' differ (Qwen2-VL-7B's pixel budget; the tiny
+Kimi and SigLIP2 checkpoints keep their released families' own)."""
 
 
 def released_encoder(family, device: torch.device, dtype: torch.dtype, attention: str) -> torch.nn.Module:
@@ -106,7 +110,8 @@ def bench_tower(config) -> dict:
     """`config`: bench.BenchConfig (records, tower, model, dtype, device, repeats, peak_tflops)."""
     device, dtype = bench_device(config.device), EMBED_DTYPES[config.dtype]
     if config.tower == "released":
-        family = load_family(config.model)
+        processor = {**RELEASED_PROCESSOR.get(config.model.family, {}), **config.model.processor}
+        family = load_family(dataclasses.replace(config.model, processor=processor))
         attention = resolve_attention(config.model.attn_implementation, device, dtype)
         encoder = released_encoder(family, device, dtype, attention)
     else:
