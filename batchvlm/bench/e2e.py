@@ -37,6 +37,7 @@ import torch
 
 from batchvlm.bench.decoding import REAL_SIZES, decode_both_ways, jpeg_of, photos, timed
 from batchvlm.bench.host import without_device_work
+from batchvlm.bench.tasks import bench_device
 from batchvlm.bench.tower import tower_model
 from batchvlm.config import (DatasetConfig, DecodeConfig, JobConfig, ModelConfig, OutputConfig, RuntimeConfig,
                              TextConfig)
@@ -149,14 +150,44 @@ def syncs_of(parts: Parts) -> dict:
     return {"batches": syncs.batches, "waits": syncs.waits, "implicit": syncs.implicit, "per_batch": syncs.per_batch}
 
 
+def bench_inputs(config, out: Path) -> tuple[list[bytes], Path, ModelConfig, int]:
+    """The bench's JPEGs, their dataset in `out`, its checkpoint, and its records per work unit (two units a worker)."""
+    images = photo_jpegs(config.records)
+    return (images, write_dataset(out, images), tower_model(config, embedding="auto"),
+            math.ceil(config.records / (2 * config.job_workers)))
+
+
+def bench_host(config) -> dict:
+    """`python jobs/bench.py task=host`: the e2e bench's host ceiling alone (no tower run), `job_workers` workers,
+    the decode stage and the job each the best of `repeats`."""
+    out = Path(tempfile.mkdtemp(prefix="batchvlm-host-"))
+    try:
+        images, path, model, units = bench_inputs(config, out)
+        device = bench_device(config.device)
+        host_ceiling(path, out / "warm-up", model, units, config.job_workers, 1.0)
+        decode = max(decode_both_ways(device, DecodeConfig(), images, [len(images)])["safe_images_per_s"]
+                     for _ in range(config.repeats))
+        runs = [host_ceiling(path, out / f"run-{k}", model, units, config.job_workers, decode)
+                for k in range(config.repeats)]
+        return {**max(runs, key=lambda run: run["ratio"]), "records": config.records, "repeats": config.repeats,
+                "device": str(device), "all": [run["job_images_per_s"] for run in runs]}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def format_host(result: dict) -> str:
+    return (f"host ceiling: {result['records']} real photos, {result['workers']} workers, zero-cost tower and "
+            f"preprocessing on {result['device']}, best of {result['repeats']} "
+            f"({', '.join(f'{rate:.1f}' for rate in result['all'])} images/s)\n"
+            f"job {result['job_images_per_s']:.1f} images/s vs decode stage {result['decode_images_per_s']:.1f} x "
+            f"{result['workers']} workers: {result['ratio']:.2f}x")
+
+
 def bench_e2e(config) -> dict:
     """`config`: bench.BenchConfig (records, tower, dtype, job_workers, device, stages)."""
     out = Path(tempfile.mkdtemp(prefix="batchvlm-e2e-"))
     try:
-        images = photo_jpegs(config.records)
-        path = write_dataset(out, images)
-        model = tower_model(config, embedding="auto")
-        units = math.ceil(config.records / (2 * config.job_workers))
+        images, path, model, units = bench_inputs(config, out)
 
         def run(name: str, **settings) -> tuple[Parts, float]:
             return run_whole(job_config(path, out, model, units, config.job_workers, name, **settings), out)
