@@ -174,7 +174,9 @@ class ModelConfig:
     """Compute dtype of the tower: float32 | bfloat16 | float16 (flash_attention_2 needs one of the last two)."""
     device: str = "auto"
     """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "auto"
+    """auto (varlen on CUDA in bfloat16/float16 where torch has it, sdpa otherwise) | varlen (one call per layer over
+    the packed batch, torch's varlen flash attention) | sdpa | eager | flash_attention_2 (the flash_attn package)."""
     embedding: str = "auto"
     """Which output is stored as image_embeds: auto (the projector's LLM-ready tokens where the checkpoint has a
     projector, the tower's tokens otherwise) | projector | tower | both (projector tokens, plus the tower's in
@@ -195,7 +197,8 @@ class ModelConfig:
         one_of("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         one_of("model.embedding", self.embedding, ("auto", "projector", "tower", "both"))
         one_of("model.framing", self.framing, ("k3", "plain"))
-        one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", FLASH_ATTENTION))
+        one_of("model.attn_implementation", self.attn_implementation, ("auto", "varlen", "sdpa", "eager",
+                                                                        FLASH_ATTENTION))
         if self.attn_implementation == FLASH_ATTENTION and self.dtype == "float32":
             raise ConfigError(f"model.attn_implementation={FLASH_ATTENTION} runs in float16 or bfloat16 only, and "
                               "model.dtype=float32: set model.dtype=bfloat16 (or float16), or "
@@ -237,8 +240,8 @@ class DecodeConfig:
 @dataclass
 class PreprocessConfig:
     backend: str = "auto"
-    """auto (triton on CUDA, torch otherwise) | triton (kernels/, fused, GPU) | torch (batchvlm's own ops, CPU or
-    GPU) | reference (the family's Hugging Face processor)."""
+    """auto (torch: measured faster than triton on an H200 for every family) | triton (kernels/, fused, GPU) | torch
+    (batchvlm's own ops, CPU or GPU) | reference (the family's Hugging Face processor)."""
     token_budget: int = 16384
     """Patches per packed batch; an image larger than the budget is encoded alone."""
     max_images_per_batch: int = 256
@@ -302,10 +305,11 @@ class ChecksConfig:
 
 @dataclass
 class RuntimeConfig:
-    num_workers: int = 2
-    """DataLoader worker processes for decode/plan/layout; 0 runs every stage inline (debugging)."""
+    num_workers: int | None = None
+    """DataLoader worker processes for decode/plan/layout; null: one per core of the rank (the node's cores shared by
+    its ranks) but the main process's; 0 runs every stage inline (debugging)."""
     prefetch: int = 8
-    """Records each worker keeps ready (bounds the worker-to-device queue)."""
+    """Records a worker sends in one crossing at most, two crossings ready (bounds the worker-to-device queue)."""
     writer_queue: int = 16
     """Batches waiting for the writer thread (bounds the device-to-sink queue)."""
     progress: bool = True
@@ -327,7 +331,7 @@ class RuntimeConfig:
     plan would give a rank of the launch that plans it under 8 blocks. Recorded in the plan."""
 
     def __post_init__(self) -> None:
-        if self.num_workers < 0:
+        if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError("runtime.num_workers must be >= 0")
         positive("runtime.prefetch", self.prefetch)
         positive("runtime.writer_queue", self.writer_queue)

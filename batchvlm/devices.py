@@ -27,21 +27,36 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def gather_to(parts: list[torch.Tensor], out: torch.Tensor) -> None:
     """`parts` (each flattened; on the host, or already on `out`'s device) written one after another into `out`.
 
-    On CUDA the host parts are gathered straight into one pinned block, the only host copy, and cross in one
-    asynchronous copy. The block is PyTorch's caching host allocator's: it records the copy's stream and hands the
-    same block out again once the copy has run, so batch after batch reuses one staging buffer without a wait."""
+    Parts already on `out`'s device (all of them in a CPU job; the JPEGs nvJPEG decoded, on CUDA) are copied there, and
+    so are page-locked host parts (a worker's ring, executor.transport), asynchronously. The other host parts are
+    gathered straight into one host block (`host_block`: pinned where `out` is on CUDA), the only host copy, and
+    cross in one asynchronous copy. The pinned block is PyTorch's caching host allocator's: it records the copy's
+    stream and hands the same block out again once the copy has run, so batch after batch reuses one staging buffer
+    without a wait."""
     flat = [part.reshape(-1) for part in parts]
-    if out.device.type != "cuda":
-        torch.cat(flat, out=out)
+    staged = [part.device != out.device and not (out.is_cuda and part.is_pinned()) for part in flat]
+    if flat and all(staged):
+        out.copy_(host_block(flat, pinned=out.is_cuda), non_blocking=True)
         return
-    host = [part for part in flat if not part.is_cuda]
-    block = torch.empty(sum(part.numel() for part in host), dtype=out.dtype, pin_memory=True)
-    torch.cat(host, out=block)
-    if len(host) == len(flat):
-        out.copy_(block, non_blocking=True)
+    host = [part for part, stage in zip(flat, staged) if stage]
+    moved = iter(host_block(host, pinned=out.is_cuda).to(out.device, non_blocking=True).split(
+        [part.numel() for part in host]) if host else ())
+    pieces = [next(moved) if stage else part for part, stage in zip(flat, staged)]
+    if all(piece.device == out.device for piece in pieces):
+        if pieces:
+            torch.cat(pieces, out=out)
         return
-    moved = iter(block.to(out.device, non_blocking=True).split([part.numel() for part in host]))
-    torch.cat([part if part.is_cuda else next(moved) for part in flat], out=out)
+    for piece, place in zip(pieces, out.split([piece.numel() for piece in pieces])):
+        place.copy_(piece, non_blocking=True)
+
+
+def host_block(parts: list[torch.Tensor], pinned: bool = False) -> torch.Tensor:
+    """Host tensors (flattened) one after another in one new host block, page-locked where `pinned`."""
+    block = torch.empty(sum(part.numel() for part in parts), dtype=parts[0].dtype if parts else torch.uint8,
+                        pin_memory=pinned)
+    if parts:
+        torch.cat([part.reshape(-1) for part in parts], out=block)
+    return block
 
 
 def images_on(pixels: list, device: torch.device) -> list[torch.Tensor]:

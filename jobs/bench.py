@@ -1,4 +1,4 @@
-"""`python jobs/bench.py task=preprocess|scale|loader|e2e|tower|jpeg|claims`: measurements side by side in one run
+"""`python jobs/bench.py task=preprocess|scale|loader|e2e|host|tower|jpeg|claims`: measurements side by side in one run
 (batchvlm/bench/): triton vs torch vs the family's HF processor; start-up and memory as the dataset grows; the training
 loader vs a bare pyarrow scan of the same shards, and packing efficiency; the job vs its tower; the tower's achieved
 TFLOP/s; the batched JPEG decode vs the safe path; the metadata operations of claiming per unit as the ranks grow.
@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from batchvlm.bench.tasks import BenchConfig, bench_loader, bench_preprocess, format_loader, format_preprocess
 from batchvlm.bench.decoding import bench_jpeg, format_jpeg
-from batchvlm.bench.e2e import bench_e2e, format_e2e
+from batchvlm.bench.e2e import bench_e2e, bench_host, format_e2e, format_host
 from batchvlm.bench.metadata import bench_claims, format_claims
 from batchvlm.bench.scale import bench_scale, format_scale
 from batchvlm.bench.tower import bench_tower, format_tower
@@ -28,7 +28,8 @@ ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
 def main(cfg: DictConfig) -> None:
     transformers.utils.logging.disable_progress_bar()
     tasks = {"preprocess": (bench_preprocess, format_preprocess), "loader": (bench_loader, format_loader),
-             "scale": (bench_scale, format_scale), "e2e": (bench_e2e, format_e2e), "tower": (bench_tower, format_tower),
+             "scale": (bench_scale, format_scale), "e2e": (bench_e2e, format_e2e), "host": (bench_host, format_host),
+             "tower": (bench_tower, format_tower),
              "jpeg": (bench_jpeg, format_jpeg), "claims": (bench_claims, format_claims)}
     with exit_on_config_error():
         config = OmegaConf.to_object(cfg)

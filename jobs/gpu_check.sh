@@ -7,13 +7,16 @@
 #                                           checked, tasks imported, tests collected), nothing run on a GPU
 #   bash jobs/gpu_check.sh                  there (the device tool's run, with carry [".whl"])
 #
-# Steps: the carried wheels installed (--no-deps) and batchvlm itself without its dependencies; versions and
-# nvidia-smi; the kernel tests compiled for the GPU; preprocessing of all three families against their HF processors
-# (speed and largest pixel difference); a bf16 base-size tower's images/s and achieved TFLOP/s; the job's images/s
-# against its tower's on the same batches, overlap on and off, with its syncs per batch; nvJPEG against
-# libjpeg-turbo on baseline, progressive, gray, 4:4:4 and EXIF-rotated JPEGs; the CUDA tests of the device loop.
-# Each step runs under its own timeout; a failing step is reported and the next one runs; the summary at the end
-# lists every step, and the script exits 1 if any failed.
+# Steps, the most valuable first: the carried wheels installed (--no-deps) and batchvlm itself without its
+# dependencies; versions and nvidia-smi; the job against its tower, overlap on and off, decode.jpeg=device (and how far
+# its embeddings are), the host ceiling (the job with a zero-cost device stage against the decode stage times the
+# workers) and the syncs per batch, for the base tower at 8 and at 14 workers and the tiny tower at 8; the tower's
+# model FLOPs utilization per family at its released size; preprocessing of all three families, triton vs torch vs
+# their HF processors; nvJPEG against libjpeg-turbo on baseline, progressive, gray, 4:4:4 and EXIF-rotated JPEGs; the
+# CUDA tests (the device loop, the rings, varlen attention, the kernels compiled). Each step runs under its own
+# timeout, prints its figures as it ends, and a failing step is reported and the next one runs; the timeouts (and
+# their kill-after) add up to under 6 minutes, so that a rerun fits the device tool's 10-minute cap; the summary at
+# the end lists every step, and the script exits 1 if any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -106,27 +109,37 @@ PY
 tests() { "$PYTHON" -m pytest -q -p no:cacheprovider $([[ $MODE == dry ]] && echo --collect-only -q) "$@"; }
 # A bench step: its config checked and its task imported only in a dry run.
 bench() { "$PYTHON" jobs/bench.py "$@" $([[ $MODE == dry ]] && echo dry_run=true); }
+# A bench for each family (its tiny checkpoint's processor and plan), every one run: fails where one failed.
+per_family() {
+    local model status=0
+    for model in kimi_k25_tiny qwen2_vl_tiny siglip2_tiny; do
+        bench "$@" model=$model || status=1
+    done
+    return $status
+}
 
 DEVICE_TESTS="tests/test_devices.py tests/executor/test_overlap.py tests/pipeline/test_jpeg.py"
-DEVICE_TESTS+=" tests/pipeline/test_encode.py tests/executor/test_device.py"
-# name, timeout in seconds, command: the timeouts add up to under the device tool's 600 s per command; the steps
-# are expected to take half of that.
+DEVICE_TESTS+=" tests/pipeline/test_encode.py tests/executor/test_device.py tests/executor/test_transport.py"
+DEVICE_TESTS+=" tests/towers/test_attention.py tests/kernels/test_pack_pixels.py"
+E2E="task=e2e records=128 stages=false"
+# name, timeout in seconds, command: the timeouts, with KILL_AFTER each, add up to under 6 minutes (test_gpu_check.py
+# holds them to it); the steps take about two thirds of them.
+KILL_AFTER=2
 STEPS=(
-    "wheels|45|install"
-    "versions|20|versions"
-    "kernel tests (compiled)|80|tests tests/kernels/test_pack_pixels.py"
-    "preprocess kimi_k25 vs HF|35|bench task=preprocess model=kimi_k25_tiny repeats=3"
-    "preprocess qwen2_vl vs HF|35|bench task=preprocess model=qwen2_vl_tiny repeats=3"
-    "preprocess siglip2 vs HF|35|bench task=preprocess model=siglip2_tiny repeats=3"
-    "bf16 base tower TFLOP/s|50|bench task=tower records=64 repeats=3"
-    "job vs tower, overlap on/off, syncs|110|bench task=e2e records=128 job_workers=8"
-    "nvJPEG vs libjpeg-turbo|35|bench task=jpeg records=32"
-    "CUDA tests of the device loop|150|tests $DEVICE_TESTS"
+    "wheels|20|install"
+    "versions|10|versions"
+    "e2e base tower, 8 workers|60|bench $E2E job_workers=8"
+    "e2e base tower, 14 workers|45|bench $E2E job_workers=14"
+    "e2e tiny tower, 8 workers|40|bench $E2E job_workers=8 tower=tiny"
+    "tower MFU per family|50|per_family task=tower tower=released records=32 repeats=2"
+    "preprocessing per family|45|per_family task=preprocess repeats=2"
+    "nvJPEG vs libjpeg-turbo|20|bench task=jpeg records=16"
+    "CUDA tests|50|tests $DEVICE_TESTS"
 )
 
 unset TRITON_INTERPRET  # compiled kernels, not interpreted
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-export -f pins wheel_of check_wheels install versions tests bench
+export -f pins wheel_of check_wheels install versions tests bench per_family
 export PYTHON WHEELS SITE PINS MODE
 results=()
 failed=0
@@ -136,7 +149,7 @@ for step in "${STEPS[@]}"; do
     echo "== $name (at most ${limit} s): $command"
     begin=$SECONDS
     # the install step sets nothing the others need: PYTHONPATH names the folder before it is filled
-    timeout --kill-after=10 "$limit" bash -c "$command"
+    timeout --kill-after=$KILL_AFTER "$limit" bash -c "$command"
     status=$?
     took=$((SECONDS - begin))
     if (( status == 0 )); then

@@ -11,7 +11,7 @@ from conftest import REPO
 PACKAGE = REPO / "batchvlm"
 ROOMS = {
     # the bottom: typed records, the check catalogue, the config schemas, the Parquet contract
-    "records": 0, "checks": 0, "config": 0, "faults": 0, "devices": 0, "demo": 0, "format": 0,
+    "records": 0, "checks": 0, "config": 0, "faults": 0, "devices": 0, "demo": 0, "format": 0, "towers": 0,
     "families": 1, "kernels": 1,
     "pipeline": 2,
     "rundir": 3,

@@ -31,6 +31,26 @@ def test_parts_are_gathered_one_after_another_into_the_buffer():
     assert out.tolist() == [0, 1, 2, 3, 4, 5, 9, 9, 9, 9]
 
 
+def test_parts_already_on_the_device_are_gathered_there_beside_those_from_the_host():
+    """The branches of a CUDA job's staging, on the meta device: a batch whose every part is on the device (every JPEG
+    decoded by nvJPEG) has no host part to stage; a mixed one stages only its host parts."""
+    meta = torch.device("meta")
+    on_device = [torch.empty(6, dtype=torch.uint8, device=meta), torch.empty((2, 2), dtype=torch.uint8, device=meta)]
+    out = torch.empty(10, dtype=torch.uint8, device=meta)
+    gather_to(on_device, out)
+    gather_to([on_device[0], torch.full((4,), 9, dtype=torch.uint8)], out)
+    gather_to([], torch.empty(0, dtype=torch.uint8, device=meta))
+
+
+@CUDA
+def test_on_cuda_a_batch_whose_parts_are_all_on_the_device_is_gathered():
+    device = torch.device("cuda")
+    out = torch.empty(10, dtype=torch.uint8, device=device)
+    gather_to([torch.arange(6, dtype=torch.uint8, device=device), torch.full((4,), 9, dtype=torch.uint8, device=device)],
+              out)
+    assert out.tolist() == [0, 1, 2, 3, 4, 5, 9, 9, 9, 9]
+
+
 def test_images_keep_their_shapes_on_the_device():
     images = images_on([np.zeros((2, 3, 3), np.uint8), np.ones((1, 4, 4), np.uint8)], torch.device("cpu"))
     assert [tuple(image.shape) for image in images] == [(2, 3, 3), (1, 4, 4)] and int(images[1].sum()) == 16

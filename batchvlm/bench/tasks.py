@@ -2,6 +2,7 @@
 
 task=scale: bench/scale.py (start-up and memory as the dataset grows).
 task=e2e: bench/e2e.py (the job against its tower, the sink against a bare write, stage by stage).
+task=host: bench/e2e.py (the e2e bench's host ceiling alone: the job with a zero-cost device stage, bench/host.py).
 task=tower: bench/tower.py (the tower alone: images/s and achieved TFLOP/s).
 task=jpeg: bench/decoding.py (the batched JPEG decode against the safe path, per kind of JPEG).
 
@@ -69,14 +70,17 @@ class BenchConfig:
     """task=loader: DataLoader workers of the loader (0: in this process, like the scan); task=claims: DataLoader
     workers of each simulated rank (each walked the claims before issue 23)."""
     records: int = 16
-    """task=e2e|tower|jpeg: records (one real photo each, of the common sizes in decoding.REAL_SIZES) run through the
+    """task=e2e|host|tower|jpeg: records (one real photo each, of the common sizes in decoding.REAL_SIZES) run through the
     job and each stage, through the tower, or encoded as each kind of JPEG."""
     tower: str = "base"
     """task=e2e|tower: base (a ViT-B-sized MoonViT, built once) | tiny (the demo tower)."""
     dtype: str = "bfloat16"
     """task=e2e|tower: the tower's dtype (model.dtype), as checkpoints ship: bfloat16 | float16 | float32."""
     job_workers: int = 2
-    """task=e2e: the job's runtime.num_workers; the records are cut into two work units per worker."""
+    """task=e2e|host: the job's runtime.num_workers; the records are cut into two work units per worker."""
+    stages: bool = True
+    """task=e2e: also each stage alone, the text side and the sink against a bare write (false: the job's runs, the
+    tower, the host ceiling and the decode stage only, as the GPU check runs it)."""
     peak_tflops: float = 989.0
     """task=tower: the device's dense bf16 peak that model FLOPs utilization is taken against (the H100/H200 SXM
     datasheet's; an H200 here measured 788 on an 8192-cube matmul)."""
@@ -91,8 +95,8 @@ class BenchConfig:
     rehearsal on a CPU)."""
 
     def __post_init__(self) -> None:
-        one_of("task", self.task, ("preprocess", "scale", "loader", "e2e", "tower", "jpeg", "claims"))
-        one_of("tower", self.tower, ("base", "tiny"))
+        one_of("task", self.task, ("preprocess", "scale", "loader", "e2e", "host", "tower", "jpeg", "claims"))
+        one_of("tower", self.tower, ("base", "tiny", "released"))
         one_of("dtype", self.dtype, ("bfloat16", "float16", "float32"))
         for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens", "records",
                     "job_workers", "peak_tflops", "ranks", "units", "block_units"):

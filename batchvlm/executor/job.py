@@ -31,8 +31,10 @@ from batchvlm.executor.overlap import Streams
 from batchvlm.executor.progress import Progress
 from batchvlm.executor.rows import Assembler, rows
 from batchvlm.executor.tally import JobAborted, QuarantineOverLimit, Tally, check_run_totals
-from batchvlm.executor.worker import prepared_units
+from batchvlm.executor.transport import Rings, job_rings
+from batchvlm.executor.worker import main_threads, prepared_units, worker_count
 from batchvlm.families import Family, load_family, resolve_checkpoint
+from batchvlm.towers.attention import resolve_attention
 from batchvlm.format.schema import EMBED_DTYPES
 from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
@@ -64,9 +66,11 @@ class Terminated(BaseException):
 def resolve_auto(job: JobConfig, device: torch.device) -> JobConfig:
     """The config with its `auto` choices made for the device the job runs on: the fingerprint and config.yaml name
     what runs (the backends' pixels differ by a level, nvJPEG's are not libjpeg-turbo's)."""
+    attention = resolve_attention(job.model.attn_implementation, device, EMBED_DTYPES[job.model.dtype])
     return dataclasses.replace(
         job, preprocess=dataclasses.replace(job.preprocess, backend=resolve_backend(job.preprocess.backend, device)),
-        decode=dataclasses.replace(job.decode, jpeg=resolve_jpeg_decode(job.decode.jpeg, device)))
+        decode=dataclasses.replace(job.decode, jpeg=resolve_jpeg_decode(job.decode.jpeg, device)),
+        model=dataclasses.replace(job.model, attn_implementation=attention))
 
 
 @dataclass
@@ -93,6 +97,7 @@ class Parts:
     requeue: RequeueSource | None
     chat: ChatRenderer | None  # a conversation format's chat template renderer
     draft: Draft | None  # rank 0's
+    rings: Rings | None  # the workers' pixel rings (executor.transport), page-locked once on CUDA
 
 
 def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device) -> Parts:
@@ -117,7 +122,8 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
                    overlap, Streams(device, overlap), _jpeg_decoder(job, device))
     assembler = Assembler(embed_dtype, encoder.hidden_sizes, job.output.quarantine_bytes_cap, run.fingerprint_digest,
                           job.text.trained(job.dataset.format), job.dataset.placeholder)
-    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue, chat, draft)
+    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue, chat, draft,
+                 job_rings(worker_count(job.runtime.num_workers), device))
 
 
 def _jpeg_decoder(job: JobConfig, device: torch.device) -> JpegBatchDecoder | None:
@@ -243,21 +249,22 @@ class Job:
         claimed units to committed shards."""
         runtime, parts = self.job.runtime, self.parts
         # the workers fork before any thread of this pass starts
-        prepared, queued = prepared_units(source, claimed, parts.family, self.job, parts.chat)
+        prepared, queued = prepared_units(source, claimed, parts.family, self.job, parts.chat, parts.rings)
         writer = SinkWriter(sink, runtime.writer_queue)
         batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
         if queued is not None:
             queued.start()
         try:
-            for item in rows(encoded(batches(prepared, batcher), parts.stage), parts.assembler):
-                if not isinstance(item, list):
-                    writer.submit(item)  # a unit opens or closes
-                    shown()  # a block claimed since the last report is reported before its first batch
-                    continue
-                for row in item:
-                    writer.submit(row)
-                self.tally.count(item)
-                shown()
+            with main_threads(worker_count(runtime.num_workers)):
+                for item in rows(encoded(batches(prepared, batcher), parts.stage), parts.assembler):
+                    if not isinstance(item, list):
+                        writer.submit(item)  # a unit opens or closes
+                        shown()  # a block claimed since the last report is reported before its first batch
+                        continue
+                    for row in item:
+                        writer.submit(row)
+                    self.tally.count(item)
+                    shown()
             writer.close()
             if queued is not None:
                 queued.check()

@@ -8,13 +8,17 @@ A worker yields, per unit it is handed, `UnitStart`, each record prepared (or qu
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from batchvlm.checks import CheckFailed, failure
 from batchvlm.config import JobConfig
+from batchvlm.executor.transport import ChunkedStream, Rings, unchunked
 from batchvlm.faults import crash_point
 from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
@@ -137,15 +141,46 @@ def _keep(item):
     return item
 
 
+def rank_cores() -> int:
+    """The cores this rank may use: those the process may run on, shared evenly among the node's ranks (the
+    LOCAL_WORLD_SIZE that accelerate and torchrun set)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def worker_count(configured: int | None) -> int:
+    """runtime.num_workers, or where it is null one per core of the rank but the main process's."""
+    return max(1, rank_cores() - 1) if configured is None else configured
+
+
+@contextmanager
+def main_threads(workers: int) -> Iterator[None]:
+    """The main process's intra-op threads during a pass: the rank's cores its workers leave (at least one). Its
+    parallel ops wait for every thread they start; a thread that a busy worker has taken the core of holds the op for
+    a scheduler quantum, as every small tensor op of the main loop would once each core runs a worker."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, rank_cores() - workers))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def prepared_units(source: Source, claimed: Iterator[tuple[WorkUnit, Claim]], family, job: JobConfig,
-                   chat: ChatRenderer | None = None) -> tuple[Iterator, QueuedUnits | None]:
+                   chat: ChatRenderer | None = None,
+                   rings: Rings | None = None) -> tuple[Iterator, QueuedUnits | None]:
     """The rank's claimed units prepared in `runtime.num_workers` DataLoader worker processes (0: inline, for
     debugging; the decoder still forks its child on first use), and the queue that feeds the workers, to be started
-    once the caller has nothing more to fork."""
-    workers = job.runtime.num_workers
+    once the caller has nothing more to fork. The workers' items cross in chunks (transport.py), their pixels in
+    `rings` (one per worker: transport.job_rings); each worker keeps two chunks of up to `runtime.prefetch` records
+    ready."""
+    workers = worker_count(job.runtime.num_workers)
     if workers == 0:
         return iter(PreparedStream(source, claimed, family, job, chat)), None
     queued = QueuedUnits(claimed, workers)
-    stream = PreparedStream(source, queued, family, job, chat)
-    return iter(DataLoader(stream, batch_size=None, num_workers=workers, collate_fn=_keep,
-                           prefetch_factor=job.runtime.prefetch, persistent_workers=False)), queued
+    if rings is not None:
+        rings.restart()
+    stream = ChunkedStream(PreparedStream(source, queued, family, job, chat), job.preprocess.token_budget,
+                           job.runtime.prefetch, rings)
+    loader = iter(DataLoader(stream, batch_size=None, num_workers=workers, collate_fn=_keep, prefetch_factor=2,
+                             persistent_workers=False))  # the workers fork here, before any thread of the pass starts
+    return unchunked(loader, rings), queued

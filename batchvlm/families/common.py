@@ -17,6 +17,7 @@ from batchvlm.demo import caption_corpus
 from batchvlm.devices import to_device
 from batchvlm.families import resolve_checkpoint
 from batchvlm.families.checkpoint import load_weights
+from batchvlm.towers.attention import VARLEN, loaded_as
 from batchvlm.format.layouts import PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
 
@@ -38,7 +39,8 @@ class PatchFamily:
         self.params = params
         self.tokenizer = tokenizer
         self.embedding = embedding
-        self.attn_implementation = attn_implementation
+        self.attention = attn_implementation  # as configured: towers.attention resolves it for the device
+        self.attn_implementation = loaded_as(attn_implementation)  # what transformers builds the tower with
         self.layout = layout
         self.image_token_id = token_id(tokenizer, image_token, self.name)
 
@@ -205,7 +207,7 @@ def tower_inputs(tower: torch.nn.Module, pixel_values: torch.Tensor, attention: 
 
     Computed from a grid on the device, each of these would cost a sync (.tolist(), .item(), an arange sized by a
     device value), and each sync waits for the tower of the batch before. Checked here, where they are built."""
-    device, flash = tower.device, attention == FLASH_ATTENTION
+    device, flash = tower.device, attention in (FLASH_ATTENTION, VARLEN)
     kwargs = {name: placed(value, device) for name, value in indices.items()}
     for name, cu_seqlens in boundaries.items():
         kwargs[name] = to_device(cu_seqlens, device) if flash else cu_seqlens

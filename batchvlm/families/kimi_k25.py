@@ -21,6 +21,8 @@ from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_relea
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, choose_projector, config_field,
                                       processor_params, published_template, read_config, tiny_tokenizer, token_id,
                                       tokenizer_digest, tower_inputs)
+from batchvlm.towers.attention import resolve_attention, use
+from batchvlm.towers.grids import PerGrid, interpolation_taps, joined
 from batchvlm.format.layouts import RASTER_CHW, PatchLayout
 from batchvlm.records import ImagePlan
 from batchvlm.format.schema import FRAME, IMAGE
@@ -90,7 +92,7 @@ class KimiEncoder(torch.nn.Module):
                  attention: str):
         super().__init__()
         self.tower = tower
-        self.attention = attention
+        self.attention = use(tower, attention)
         self.projector = projector
         self.merge_area = merge_size * merge_size
         self.keep_tower = keep_tower
@@ -99,26 +101,39 @@ class KimiEncoder(torch.nn.Module):
         if keep_tower:
             self.hidden_sizes["tower_embeds"] = tower_size
         self.hidden_size = self.hidden_sizes["image_embeds"]
+        self.per_grid = PerGrid(self.image_inputs)
 
     def inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The tower's inputs for a batch of the host grid `grid_thw`: what MoonViT computes from the grid (rotary
-        positions, the bicubic taps of its position table, frame indices, the 2x2 merge's scatter index), computed
-        here on the host by transformers' own functions (common.tower_inputs)."""
-        from transformers.models.kimi_k25.modeling_kimi_k25 import (get_vision_frame_index,
-                                                                    get_vision_temporal_merge_index)
-        from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights,
-                                               get_vision_position_ids)
+        positions, the bicubic taps of its position table, frame indices, the 2x2 merge's scatter index), each image's
+        part computed once per grid on the host (towers.grids), joined here (common.tower_inputs)."""
+        from transformers.vision_utils import get_vision_cu_seqlens
 
-        table = self.tower.patch_embed.pos_emb
-        taps = get_vision_interpolation_indices_and_weights(grid_thw, table.num_grid_per_side,
-                                                            mode=table.interpolation_mode,
-                                                            align_corners=table.interpolation_align_corners)
-        indices = {"position_ids": get_vision_position_ids(grid_thw, spatial_merge_size=1),
-                   "interp_indices": taps[0], "interp_weights": taps[1],
-                   "frame_index": get_vision_frame_index(grid_thw),
-                   "temporal_merge_index": get_vision_temporal_merge_index(grid_thw, *self.tower.merge_kernel_size)}
+        parts = self.per_grid(grid_thw)
+        kernel = math.prod(self.tower.merge_kernel_size)
+        merged = [part["merged"] for part in parts]
+        offsets = [sum(merged[:i]) * kernel for i in range(len(parts))]
+        destination = torch.cat([part["destination"] + offset for part, offset in zip(parts, offsets)])
+        indices = {name: joined(parts, name) for name in ("position_ids", "interp_indices", "interp_weights",
+                                                          "frame_index")}
+        indices["temporal_merge_index"] = (destination, joined(parts, "frame_weight"), sum(merged))
         return tower_inputs(self.tower, pixel_values, self.attention, indices,
                             {"cu_seqlens": get_vision_cu_seqlens(grid_thw, merge_temporal=True)})
+
+    def image_inputs(self, grid: tuple[int, int, int]) -> dict:
+        """One image's part of `inputs`, by transformers' functions on its grid alone (the taps by grids.py's)."""
+        from transformers.models.kimi_k25.modeling_kimi_k25 import (get_vision_frame_index,
+                                                                    get_vision_temporal_merge_index)
+        from transformers.vision_utils import get_vision_position_ids
+
+        one = torch.tensor([grid])
+        table = self.tower.patch_embed.pos_emb
+        taps, weights = interpolation_taps(grid, table.num_grid_per_side, table.interpolation_mode,
+                                           table.interpolation_align_corners)
+        destination, frame_weight, merged = get_vision_temporal_merge_index(one, *self.tower.merge_kernel_size)
+        return {"position_ids": get_vision_position_ids(one, spatial_merge_size=1), "interp_indices": taps,
+                "interp_weights": weights, "frame_index": get_vision_frame_index(one), "destination": destination,
+                "frame_weight": frame_weight, "merged": merged}
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, list[torch.Tensor]]:
@@ -183,7 +198,7 @@ class KimiK25(PatchFamily):
         parts, checked = self.load_parts(vision_parts, device, dtype)
         projector = choose_projector(self.embedding, parts.get(PROJECTOR))
         encoder = KimiEncoder(parts[TOWER], projector, self.params.merge_size, self.embedding == "both",
-                              self.attn_implementation).to(device).eval()
+                              resolve_attention(self.attention, device, dtype)).to(device).eval()
         encoder.checked = checked
         return encoder
 

@@ -26,6 +26,8 @@ from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_relea
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, config_field, processor_params,
                                       published_template, read_config, tiny_tokenizer, token_id, tokenizer_digest,
                                       tower_inputs)
+from batchvlm.towers.attention import resolve_attention, use
+from batchvlm.towers.grids import PerGrid, interpolation_taps, joined, patches_of
 from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
 from batchvlm.format.schema import FRAME, IMAGE
@@ -141,7 +143,7 @@ class QwenEncoder(torch.nn.Module):
         self.tower = tower
         self.embedding = embedding
         self.version = version
-        self.attention = attention
+        self.attention = use(tower, attention)
         self.merge_area = merge_size * merge_size
         merged = [m for m in tower.merger.modules() if isinstance(m, torch.nn.Linear)][-1].out_features
         tower_size = tower.patch_embed.proj.out_channels * self.merge_area
@@ -152,25 +154,42 @@ class QwenEncoder(torch.nn.Module):
         if self.deepstack_layers:
             self.hidden_sizes["deepstack_embeds"] = merged * self.deepstack_layers
         self.hidden_size = self.hidden_sizes["image_embeds"]
+        self.per_grid = PerGrid(self.image_inputs)
 
     def inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The tower's inputs for a batch of the host grid `grid_thw` (common.tower_inputs): the rotary positions in
         merge-window order; Qwen2.5-VL's window order and window boundaries; Qwen3-VL's bilinear taps of its
-        position table. Computed here on the host by transformers' own functions."""
-        from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights,
-                                               get_vision_position_ids, get_vision_window_index)
+        position table. Each image's part computed once per grid on the host (towers.grids), joined here."""
+        from transformers.vision_utils import get_vision_cu_seqlens
 
-        tower = self.tower
-        indices = {"position_ids": get_vision_position_ids(grid_thw, tower.spatial_merge_size)}
+        parts = self.per_grid(grid_thw)
+        indices = {name: joined(parts, name) for name in parts[0] if name in ("position_ids", "interp_indices",
+                                                                              "interp_weights")}
         boundaries = {"cu_seqlens": get_vision_cu_seqlens(grid_thw)}
         if self.version == "qwen2_5_vl":
-            indices["window_index"], boundaries["cu_window_seqlens"] = get_vision_window_index(
-                grid_thw, tower.spatial_merge_size, tower.window_size, tower.patch_size)
+            merged = [patches_of(grid) // self.merge_area for grid in map(tuple, grid_thw.tolist())]
+            offsets = [sum(merged[:i]) for i in range(len(parts))]
+            indices["window_index"] = torch.cat([part["window_index"] + offset
+                                                 for part, offset in zip(parts, offsets)])
+            boundaries["cu_window_seqlens"] = torch.cat(
+                [torch.zeros(1, dtype=torch.int32)] + [part["cu_window_seqlens"][1:] + offset * self.merge_area
+                                                       for part, offset in zip(parts, offsets)])
+        return tower_inputs(self.tower, pixel_values, self.attention, indices, boundaries)
+
+    def image_inputs(self, grid: tuple[int, int, int]) -> dict:
+        """One image's part of `inputs`, by transformers' functions on its grid alone (the taps by towers.grids)."""
+        from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
+
+        tower, one = self.tower, torch.tensor([grid])
+        parts = {"position_ids": get_vision_position_ids(one, tower.spatial_merge_size)}
+        if self.version == "qwen2_5_vl":
+            parts["window_index"], parts["cu_window_seqlens"] = get_vision_window_index(
+                one, tower.spatial_merge_size, tower.window_size, tower.patch_size)
         if self.version == "qwen3_vl":
-            indices["interp_indices"], indices["interp_weights"] = get_vision_interpolation_indices_and_weights(
-                grid_thw, tower.num_grid_per_side, mode=tower.interpolation_mode,
-                align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size)
-        return tower_inputs(tower, pixel_values, self.attention, indices, boundaries)
+            parts["interp_indices"], parts["interp_weights"] = interpolation_taps(
+                grid, tower.num_grid_per_side, tower.interpolation_mode, tower.interpolation_align_corners,
+                tower.config.spatial_merge_size)
+        return parts
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, list[torch.Tensor]]:
@@ -232,7 +251,7 @@ class Qwen2VL(PatchFamily):
         embedding = "projector" if self.embedding == "auto" else self.embedding  # the merger is the projector
         parts, checked = self.load_parts(vision_parts, device, dtype)
         encoder = QwenEncoder(parts[TOWER], embedding, self.params.merge_size, self.version,
-                              self.attn_implementation).to(device).eval()
+                              resolve_attention(self.attention, device, dtype)).to(device).eval()
         encoder.checked = checked
         return encoder
 

@@ -26,6 +26,7 @@ from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_relea
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, processor_inputs,
                                       processor_params, read_config, token_id, tokenizer_digest,
                                       tower_inputs)
+from batchvlm.towers.attention import VARLEN, resolve_attention, varlen
 from batchvlm.format.layouts import RASTER_HWC, PatchLayout
 from batchvlm.records import ImagePlan
 from batchvlm.format.schema import FRAME, IMAGE
@@ -112,6 +113,9 @@ def packed_attention(module, query, key, value, attention_mask: PackedImages, sc
     images = attention_mask
     if images.attention == "flash_attention_2":
         return _flash_varlen(query, key, value, images, scaling), None
+    if images.attention == VARLEN:
+        tokens_first = [t[0].transpose(0, 1) for t in (query, key, value)]
+        return varlen(*tokens_first, images.cu_seqlens, max(images.lengths), scaling)[None], None
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(images.attention, eager_attention_forward)
     outputs = []
     for start, count, length in images.runs():
@@ -136,14 +140,14 @@ class SiglipEncoder(torch.nn.Module):
     attending only to itself with its own resized positional table. The whole batch runs through the
     encoder in one call; only attention sees the image boundaries (`packed_attention`)."""
 
-    def __init__(self, tower: torch.nn.Module):
+    def __init__(self, tower: torch.nn.Module, attention: str | None = None):
         from transformers import AttentionInterface
 
         super().__init__()
         # Siglip2Attention hands its attention function nothing but the mask from the encoder's caller (no
         # cu_seqlens), so the image boundaries ride in the mask argument, under an implementation of our own.
         AttentionInterface.register(PACKED_ATTENTION, packed_attention)
-        self.attention = tower.config._attn_implementation
+        self.attention = VARLEN if attention == "varlen" else tower.config._attn_implementation
         tower.config._attn_implementation = PACKED_ATTENTION
         self.tower = tower
         size = tower.config.hidden_size
@@ -240,7 +244,7 @@ class Siglip2(PatchFamily):
             raise ConfigError(f"{self.checkpoint}: the tower's patch_size={vision_config.patch_size} but the processor's "
                               f"is {self.params.patch_size}")
         parts, checked = self.load_parts(vision_parts, device, dtype)
-        encoder = SiglipEncoder(parts[TOWER]).to(device).eval()
+        encoder = SiglipEncoder(parts[TOWER], resolve_attention(self.attention, device, dtype)).to(device).eval()
         encoder.checked = checked
         return encoder
 

@@ -11,7 +11,8 @@
 - The whole image loads inside the same guard as the open, so truncation surfaces here.
 - Animated files (GIF, APNG, WebP, MPO): the first frame only, always; later frames are never read.
 - With `decode.isolation=process` each image decodes in a forked child process with a time limit,
-  so a segfault or a hang in a C decoder costs that record (decode.crashed / decode.timeout).
+  so a segfault or a hang in a C decoder costs that record (decode.crashed / decode.timeout). Its pixels come back
+  through shared memory (the arena), not through the pipe: pickled, a 1080p image is 6 MB copied four times.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import faulthandler
 import functools
 import hashlib
 import io
+import math
+import mmap
 import os
 import posixpath
 import signal
@@ -151,7 +154,9 @@ def sniff_format(data: bytes) -> str | None:
     return None
 
 
-def decode_image(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> DecodedImage:
+def decode_image(data: bytes, cfg: DecodeConfig, image_index: int = 0, writable: bool = True) -> DecodedImage:
+    """The image's upright RGB or RGBA pixels, or a decode.* failure. Not `writable`, the pixels are a read-only view of
+    the one copy Pillow makes of them (the isolated child writes them to shared memory from there)."""
     def fail(check: str, message: str, expected: object, observed: object) -> CheckFailed:
         return CheckFailed(check, message, expected=expected, observed=observed, image_index=image_index)
 
@@ -167,7 +172,8 @@ def decode_image(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> Decode
             width, height = image.size
             _within_pixels(width, height, cfg, image_index)
             image.load()  # frame 0: the frame policy is "first frame only"
-            pixels = to_rgb_or_rgba(ImageOps.exif_transpose(image))
+            ImageOps.exif_transpose(image, in_place=True)  # a copy of every upright image, otherwise
+            pixels = to_rgb_or_rgba(image, writable)
         except CheckFailed:
             raise
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
@@ -206,12 +212,13 @@ def upright_size(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> tuple[
     return (width, height) if turned else (height, width)
 
 
-def decode_or_defer(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> DecodedImage | EncodedJpeg:
+def decode_or_defer(data: bytes, cfg: DecodeConfig, image_index: int = 0,
+                    writable: bool = True) -> DecodedImage | EncodedJpeg:
     """The safe path; with decode.jpeg=device, a JPEG the batched decoder reads alike is only header-checked here
     and left for the main process (jpeg.py)."""
     if cfg.jpeg == "device" and (jpeg := deferred(data, cfg)) is not None:
         return jpeg
-    return decode_image(data, cfg, image_index)
+    return decode_image(data, cfg, image_index, writable)
 
 
 def _open_allowed(data: bytes, cfg: DecodeConfig, image_index: int) -> Image.Image:
@@ -227,14 +234,16 @@ def _open_allowed(data: bytes, cfg: DecodeConfig, image_index: int) -> Image.Ima
                       expected=", ".join(cfg.formats), observed=sniffed, image_index=image_index)
 
 
-def to_rgb_or_rgba(image: Image.Image) -> np.ndarray:
-    """HWC uint8: RGBA where the image carries transparency, RGB otherwise. Deep images are scaled, not clipped."""
+def to_rgb_or_rgba(image: Image.Image, writable: bool = True) -> np.ndarray:
+    """HWC uint8: RGBA where the image carries transparency, RGB otherwise. Deep images are scaled, not clipped.
+    An image already in that mode is not converted (a copy); not `writable`, the array is read-only."""
     if image.mode.startswith("I") or image.mode == "F":
         gray = _scale_to_uint8(np.asarray(image), image.mode)
         return np.repeat(gray[..., None], 3, axis=2)
     has_alpha = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info
-    converted = image.convert("RGBA" if has_alpha else "RGB")
-    return np.asarray(converted, dtype=np.uint8).copy()
+    mode = "RGBA" if has_alpha else "RGB"
+    pixels = np.asarray(image if image.mode == mode else image.convert(mode), dtype=np.uint8)
+    return pixels.copy() if writable else pixels
 
 
 def _scale_to_uint8(values: np.ndarray, mode: str) -> np.ndarray:
@@ -251,11 +260,16 @@ def _scale_to_uint8(values: np.ndarray, mode: str) -> np.ndarray:
 
 
 # -- isolation ---------------------------------------------------------------------------------
-def _serve(conn: Connection, cfg: DecodeConfig) -> None:
+ARENA_LIMIT = 1 << 30
+"""Bytes of the shared block a decoder's child writes pixels into, at most (decode.max_pixels RGBA below it); an
+image over it (max_pixels raised past 268 M) comes back through the pipe."""
+
+
+def _serve(conn: Connection, cfg: DecodeConfig, arena: mmap.mmap, ring: mmap.mmap | None) -> None:
     faulthandler.disable()  # a decoder crash is reported by the parent as decode.crashed, not dumped here
     while True:
         try:
-            ref, image_index = conn.recv()
+            ref, image_index, place = conn.recv()
         except EOFError:
             return
         try:
@@ -269,22 +283,44 @@ def _serve(conn: Connection, cfg: DecodeConfig) -> None:
         if (target := fault("decode.hang")) and digest.startswith(target):
             signal.pause()
         try:
-            conn.send(("ok", decode_or_defer(data, cfg, image_index)))
+            conn.send(_written(decode_or_defer(data, cfg, image_index, writable=False), arena, ring, place))
         except CheckFailed as failure:
             conn.send(("failed", failure))
+
+
+def _written(result: DecodedImage | EncodedJpeg, arena: mmap.mmap, ring: mmap.mmap | None,
+             place: tuple[int, int]) -> tuple[str, object]:
+    """The child's answer: decoded pixels written where they fit, the free run `place` (offset, bytes) of the
+    worker's ring or else the arena, and only their shape and labels sent."""
+    if not isinstance(result, DecodedImage):
+        return "ok", result
+    offset, room = place
+    size, labels = result.pixels.nbytes, (result.pixels.shape, result.format, result.sha256)
+    if ring is not None and size <= room:
+        np.frombuffer(ring, np.uint8, size, offset)[:] = result.pixels.reshape(-1)
+        return "ring", labels
+    if size <= len(arena):
+        np.frombuffer(arena, np.uint8, size)[:] = result.pixels.reshape(-1)
+        return "shared", labels
+    return "ok", result
 
 
 class Decoder:
     """Decodes images in a forked child process (restarted after a crash or a hang) or in-process.
 
     `os.fork` rather than multiprocessing: DataLoader workers are daemonic, and daemonic
-    processes may not start multiprocessing children.
+    processes may not start multiprocessing children. The arena, a shared anonymous mapping made before the first
+    fork, is the child's and this process's both: the child writes an image's pixels there, and this process copies
+    them out before it asks for the next image. In a DataLoader worker the pixels go to the worker's ring instead
+    (`ring`, executor.transport.RingWriter), which the main process maps too: no copy anywhere.
     """
 
     def __init__(self, cfg: DecodeConfig):
         self.cfg = cfg
         self.pid: int | None = None
         self.conn: Connection | None = None
+        self.arena: mmap.mmap | None = None
+        self.ring = None  # a worker's RingWriter, set before the first image
 
     def __call__(self, ref: ImageRef, image_index: int) -> DecodedImage | EncodedJpeg:
         if self.cfg.isolation == "none":
@@ -293,7 +329,8 @@ class Decoder:
             ref = ImageRef(data=read_bytes(ref, self.cfg, image_index))
         if self.pid is None:
             self._start()
-        self.conn.send((ref, image_index))
+        place = self.ring.free_run() if self.ring is not None else (0, 0)
+        self.conn.send((ref, image_index, place))
         if not self.conn.poll(self.cfg.timeout_s):
             self._stop()
             raise CheckFailed("decode.timeout", f"decoding took longer than decode.timeout_s={self.cfg.timeout_s}",
@@ -308,15 +345,22 @@ class Decoder:
                               image_index=image_index) from None
         if status == "failed":
             raise value
+        if status in ("ring", "shared"):
+            shape, image_format, digest = value
+            pixels = (self.ring.taken(place, shape) if status == "ring"
+                      else np.frombuffer(self.arena, np.uint8, math.prod(shape)).reshape(shape).copy())
+            return DecodedImage(pixels=pixels, format=image_format, sha256=digest)
         return value
 
     def _start(self) -> None:
+        if self.arena is None:
+            self.arena = mmap.mmap(-1, min(4 * self.cfg.max_pixels, ARENA_LIMIT))
         parent, child = Pipe()
         pid = os.fork()
         if pid == 0:  # the child: serve until the parent closes the pipe
             parent.close()
             try:
-                _serve(child, self.cfg)
+                _serve(child, self.cfg, self.arena, None if self.ring is None else self.ring.map)
             finally:
                 os._exit(0)
         child.close()
@@ -335,8 +379,8 @@ class Decoder:
         if self.pid is not None:
             self._stop()
 
-    def __getstate__(self):  # a copy sent to a DataLoader worker starts its own child
-        return {"cfg": self.cfg, "pid": None, "conn": None}
+    def __getstate__(self):  # a copy sent to a DataLoader worker starts its own child, with its own arena
+        return {"cfg": self.cfg, "pid": None, "conn": None, "arena": None, "ring": None}
 
 
 def _describe(status: int) -> str:

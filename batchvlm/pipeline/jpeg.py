@@ -7,8 +7,12 @@ decoder gives the safe path's pixels; the main process decodes the JPEGs of a pa
 before preprocessing (`JpegBatchDecoder`). Everything else, and every image of a batched call that raises or comes
 back in another shape, decodes on the safe path (decode.py), whose checks decide quarantine as they always have.
 
-Equal pixels: both libraries run libjpeg's default (islow DCT, fancy upsampling), and grayscale becomes RGB by
-repeating the channel in both. Measured over the demo's JPEGs and the Pillow corpus's: identical, 0 levels.
+The reference pixels are the safe path's (Pillow's libjpeg-turbo: islow DCT, fancy upsampling), the decoder the
+families' HF processors and the training stacks read images with. On the CPU torchvision runs the same libjpeg-turbo
+defaults: identical, 0 levels, over the demo's JPEGs and the Pillow corpus's. nvJPEG upsamples 4:2:0 chroma its own
+way: up to 52-55 levels on a fifth of the values of such photos (0 on gray and 4:4:4; measured on an H200), so
+`decode.jpeg=device` is a choice the run's fingerprint records (`decoder_of`), and the e2e bench reports how far its
+embeddings are from the reference's.
 """
 
 from __future__ import annotations
@@ -53,6 +57,18 @@ def resolve_jpeg_decode(jpeg: str, device: torch.device) -> str:
     if jpeg == "auto":
         return "device" if device.type == "cuda" else "safe"
     return jpeg
+
+
+def decoder_of(jpeg: str, device: torch.device) -> str:
+    """What decodes a run's JPEGs (decode.jpeg resolved), with its version: the run's fingerprint holds it."""
+    if jpeg != "device":
+        import PIL
+
+        return f"pillow {PIL.__version__} (libjpeg-turbo), the reference"
+    import torchvision
+
+    library = f"nvjpeg (CUDA {torch.version.cuda})" if device.type == "cuda" else "libjpeg-turbo"
+    return f"torchvision {torchvision.__version__}, {library}"
 
 
 def frame_marker(data: bytes) -> int | None:

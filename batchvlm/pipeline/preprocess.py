@@ -2,7 +2,9 @@
 
 Backends (`preprocess.backend`): `triton` (kernels/pack_pixels.py: the whole batch in two launches),
 `torch` (kernels/reference.py in torch ops, on the job's device) and `reference` (the family's
-Hugging Face image processor, the oracle); `auto` is triton on CUDA, torch otherwise.
+Hugging Face image processor, the oracle); `auto` is torch, the faster of the two on an H200 for every family
+(`python jobs/bench.py task=preprocess`: triton/torch 0.93x Kimi, 0.51x Qwen2-VL, 0.74x SigLIP2), and the only one
+elsewhere. The resolved backend is in the run's fingerprint: the two differ by up to a level.
 
 Every image is checked against its plan whichever backend ran, and a deterministic sample of
 images is compared with the HF processor (parity). An image that fails is redone on the CPU path
@@ -30,9 +32,10 @@ log = logging.getLogger("batchvlm")
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """`auto`: the Triton kernels on CUDA, torch ops elsewhere (Triton runs on CPU only interpreted)."""
+    """`auto`: torch ops, the faster on a GPU for every family as measured (the module's notes), and the only choice
+    on the CPU (Triton runs there only interpreted)."""
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return "torch"
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError(f"preprocess.backend=triton needs a CUDA device, and the job runs on {device} "
                           "(model.device); use preprocess.backend=auto or torch, or TRITON_INTERPRET=1 to debug")
@@ -71,7 +74,7 @@ def pixels_on(image: DecodedImage, device: torch.device) -> torch.Tensor:
     return to_device(pixels, device)
 
 
-def _images_and_plans(records: list[PreparedRecord]) -> tuple[list[DecodedImage], list[ImagePlan]]:
+def images_and_plans(records: list[PreparedRecord]) -> tuple[list[DecodedImage], list[ImagePlan]]:
     return ([image for record in records for image in record.images],
             [plan for record in records for plan in record.plans])
 
@@ -140,7 +143,7 @@ class TorchPreprocessor:
         return self.normalized_rows(canvas), self.family.grid_of(canvas)
 
     def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
-        images, plans = _images_and_plans(records)
+        images, plans = images_and_plans(records)
         rows, grids = [], []
         for image, pixels, plan in zip(images, images_on([image.pixels for image in images], self.device), plans):
             image_rows, grid = self.rows_of(pixels, backend_plan(image, plan, self.family.layout))
@@ -163,7 +166,7 @@ class TritonPreprocessor:
         self.scale, self.bias = normalization(family, device)
 
     def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
-        images, plans = _images_and_plans(records)
+        images, plans = images_and_plans(records)
         plans = [backend_plan(image, plan, self.family.layout) for image, plan in zip(images, plans)]
         packed, counts = self.pack_images([torch.as_tensor(image.pixels) for image in images],
                                           [plan.resized for plan in plans], [plan.padded for plan in plans],
@@ -287,7 +290,7 @@ def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: Preproc
     and a batch that fails it is redone on the checked path."""
     guard = guard or PreprocessGuard()
     rows, grids = preprocessor(records)
-    images, plans = _images_and_plans(records)
+    images, plans = images_and_plans(records)
     # Which image lost its grid cannot be told from a short list: the device stage bisects such a batch.
     require(len(grids) == len(plans), "preprocess.grid_match", "the backend returned a grid count that differs "
             "from the batch's image count", expected=len(plans), observed=len(grids))

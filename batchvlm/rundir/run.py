@@ -21,6 +21,7 @@ from batchvlm.config import TINY, ConfigError, JobConfig, differences
 from batchvlm.faults import crash_point
 from batchvlm.format.hf_features import SIZE_KEY, features_key
 from batchvlm.pipeline.chat import text_fingerprint
+from batchvlm.pipeline.jpeg import decoder_of
 from batchvlm.pipeline.preprocess import merged_stats
 from batchvlm.rundir.dedup import bucket_results
 from batchvlm.rundir.durable import durable_write, durable_write_json, read_json
@@ -70,6 +71,7 @@ class RunDir:
             "embed_dtype": job.output.embed_dtype,
             "preprocess_backend": job.preprocess.backend,
             "jpeg_decode": job.decode.jpeg,  # resolved: nvJPEG's pixels are not libjpeg-turbo's
+            "jpeg_decoder": decoder_of(job.decode.jpeg, next(encoder.parameters()).device),
             "background": job.preprocess.background,
             "placeholder": job.dataset.placeholder,
             # made ids are the rows' identity; absent where none are made, so runs begun before the key still match

@@ -1,4 +1,5 @@
-"""The tower bench: the FLOPs it counts are those torch counts, and it reports images/s and achieved TFLOP/s."""
+"""The tower bench: the FLOPs it counts are torch's count of the tower's forward with every image's attention in it,
+it reports images/s and achieved TFLOP/s, and it builds each family's tower at its released size."""
 
 from __future__ import annotations
 
@@ -8,26 +9,45 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from photos import photo_of_size, preprocessed
 
+from batchvlm.bench import tower as tower_bench
 from batchvlm.bench.tasks import BenchConfig
-from batchvlm.bench.tower import bench_tower, format_tower, vit_flops
+from batchvlm.bench.tower import bench_tower, format_tower, model_flops, released_encoder
 from batchvlm.config import ModelConfig
 from batchvlm.families import load_family
+from batchvlm.records import PixelBatch
 
 
-def test_the_counted_flops_are_those_torch_counts_for_the_tower_under_eager_attention():
-    """Under eager attention every matmul of the tower is an op torch's FlopCounterMode counts (its CPU flash
-    attention it does not), so the formula is checked whole."""
-    family = load_family(ModelConfig(attn_implementation="eager", embedding="tower"))
+def test_the_counted_flops_are_torchs_count_of_the_tower_with_each_images_attention(family):
     encoder = family.load_encoder(torch.device("cpu"), torch.float32)
     rows, grids = preprocessed(family, [photo_of_size(56, 84), photo_of_size(112, 112), photo_of_size(28, 28)])
-    with FlopCounterMode(display=False) as counter:
-        encoder(torch.cat(rows), torch.tensor(grids))
-    assert counter.get_total_flops() == vit_flops(encoder.tower.config, grids)
+    batch = PixelBatch(torch.cat(rows), torch.tensor(grids))
+    with FlopCounterMode(display=False) as under_sdpa:
+        encoder(batch.pixel_values, batch.grid_thw)
+    counted = model_flops(encoder, [batch])
+    alone = sum(model_flops(encoder, [PixelBatch(image_rows, torch.tensor([grid]))])
+                for image_rows, grid in zip(rows, grids))
+    # torch does not count its CPU flash attention: eager's matmuls are each image's attention, nothing across images
+    assert counted > under_sdpa.get_total_flops() > 0 and counted == alone
+    assert encoder.attention != "eager"  # put back as it was
 
 
-@pytest.mark.slow  # the tiny tower in bf16 on two real photos
-def test_the_tower_bench_reports_images_per_second_and_achieved_tflops():
+@pytest.mark.parametrize("name,parameters", [("kimi_k25", 400e6), ("qwen2_vl", 675e6), ("siglip2", 400e6)])
+def test_the_released_towers_have_their_published_sizes(name, parameters):
+    family = load_family(ModelConfig(family=name))
+    encoder = released_encoder(family, torch.device("meta"), torch.bfloat16, "sdpa")
+    count = sum(p.numel() for p in encoder.tower.parameters())
+    assert 0.95 * parameters < count < 1.1 * parameters, count
+
+
+@pytest.mark.slow  # a tiny tower in bf16 on two real photos, and a released one shrunk
+def test_the_tower_bench_reports_images_per_second_and_achieved_tflops(monkeypatch):
     result = bench_tower(BenchConfig(task="tower", tower="tiny", records=2, device="cpu", repeats=1))
     assert (result["dtype"], result["records"], result["batches"]) == ("bfloat16", 2, 1)
     assert result["images_per_s"] > 0 and result["tflops"] > 0 and result["mfu"] == result["tflops"] / 989.0
-    assert "TFLOP/s achieved" in format_tower(result)
+    assert "TFLOP/s achieved" in format_tower(result) and result["attention"] == "sdpa"
+    monkeypatch.setitem(tower_bench.RELEASED, "siglip2", dict(tower_bench.RELEASED["siglip2"], hidden_size=32,
+                                                                 intermediate_size=64, num_hidden_layers=1,
+                                                                 num_attention_heads=2))
+    result = bench_tower(BenchConfig(task="tower", tower="released", model=ModelConfig(family="siglip2"), records=2,
+                                     device="cpu", repeats=1))
+    assert result["family"] == "siglip2" and result["tflops"] > 0

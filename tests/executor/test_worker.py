@@ -9,10 +9,13 @@ import io
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 from PIL import Image
 
-from batchvlm.config import DatasetConfig, DecodeConfig, JobConfig
-from batchvlm.executor.worker import PreparedStream, QueuedUnits, checked_id
+from batchvlm.config import DatasetConfig, DecodeConfig, JobConfig, RuntimeConfig
+from batchvlm.executor.transport import Rings, ring_address
+from batchvlm.executor.worker import (PreparedStream, QueuedUnits, checked_id, main_threads, prepared_units, rank_cores,
+                                     worker_count)
 from batchvlm.records import PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd, UnitStart, WorkUnit
 from batchvlm.rundir.claims import Claims
 from batchvlm.rundir.layout import RunLayout
@@ -83,3 +86,40 @@ def test_the_ranks_claimed_units_reach_its_workers_each_once_claimed_only_as_the
     assert [next(worker, "ended") for worker in workers] == ["ended", "ended"]
     queued.check()
     assert sorted(got[0] + got[1]) == list(range(10))
+
+
+def test_a_workers_decoded_pixels_reach_the_main_process_in_its_shared_ring_in_order(tmp_path, kimi_family):
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "images": [[png()], [png(), png()], [png()]],
+                             "text": ["<image> one", "<image> <image> two", "<image> three"]}), tmp_path / "in.parquet")
+    job = JobConfig(dataset=DatasetConfig(kind="parquet", path=str(tmp_path / "in.parquet")),
+                    runtime=RuntimeConfig(num_workers=1))
+    source = make_source(job.dataset)
+    layout = RunLayout(tmp_path / "run")
+    layout.manifests.mkdir(parents=True)
+    claims = Claims(tmp_path / "claims", "rank00000-a", 60)
+    block = Block(source.plan()[0].unit_id, tuple(source.plan()))
+    claimed = claimed_units(layout, {block.task: block}, [claims.claim_first(block.task)])
+    rings = Rings(1)
+    prepared, queued = prepared_units(source, claimed, kimi_family, job, rings=rings)
+    queued.start()
+    records = [item for item in prepared if isinstance(item, PreparedRecord)]
+    queued.check()
+    assert [record.source.id for record in records] == ["a", "b", "c"]
+    images = [image for record in records for image in record.images]
+    ring = ring_address(rings.maps[0])
+    assert len(images) == 4 and all(ring <= image.pixels.data_ptr() < ring + len(rings.maps[0])
+                                    and int(image.pixels.float().mean()) == 120 for image in images)
+    assert rings.released[0] == 0  # held while the records are alive
+    del records, images
+    assert rings.released[0] == 4 * 40 * 50 * 3  # given back, in order, once they are dropped
+
+
+def test_a_rank_has_a_worker_per_core_but_the_main_process_and_its_main_process_the_cores_left(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert (rank_cores(), worker_count(None), worker_count(3)) == (16, 15, 3)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 8 ranks on the node
+    assert (rank_cores(), worker_count(None)) == (2, 1)
+    threads = torch.get_num_threads()
+    with main_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == threads

@@ -190,3 +190,32 @@ def test_stored_qwen3_outputs_with_deepstack_give_the_full_models_logits(tmp_pat
             assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max() + 1e-5, record.id
             checked += 1
     assert checked >= 4
+
+
+@pytest.mark.parametrize("make_config", [None, qwen2_5_config, qwen3_config], ids=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_tower_inputs_joined_per_image_equal_transformers_on_the_whole_batch(tmp_path, qwen, make_config):
+    """Positions, Qwen2.5-VL's window order and boundaries, Qwen3-VL's taps: built once per grid (towers.grids), bit for
+    bit what transformers' functions give for the whole packed batch."""
+    from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights,
+                                           get_vision_position_ids, get_vision_window_index)
+
+    if make_config is not None:
+        _tiny_variant(tmp_path, qwen, make_config(qwen))
+    family = qwen if make_config is None else load_family(ModelConfig(family="qwen2_vl", path=str(tmp_path)))
+    encoder = family.load_encoder(torch.device("cpu"), torch.float32)
+    tower = encoder.tower
+    grid_thw = torch.tensor([(1, 8, 12), (1, 2, 2), (1, 20, 14), (1, 8, 12), (2, 4, 6)])
+    expected = {"position_ids": get_vision_position_ids(grid_thw, tower.spatial_merge_size),
+                "cu_seqlens": get_vision_cu_seqlens(grid_thw)}
+    if family.version == "qwen2_5_vl":
+        expected["window_index"], expected["cu_window_seqlens"] = get_vision_window_index(
+            grid_thw, tower.spatial_merge_size, tower.window_size, tower.patch_size)
+    if family.version == "qwen3_vl":
+        expected["interp_indices"], expected["interp_weights"] = get_vision_interpolation_indices_and_weights(
+            grid_thw, tower.num_grid_per_side, mode=tower.interpolation_mode,
+            align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size)
+    for _ in range(2):  # computed, then every grid kept
+        _, kwargs = encoder.inputs(torch.zeros(int(grid_thw.prod(-1).sum()), 1), grid_thw)
+        assert {name: kwargs[name] for name in expected}.keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(kwargs[name], value), name

@@ -11,9 +11,9 @@ import pytest
 
 from conftest import REPO
 
-STEPS = ["versions", "kernel tests (compiled)", "preprocess kimi_k25 vs HF", "preprocess qwen2_vl vs HF",
-         "preprocess siglip2 vs HF", "bf16 base tower TFLOP/s", "job vs tower, overlap on/off, syncs",
-         "nvJPEG vs libjpeg-turbo", "CUDA tests of the device loop"]
+STEPS = ["versions", "e2e base tower, 8 workers", "e2e base tower, 14 workers", "e2e tiny tower, 8 workers",
+         "tower MFU per family", "preprocessing per family", "nvJPEG vs libjpeg-turbo", "CUDA tests"]
+SCRIPT = REPO / "jobs" / "gpu_check.sh"
 
 
 def pinned_wheels() -> list[str]:
@@ -41,6 +41,21 @@ def test_a_dry_run_rehearses_every_step_and_names_the_wheel_that_is_missing(tmp_
     assert f"missing from {tmp_path}: multiprocess==0.70.19; fetch them with: bash jobs/gpu_check.sh --fetch-wheels" \
         in result.stdout
     assert "would run: nvidia-smi" in result.stdout and "dry run: task=tower" in result.stdout
+    assert result.stdout.count("dry run: task=e2e") == 3 and result.stdout.count("dry run: task=preprocess") == 3
+
+
+def step_limits() -> dict[str, int]:
+    """Each step's timeout, as the script declares it."""
+    steps = SCRIPT.read_text().split("STEPS=(")[1].split("\n)")[0]
+    return {name: int(limit) for name, limit, _ in (line.strip().strip('"').split("|", 2)
+                                                      for line in steps.strip().splitlines())}
+
+
+def test_the_steps_timeouts_with_their_kill_after_fit_a_rerun_under_the_device_tools_cap():
+    limits = step_limits()
+    kill_after = int(SCRIPT.read_text().split("KILL_AFTER=")[1].split()[0])
+    assert list(limits) == ["wheels", *STEPS]
+    assert sum(limits.values()) + kill_after * len(limits) < 6 * 60
 
 
 def test_an_unknown_option_is_refused():

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import os
 import io
+import pickle
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from PIL import Image
 
 from batchvlm.checks import CheckFailed
 from batchvlm.config import DecodeConfig
+from batchvlm.pipeline import decode
 from batchvlm.pipeline.decode import Decoder, decode_image, read_bytes
 from batchvlm.records import ImageRef
 
@@ -189,6 +191,39 @@ def test_a_decoder_hang_is_cut_off_at_the_time_limit(monkeypatch):
             decoder(ImageRef(data=bad), 0)
         assert caught.value.check == "decode.timeout"
         assert (decoder(ImageRef(data=good), 1).pixels == 4).all()
+    finally:
+        decoder.close()
+
+
+class CountedPipe:
+    """A decoder's end of its pipe, counting the pickled size of what the child sends back."""
+
+    def __init__(self, conn):
+        self.conn, self.received = conn, []
+
+    def recv(self):
+        value = self.conn.recv()
+        self.received.append(len(pickle.dumps(value)))
+        return value
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+
+def test_decoded_pixels_come_back_from_the_child_in_shared_memory_not_through_the_pipe(monkeypatch):
+    photo = np.random.default_rng(0).integers(0, 256, (600, 500, 3), dtype=np.uint8)
+    data = encoded(Image.fromarray(photo), "PNG")
+    decoder = Decoder(DecodeConfig())
+    try:
+        decoder(ImageRef(data=png_bytes(1)), 0)  # the child started
+        decoder.conn = counted = CountedPipe(decoder.conn)
+        image = decoder(ImageRef(data=data), 0)
+        assert np.array_equal(image.pixels, photo) and image.format == "PNG"
+        assert image.sha256 == hashlib.sha256(data).hexdigest() and counted.received[0] < 1000
+        monkeypatch.setattr(decode, "ARENA_LIMIT", 1000)  # an image past the arena's size: through the pipe
+        decoder.close()
+        decoder.arena = None
+        assert np.array_equal(decoder(ImageRef(data=data), 0).pixels, photo)
     finally:
         decoder.close()
 

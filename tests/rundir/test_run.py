@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from batchvlm.config import ConfigError, DatasetConfig, JobConfig, OutputConfig
+from batchvlm.config import ConfigError, DatasetConfig, DecodeConfig, JobConfig, OutputConfig
+from batchvlm.pipeline.jpeg import decoder_of
 from batchvlm.records import WorkUnit
 from batchvlm.rundir.dedup import commit_bucket
 from batchvlm.rundir.durable import durable_write_json
@@ -41,6 +42,18 @@ def test_how_missing_ids_are_made_is_part_of_the_fingerprint(tmp_path, kimi_fami
     with pytest.raises(ConfigError, match="missing_ids: 'content' -> 'position'"):
         RunDir(RunLayout(tmp_path / "content"), JobConfig(dataset=DatasetConfig(missing_ids="position")), kimi_family,
                encoder, ONE_RANK)
+
+
+def test_which_decoder_made_a_runs_jpeg_pixels_is_in_its_fingerprint_the_reference_or_not(tmp_path, kimi_family,
+                                                                                         encoder):
+    safe = RunDir(RunLayout(tmp_path / "safe"), JobConfig(), kimi_family, encoder, ONE_RANK).fingerprint
+    assert safe["jpeg_decoder"].startswith("pillow ") and safe["jpeg_decoder"].endswith("the reference")
+    device = JobConfig(decode=DecodeConfig(jpeg="device"))
+    fingerprint = RunDir(RunLayout(tmp_path / "device"), device, kimi_family, encoder, ONE_RANK).fingerprint
+    assert fingerprint["jpeg_decoder"].startswith("torchvision ") and "libjpeg-turbo" in fingerprint["jpeg_decoder"]
+    assert decoder_of("device", torch.device("cuda")).endswith(f"nvjpeg (CUDA {torch.version.cuda})")
+    with pytest.raises(ConfigError, match="jpeg_decoder: 'pillow"):
+        RunDir(RunLayout(tmp_path / "safe"), device, kimi_family, encoder, ONE_RANK)
 
 
 def _manifest(run_dir, unit: WorkUnit, written: int, quarantined: dict[str, int]) -> None:
