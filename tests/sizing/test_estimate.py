@@ -14,7 +14,7 @@ from conftest import REPO, run_embed
 from PIL import Image
 
 from batchvlm.config import DatasetConfig, EstimateConfig
-from batchvlm.bench.estimate import estimate, format_estimate
+from batchvlm.sizing.estimate import estimate, format_estimate
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import all_manifests
 
