@@ -353,6 +353,14 @@ class JobConfig:
         if self.check is not None and self.requeue_from is None:
             raise ConfigError("check=... selects quarantined records to requeue; it needs requeue_from=<run dir>")
 
+    def reading_settings(self) -> dict:
+        """Every setting that changes which rows a run reads or what they mean: the dataset's columns and rules, and
+        the decode limits (not where the inputs are: their own identities stand for that). A resume under other
+        values would give a run whose units read different records."""
+        dataset = {key: value for key, value in dataclasses.asdict(self.dataset).items()
+                   if key not in ("path", "storage_options")}
+        return {"dataset": dataset, "decode": dataclasses.asdict(self.decode)}
+
 
 @dataclass
 class EstimateConfig(JobConfig):

@@ -183,7 +183,7 @@ def sink_against_bare_write(job: Parts, rows: list[dict], out: Path) -> tuple[fl
     """Seconds per row of each, over SINK_ROWS rows (the records' rows repeated with their own ids): a unit of
     a real size, so the commit's fixed cost (fsyncs, checksums, manifest) weighs as it does in a job."""
     rows = [{**rows[i % len(rows)], "id": f"row-{i:06d}", "row": i} for i in range(SINK_ROWS)]
-    metadata = job.run.schema_metadata(job.assembler.hidden_sizes)
+    metadata = job.shard_metadata()
     layout = RunLayout(out / "sink")
     claims = Claims(layout.claims, "rank00000-bench", 60)
     sink = RunSink(layout, metadata, job.job.output.compression, claims, dedup_buckets=1)

@@ -22,18 +22,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from batchvlm.config import JobConfig
 from batchvlm.executor.batching import TokenBudgetBatcher, batches
 from batchvlm.executor.device import Device, encoded
 from batchvlm.executor.distributed import Coordinator, Ranks, init_ranks
+from batchvlm.executor.fingerprint import run_fingerprint
 from batchvlm.executor.overlap import Streams
 from batchvlm.executor.progress import Progress
 from batchvlm.executor.rows import Assembler, rows
 from batchvlm.executor.tally import JobAborted, QuarantineOverLimit, Tally, check_run_totals
 from batchvlm.executor.worker import prepared_units
 from batchvlm.families import Family, load_family, resolve_checkpoint
-from batchvlm.format.schema import EMBED_DTYPES
+from batchvlm.format.schema import EMBED_DTYPES, shard_metadata
 from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.jpeg import JpegBatchDecoder, resolve_jpeg_decode
@@ -94,6 +96,11 @@ class Parts:
     chat: ChatRenderer | None  # a conversation format's chat template renderer
     draft: Draft | None  # rank 0's
 
+    def shard_metadata(self) -> dict[str, str]:
+        """What every shard of the run says of itself in its schema metadata."""
+        return shard_metadata(self.family.name, self.assembler.hidden_sizes, self.job.output.embed_dtype,
+                              self.job.model.embedding, self.run.fingerprint_digest)
+
 
 def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device) -> Parts:
     """The family and its tower, rank 0's plan, the run directory (its fingerprint checked), the device stage.
@@ -102,14 +109,15 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
     there, a glob that matches nothing, a changed input) is refused with nothing left behind."""
     family = load_family(job.model)
     chat = ChatRenderer.of(family, job.text, job.dataset.format)
-    requeue = requeue_source(job, layout.root) if job.requeue_from else None
+    requeue = requeue_source(job.dataset, job.requeue_from, job.check, layout.root) if job.requeue_from else None
     draft = None
     if ranks.is_main:
         source = requeue or make_source(job.dataset, max_bytes=job.decode.max_bytes)
-        plan, new = make_plan(layout, source, job, ranks.world)
+        plan, new = make_plan(layout, source, job.reading_settings(), ranks.world, job.runtime.dedup_buckets,
+                              job.runtime.block_units)
         draft = Draft(plan, source, new)
     encoder = family.load_encoder(device, EMBED_DTYPES[job.model.dtype])
-    run = RunDir(layout, job, family, encoder, ranks)
+    run = RunDir(layout, run_fingerprint(job, family, encoder), OmegaConf.to_yaml(OmegaConf.structured(job)), ranks)
     embed_dtype = EMBED_DTYPES[job.output.embed_dtype]
     overlap = job.runtime.overlap
     stage = Device(make_preprocessor(job.preprocess.backend, family, device, job.preprocess.background), encoder,
@@ -159,7 +167,7 @@ class Job:
             if self.ranks.is_main:
                 self.tidy(plan, claims)
             self.ranks.barrier()  # units whose commit was withdrawn are claimable before any rank looks
-            sink = RunSink(self.layout, self.parts.run.schema_metadata(self.parts.assembler.hidden_sizes),
+            sink = RunSink(self.layout, self.parts.shard_metadata(),
                            self.job.output.compression, claims, plan.dedup_buckets, self.ranks.rank,
                            self.job.output.shard_bytes, self.units)
             self.embed(plan, source, claims, sink, coordinator)

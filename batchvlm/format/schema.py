@@ -6,6 +6,8 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
+import batchvlm
+
 TEXT, IMAGE, FRAME = 0, 1, 2
 """token_tags values: text, an image-embedding position, a frame token around an image's span."""
 
@@ -72,3 +74,16 @@ QUARANTINE_SCHEMA = pa.schema([
     ("turn_index", pa.int32()),
     ("fingerprint", pa.string()),
 ])
+
+
+def shard_metadata(family: str, hidden_sizes: dict[str, int], embed_dtype: str, embedding: str,
+                   fingerprint: str) -> dict[str, str]:
+    """Every shard's schema metadata. The `huggingface` key repeats the embedding columns' dtype and hidden sizes for
+    `datasets`, which keeps no other key (hf_features); a quarantine shard has none of those columns, and `datasets`
+    ignores what the key says of columns a file lacks."""
+    from batchvlm.format.hf_features import SIZE_KEY, features_key
+
+    sizes = {f"{SIZE_KEY}{name}": str(size) for name, size in hidden_sizes.items()}
+    return {**sizes, "batchvlm.family": family, "batchvlm.hidden_size": str(hidden_sizes["image_embeds"]),
+            "batchvlm.embed_dtype": embed_dtype, "batchvlm.embedding": embedding, "batchvlm.fingerprint": fingerprint,
+            "batchvlm.version": batchvlm.__version__, "huggingface": features_key(hidden_sizes, embed_dtype)}

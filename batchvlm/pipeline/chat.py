@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from batchvlm.checks import CheckFailed, require
-from batchvlm.config import ConfigError, JobConfig, TextConfig
+from batchvlm.config import ConfigError, TextConfig
 from batchvlm.format.schema import FRAME, IMAGE, TEXT
 from batchvlm.pipeline.tokens import checked_spans
 from batchvlm.records import ROLES, ChatLayout, ImagePlan, TokenLayout, Turn, TurnSpan
@@ -240,12 +240,11 @@ class ChatRenderer:
         return mask
 
 
-def text_fingerprint(job: JobConfig, family) -> dict:
+def text_fingerprint(format: str, text: TextConfig, family) -> dict:
     """What the text side adds to a run's fingerprint: the format, the text settings and the chat template, where they
     change the rows (nothing for plain text without a length limit)."""
-    if job.dataset.format == "text" and job.text.max_tokens is None:
+    if format == "text" and text.max_tokens is None:
         return {}
-    template = family.tokenizer.chat_template if job.dataset.format != "text" else None
-    return {"text": {"format": job.dataset.format, **asdict(job.text), "chat_template_sha256":
+    template = family.tokenizer.chat_template if format != "text" else None
+    return {"text": {"format": format, **asdict(text), "chat_template_sha256":
                      hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None}}
-

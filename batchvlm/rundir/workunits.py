@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from batchvlm.config import ConfigError, JobConfig, differences
+from batchvlm.config import ConfigError, differences
 from batchvlm.records import InputFile, WorkUnit
 from batchvlm.rundir.durable import durable_write_json
 from batchvlm.rundir.layout import RunLayout
@@ -77,18 +76,6 @@ class Plan:
         return {unit.unit_id: block.task for block in self.blocks() for unit in block.units}
 
 
-READ_ELSEWHERE = {"dataset": ("path", "storage_options")}
-"""Settings that say where the inputs are, not what is read from them: the inputs' own identities stand for them."""
-
-
-def reading_settings(job: JobConfig) -> dict:
-    """Every setting that changes which rows a run reads or what they mean: the dataset's columns and rules, and the
-    decode limits. A resume under other values would give a run whose units read different records."""
-    dataset = {key: value for key, value in dataclasses.asdict(job.dataset).items()
-               if key not in READ_ELSEWHERE["dataset"]}
-    return {"dataset": dataset, "decode": dataclasses.asdict(job.decode)}
-
-
 def _buckets(units: list[WorkUnit], configured: int | None) -> int:
     if configured is not None:
         return configured
@@ -102,20 +89,22 @@ def block_units_for(units: list[WorkUnit], configured: int, world: int) -> int:
     return max(1, min(configured, len(units) // (BLOCKS_PER_RANK * world)))
 
 
-def make_plan(layout: RunLayout, source: Plannable, job: JobConfig, world: int = 1) -> tuple[Plan, bool]:
-    """Rank 0: the run's plan, read back after checking that the inputs and the reading settings did not change, or
-    made from the inputs' metadata (True: new, to be written once the run directory is the job's, `write_plan`);
-    `world`, the launch's ranks, sizes its blocks."""
-    inputs, settings = list(source.inputs.values()), reading_settings(job)
+def make_plan(layout: RunLayout, source: Plannable, settings: dict, world: int = 1, dedup_buckets: int | None = None,
+              block_units: int = 8) -> tuple[Plan, bool]:
+    """Rank 0: the run's plan, read back after checking that the inputs and the reading `settings` (every setting that
+    changes which rows a run reads or what they mean) did not change, or made from the inputs' metadata (True: new, to
+    be written once the run directory is the job's, `write_plan`); `world`, the launch's ranks, sizes its blocks of at
+    most `block_units` units (runtime.block_units); `dedup_buckets` (runtime.dedup_buckets) the duplicate pass."""
+    inputs = list(source.inputs.values())
     if layout.plan.exists():
         plan = read_plan(layout)
         _check_same_inputs(layout.plan, plan, inputs, settings)
         return plan, False
     units = source.plan()
     if not units:
-        raise ConfigError(f"dataset.path={job.dataset.path!r}: the inputs hold no rows")
-    return Plan(inputs, settings, units, _buckets(units, job.runtime.dedup_buckets),
-                block_units_for(units, job.runtime.block_units, world)), True
+        raise ConfigError(f"dataset.path: the inputs hold no rows ({', '.join(i.location for i in inputs[:3])}"
+                          f"{', ...' if len(inputs) > 3 else ''})")
+    return Plan(inputs, settings, units, _buckets(units, dedup_buckets), block_units_for(units, block_units, world)), True
 
 
 def write_plan(layout: RunLayout, plan: Plan) -> None:

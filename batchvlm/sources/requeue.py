@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from batchvlm.config import ConfigError, DatasetConfig, JobConfig
+from batchvlm.config import ConfigError, DatasetConfig
 from batchvlm.records import WorkUnit
 from batchvlm.rundir.durable import durable_write_json, read_json
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
@@ -174,13 +174,15 @@ class RequeueSource(Source):
         }
 
 
-def requeue_source(job: JobConfig, run_dir: Path) -> RequeueSource:
-    """The source of a requeue run; refuses to write the new run into the run it reads."""
-    from_run = Path(job.requeue_from)
+def requeue_source(dataset: DatasetConfig, requeue_from: str, checks: list[str] | None,
+                   run_dir: Path) -> RequeueSource:
+    """The source of a requeue run (of the records of `requeue_from` quarantined under `checks`, or all); refuses to
+    write the new run into the run it reads."""
+    from_run = Path(requeue_from)
     if from_run.resolve() == run_dir.resolve():
-        raise ConfigError(f"requeue_from={job.requeue_from!r} is the run directory of this job; "
+        raise ConfigError(f"requeue_from={requeue_from!r} is the run directory of this job; "
                           "give the requeue another run_name=...")
-    source = RequeueSource(job.dataset, from_run, job.check)
+    source = RequeueSource(dataset, from_run, checks)
     log.info("requeue of %s: %d quarantined records found in the current dataset, %d not found", from_run,
              len(source.found), len(source.not_found))
     for record in source.not_found:

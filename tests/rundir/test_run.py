@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from batchvlm.config import ConfigError, JobConfig, OutputConfig
+from batchvlm.executor.fingerprint import run_fingerprint
 from batchvlm.records import WorkUnit
 from batchvlm.rundir.dedup import commit_bucket
 from batchvlm.rundir.durable import durable_write_json
@@ -24,12 +25,16 @@ def encoder(kimi_family):
     return kimi_family.load_encoder(torch.device("cpu"), torch.float32)
 
 
+def open_run(path, job: JobConfig, family, encoder) -> RunDir:
+    return RunDir(RunLayout(path), run_fingerprint(job, family, encoder), "run_name: test\n", ONE_RANK)
+
+
 def test_a_run_directory_refuses_another_fingerprint_naming_what_differs(tmp_path, kimi_family, encoder):
-    RunDir(RunLayout(tmp_path), JobConfig(), kimi_family, encoder, ONE_RANK)
-    RunDir(RunLayout(tmp_path), JobConfig(), kimi_family, encoder, ONE_RANK)  # the same job reopens it
+    open_run(tmp_path, JobConfig(), kimi_family, encoder)
+    open_run(tmp_path, JobConfig(), kimi_family, encoder)  # the same job reopens it
     other = JobConfig(output=OutputConfig(embed_dtype="float16"))
     with pytest.raises(ConfigError, match="embed_dtype: 'bfloat16' -> 'float16'.*run_name="):
-        RunDir(RunLayout(tmp_path), other, kimi_family, encoder, ONE_RANK)
+        open_run(tmp_path, other, kimi_family, encoder)
 
 
 def _manifest(run_dir, unit: WorkUnit, written: int, quarantined: dict[str, int]) -> None:
@@ -43,7 +48,7 @@ def _manifest(run_dir, unit: WorkUnit, written: int, quarantined: dict[str, int]
 def test_success_comes_once_every_unit_and_bucket_is_committed_with_duplicates_counted(tmp_path, kimi_family,
                                                                                        encoder):
     layout = RunLayout(tmp_path)
-    run = RunDir(layout, JobConfig(), kimi_family, encoder, ONE_RANK)
+    run = open_run(tmp_path, JobConfig(), kimi_family, encoder)
     (tmp_path / "manifest").mkdir()
     units = [WorkUnit("a-00000000-00000004", "a", 0, 4), WorkUnit("b-00000000-00000004", "b", 0, 4)]
     plan = Plan([], {}, units, dedup_buckets=2)

@@ -29,7 +29,7 @@ def plan_of(folder, run_dir, **dataset):
     """The plan of a run over the folder's Parquet files, written where it is new, as the job does."""
     job = JobConfig(dataset=DatasetConfig(kind="parquet", path=str(folder / "*.parquet"), **dataset))
     run_dir.mkdir(exist_ok=True)
-    plan, new = make_plan(RunLayout(run_dir), make_source(job.dataset), job)
+    plan, new = make_plan(RunLayout(run_dir), make_source(job.dataset), job.reading_settings())
     if new:
         write_plan(RunLayout(run_dir), plan)
     return plan
@@ -84,9 +84,9 @@ def test_a_resume_with_other_decode_limits_is_refused_naming_them(tmp_path):
     write_rows(tmp_path / "a.parquet", 10, 5)
     cfg = DatasetConfig(kind="parquet", path=str(tmp_path / "*.parquet"))
     layout = RunLayout(tmp_path)
-    write_plan(layout, make_plan(layout, make_source(cfg), JobConfig(dataset=cfg))[0])
+    write_plan(layout, make_plan(layout, make_source(cfg), JobConfig(dataset=cfg).reading_settings())[0])
     with pytest.raises(ConfigError, match=r"decode\.max_pixels: 50000000 -> 1000"):
-        make_plan(layout, make_source(cfg), JobConfig(dataset=cfg, decode=DecodeConfig(max_pixels=1000)))
+        make_plan(layout, make_source(cfg), JobConfig(dataset=cfg, decode=DecodeConfig(max_pixels=1000)).reading_settings())
 
 
 def test_a_saved_dataset_with_rows_appended_is_refused(tmp_path):
@@ -94,13 +94,13 @@ def test_a_saved_dataset_with_rows_appended_is_refused(tmp_path):
     datasets.Dataset.from_dict(rows).save_to_disk(tmp_path / "ds")
     job = JobConfig(dataset=DatasetConfig(kind="disk", path=str(tmp_path / "ds")))
     layout = RunLayout(tmp_path)
-    write_plan(layout, make_plan(layout, make_source(job.dataset), job)[0])
+    write_plan(layout, make_plan(layout, make_source(job.dataset), job.reading_settings())[0])
     more = {key: values * 2 for key, values in rows.items()}
     datasets.Dataset.from_dict(more).save_to_disk(tmp_path / "ds2")
     shutil.rmtree(tmp_path / "ds")
     (tmp_path / "ds2").rename(tmp_path / "ds")
     with pytest.raises(ConfigError, match=r"rows: 2 -> 4"):
-        make_plan(layout, make_source(job.dataset), job)
+        make_plan(layout, make_source(job.dataset), job.reading_settings())
 
 
 def test_blocks_cut_the_claim_order_and_are_sized_for_the_launch_that_plans_the_run(tmp_path):

@@ -63,7 +63,8 @@ def test_requeue_after_raising_the_pixel_limit_moves_those_records_into_data_wit
 @pytest.mark.slow
 def test_requeue_into_the_run_it_reads_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="requeue_from=.*is the run directory of this job"):
-        requeue_source(_job(tmp_path, "same", requeue_from=str(tmp_path / "same")), tmp_path / "same")
+        job = _job(tmp_path, "same", requeue_from=str(tmp_path / "same"))
+        requeue_source(job.dataset, job.requeue_from, job.check, tmp_path / "same")
 
 
 def _png(seed: int) -> bytes:
