@@ -9,11 +9,12 @@ import hydra
 import transformers
 from omegaconf import DictConfig
 
-from batchvlm.config import EstimateConfig, exit_on_config_error, register_schemas, to_job_config
-from batchvlm.sizing.estimate import estimate, format_estimate
+from batchvlm.config import exit_on_config_error, to_job_config
+from batchvlm.executor.config import register_schemas
+from batchvlm.sizing.estimate import EstimateConfig, estimate, format_estimate
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-register_schemas()
+register_schemas("estimate_schema", EstimateConfig)
 
 
 @hydra.main(config_path="pkg://batchvlm.conf", config_name="estimate", version_base=None)

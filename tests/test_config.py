@@ -11,7 +11,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf
 
-from batchvlm.config import ConfigError, register_schemas, to_job_config
+from batchvlm.config import ConfigError, to_job_config
+from batchvlm.executor.config import JobConfig, register_schemas
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 STAND_INS = {"dataset.path": "/data/x.parquet", "model.path": "/ckpt"}
@@ -23,7 +24,7 @@ def job(*overrides):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose(config_name="embed", overrides=list(overrides))
         cfg.run_name = "test"  # the default interpolates Hydra's runtime choices, absent in compose
-        return to_job_config(cfg)
+        return to_job_config(cfg, JobConfig)
 
 
 @pytest.mark.parametrize("group,option", sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml")))
@@ -81,7 +82,7 @@ def test_flash_attention_in_fp32_is_refused_before_any_work_naming_both_keys():
 
 
 def test_unknown_processor_parameter_is_refused():
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
 
     with pytest.raises(ConfigError, match="model.processor.max_pixels"):
@@ -95,7 +96,7 @@ def test_unknown_processor_parameter_is_refused():
     ("qwen2_vl", {"processor": {"min_pixels": 100}}, "model.processor.min_pixels"),
 ])
 def test_a_family_refuses_settings_it_cannot_honour(family, overrides, key):
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -103,7 +104,7 @@ def test_a_family_refuses_settings_it_cannot_honour(family, overrides, key):
 
 
 def test_an_unknown_family_is_refused_naming_the_key():
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
 
     with pytest.raises(ConfigError, match="model.family='clip'"):
@@ -113,7 +114,7 @@ def test_an_unknown_family_is_refused_naming_the_key():
 def test_processor_parameters_that_contradict_the_tower_are_refused_at_load():
     import torch
 
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
 
     family = load_family(ModelConfig(family="qwen2_vl", processor={"patch_size": 16}))

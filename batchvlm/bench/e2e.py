@@ -30,8 +30,12 @@ import pyarrow.parquet as pq
 
 from batchvlm.bench.decoding import REAL_SIZES, decode_both_ways, jpeg_of, photos, timed
 from batchvlm.bench.tower import tower_model
-from batchvlm.config import (DatasetConfig, DecodeConfig, JobConfig, ModelConfig, OutputConfig, RuntimeConfig,
-                             TextConfig)
+from batchvlm.executor.config import JobConfig, RuntimeConfig
+from batchvlm.families import ModelConfig
+from batchvlm.pipeline.chat import TextConfig
+from batchvlm.pipeline.decode import DecodeConfig
+from batchvlm.rundir.sink import OutputConfig
+from batchvlm.sources.config import DatasetConfig
 from batchvlm.executor.batching import TokenBudgetBatcher
 from batchvlm.executor.job import Parts, rank_job
 from batchvlm.executor.worker import plan_and_lay_out

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from batchvlm.bench import EMBED_JOB
-from batchvlm.config import DatasetConfig
+from batchvlm.sources.config import DatasetConfig
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.manifest import committed_units
 from batchvlm.sources import make_source

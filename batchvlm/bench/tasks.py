@@ -31,7 +31,9 @@ import pyarrow.parquet as pq
 import torch
 
 from batchvlm.bench import EMBED_JOB
-from batchvlm.config import TINY, ConfigError, ModelConfig, RuntimeConfig, one_of, positive
+from batchvlm.config import ConfigError, one_of, positive
+from batchvlm.executor.config import RuntimeConfig
+from batchvlm.families import TINY, ModelConfig
 from batchvlm.demo import build_once, demo_rows, home, photographs
 from batchvlm.families import load_family
 from batchvlm.pipeline.preprocess import TorchPreprocessor, TritonPreprocessor

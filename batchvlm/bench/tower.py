@@ -13,7 +13,8 @@ import torch
 
 from batchvlm.bench.decoding import REAL_SIZES, photos
 from batchvlm.bench.tasks import bench_device, best_seconds, records_of
-from batchvlm.config import TINY, ModelConfig, PreprocessConfig
+from batchvlm.families import TINY, ModelConfig
+from batchvlm.pipeline.preprocess import PreprocessConfig
 from batchvlm.demo import DEMO_VERSION, build_once, home
 from batchvlm.executor.batching import TokenBudgetBatcher
 from batchvlm.families import kimi_k25, load_family

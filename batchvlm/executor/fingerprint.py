@@ -10,7 +10,8 @@ import torch
 import transformers
 
 import batchvlm
-from batchvlm.config import TINY, JobConfig
+from batchvlm.executor.config import JobConfig
+from batchvlm.families import TINY
 from batchvlm.pipeline.chat import text_fingerprint
 
 

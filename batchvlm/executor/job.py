@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from batchvlm.config import JobConfig
+from batchvlm.executor.config import JobConfig
 from batchvlm.executor.batching import TokenBudgetBatcher, batches
 from batchvlm.executor.device import Device, encoded
 from batchvlm.executor.distributed import Coordinator, Ranks, init_ranks

@@ -5,10 +5,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchvlm.config import ChecksConfig
+from batchvlm.config import ConfigError
 from batchvlm.devices import is_device_fault
 from batchvlm.records import OutputRow, QuarantinedRecord
 from batchvlm.rundir.layout import QUARANTINE
+
+
+@dataclass
+class ChecksConfig:
+    max_quarantine_fraction: float = 0.5
+    """Abort the job once this fraction of records is quarantined (after min_records)."""
+    min_records: int = 100
+    """Records seen before the quarantine fraction can abort the job."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.max_quarantine_fraction <= 1.0:
+            raise ConfigError(f"checks.max_quarantine_fraction={self.max_quarantine_fraction} must be in [0, 1]")
+        if self.min_records < 0:
+            raise ConfigError("checks.min_records must be >= 0")
 
 
 class JobAborted(RuntimeError):

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from torch.utils.data import DataLoader, IterableDataset
 
 from batchvlm.checks import CheckFailed, failure
-from batchvlm.config import JobConfig
+from batchvlm.executor.config import JobConfig
 from batchvlm.faults import crash_point
 from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder

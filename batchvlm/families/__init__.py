@@ -14,17 +14,69 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from batchvlm.config import TINY, ConfigError, ModelConfig
+from batchvlm.config import ConfigError, one_of
 from batchvlm.demo import DEMO_VERSION, build_once, home
 from batchvlm.format.layouts import PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
+
+FLASH_ATTENTION = "flash_attention_2"
+
+TINY = "tiny"
+"""model.path of the family's tiny checkpoint, built on first use: the demo's, never a real model."""
+
+
+@dataclass
+class ModelConfig:
+    family: str = "kimi_k25"
+    """Encoder family module under batchvlm/families/."""
+    path: str = TINY
+    """Local checkpoint folder (safetensors), or `tiny`: the family's tiny demo checkpoint, built on first use. Required
+    in a job's config: only the *_tiny model configs name `tiny` (the Python default is the demo's)."""
+    tokenizer_path: str | None = None
+    """Tokenizer folder when it is not the checkpoint's own."""
+    dtype: str = "float32"
+    """Compute dtype of the tower: float32 | bfloat16 | float16 (flash_attention_2 needs one of the last two)."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
+    attn_implementation: str = "sdpa"
+    embedding: str = "auto"
+    """Which output is stored as image_embeds: auto (the projector's LLM-ready tokens where the checkpoint has a
+    projector, the tower's tokens otherwise) | projector | tower | both (projector tokens, plus the tower's in
+    tower_embeds)."""
+    framing: str = "k3"
+    """kimi_k25 prompt contract: k3 (begin/content/end frame around each image's tokens) | plain (bare repeats, K2.5).
+    Other families have one contract each and ignore it."""
+    trust_remote_code: bool = False
+    chat_template: str | None = None
+    """A Jinja chat template file rendering conversations in place of the tokenizer's own (dataset.format other than
+    text); each image must render as the family's single image token."""
+    processor: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the checkpoint's processor parameters (family-specific keys, validated by the family)."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError(f"model.path={self.path!r}: give a local checkpoint folder, or tiny for the demo's")
+        one_of("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        one_of("model.embedding", self.embedding, ("auto", "projector", "tower", "both"))
+        one_of("model.framing", self.framing, ("k3", "plain"))
+        one_of("model.attn_implementation", self.attn_implementation, ("sdpa", "eager", FLASH_ATTENTION))
+        if self.attn_implementation == FLASH_ATTENTION and self.dtype == "float32":
+            raise ConfigError(f"model.attn_implementation={FLASH_ATTENTION} runs in float16 or bfloat16 only, and "
+                              "model.dtype=float32: set model.dtype=bfloat16 (or float16), or "
+                              "model.attn_implementation=sdpa")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"model.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ConfigError(f"model.chat_template={self.chat_template!r} is not a file")
+
 
 SHARED = "common"
 """The module of this package that is no family: what the families share."""

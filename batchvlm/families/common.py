@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from batchvlm.config import FLASH_ATTENTION, ConfigError, ModelConfig
+from batchvlm.config import ConfigError
+from batchvlm.families import FLASH_ATTENTION, ModelConfig
 from batchvlm.demo import caption_corpus
 from batchvlm.devices import to_device
 from batchvlm.families import resolve_checkpoint

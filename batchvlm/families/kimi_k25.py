@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.config import ConfigError
+from batchvlm.families import ModelConfig
 from batchvlm.devices import to_device
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, choose_projector, processor_params,
                                       published_template, tiny_tokenizer, token_id, tokenizer_digest,

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from batchvlm.checks import require
-from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.config import ConfigError
+from batchvlm.families import ModelConfig
 from batchvlm.devices import to_device
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_params,
                                       published_template, tiny_tokenizer, token_id, tokenizer_digest,

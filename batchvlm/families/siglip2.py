@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.config import ConfigError
+from batchvlm.families import ModelConfig
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, load_submodule, processor_inputs,
                                       processor_params, tiny_tokenizer, token_id, tokenizer_digest, tower_inputs)
 from batchvlm.format.layouts import RASTER_HWC, PatchLayout

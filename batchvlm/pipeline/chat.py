@@ -22,10 +22,38 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from batchvlm.checks import CheckFailed, require
-from batchvlm.config import ConfigError, TextConfig
+from batchvlm.config import ConfigError, one_of, positive
 from batchvlm.format.schema import FRAME, IMAGE, TEXT
 from batchvlm.pipeline.tokens import checked_spans
 from batchvlm.records import ROLES, ChatLayout, ImagePlan, TokenLayout, Turn, TurnSpan
+
+
+@dataclass
+class TextConfig:
+    train_on: str = "auto"
+    """Which tokens a trainer learns to predict (the stored loss_mask): assistant (the content and end-of-turn token of
+    every assistant turn) | last_assistant (of the last one only) | all (every token but image tokens) | auto
+    (assistant for a conversation; all for dataset.format=text, which has no turns)."""
+    max_tokens: int | None = None
+    """Tokens per record at most (the trainer's context length); null: no limit. A longer record is quarantined under
+    text.too_long, or loses whole trailing turns (text.overflow)."""
+    overflow: str = "quarantine"
+    """A record over text.max_tokens: quarantine (text.too_long) | drop_turns (a conversation keeps its longest prefix
+    of whole turns that ends with an assistant turn and fits; never part of an image; the row records how many
+    turns it lost)."""
+
+    def __post_init__(self) -> None:
+        one_of("text.train_on", self.train_on, ("auto", "assistant", "last_assistant", "all"))
+        one_of("text.overflow", self.overflow, ("quarantine", "drop_turns"))
+        if self.max_tokens is not None:
+            positive("text.max_tokens", self.max_tokens)
+        if self.overflow == "drop_turns" and self.max_tokens is None:
+            raise ConfigError("text.overflow=drop_turns needs text.max_tokens")
+
+    def trained(self, format: str) -> str:
+        """text.train_on resolved for a dataset format: auto trains assistant turns, or everything in plain text."""
+        return ("all" if format == "text" else "assistant") if self.train_on == "auto" else self.train_on
+
 
 FOLLOWS = {"system": (None,), "user": (None, "system", "assistant", "tool"), "assistant": ("user", "tool"),
            "tool": ("assistant", "tool")}

@@ -12,6 +12,7 @@ images is compared with the HF processor (parity). An image that fails is redone
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import logging
 import os
 from collections import Counter
@@ -20,11 +21,42 @@ import torch
 import torch.nn.functional as F
 
 from batchvlm.checks import CheckFailed, require
-from batchvlm.config import ConfigError
+from batchvlm.config import ConfigError, one_of, positive
 from batchvlm.faults import fault
 from batchvlm.kernels.reference import composite, resize_image
 from batchvlm.devices import Syncs, images_on, to_device
 from batchvlm.records import DecodedImage, ImagePlan, PixelBatch, PreparedRecord, PreprocessStats
+
+
+@dataclass
+class PreprocessConfig:
+    backend: str = "auto"
+    """auto (triton on CUDA, torch otherwise) | triton (kernels/, fused, GPU) | torch (batchvlm's own ops, CPU or
+    GPU) | reference (the family's Hugging Face processor)."""
+    token_budget: int = 16384
+    """Patches per packed batch; an image larger than the budget is encoded alone."""
+    max_images_per_batch: int = 256
+    background: str = "black"
+    """Background that transparent pixels are composited onto: black | white | gray | chessboard."""
+    fallback: str = "cpu"
+    """An image whose backend result fails a preprocess check: cpu (redone on the CPU torch path, counted in the
+    run's totals) | quarantine (its record is quarantined under the check)."""
+    parity_sample_rate: float = 0.001
+    """Fraction of images (chosen by content hash, so reruns pick the same) also run through the family's HF
+    processor and compared with the backend (check preprocess.parity). The HF processor runs on the CPU."""
+    parity_max_levels: float = 3.0
+    """Largest pixel difference from the HF processor that parity accepts, in uint8 levels."""
+
+    def __post_init__(self) -> None:
+        one_of("preprocess.backend", self.backend, ("auto", "triton", "torch", "reference"))
+        one_of("preprocess.fallback", self.fallback, ("cpu", "quarantine"))
+        if not 0.0 <= self.parity_sample_rate <= 1.0:
+            raise ConfigError(f"preprocess.parity_sample_rate={self.parity_sample_rate} must be in [0, 1]")
+        positive("preprocess.parity_max_levels", self.parity_max_levels)
+        one_of("preprocess.background", self.background, ("black", "white", "gray", "chessboard"))
+        positive("preprocess.token_budget", self.token_budget)
+        positive("preprocess.max_images_per_batch", self.max_images_per_batch)
+
 
 log = logging.getLogger("batchvlm")
 

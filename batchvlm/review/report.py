@@ -21,7 +21,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
-from batchvlm.config import DecodeConfig, ModelConfig
+from batchvlm.families import ModelConfig
+from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.format.schema import QUARANTINE_SCHEMA
 from batchvlm.pipeline.preprocess import merged_stats
 from batchvlm.review.distributions import Distribution, dropped_turns, value_counts, written_distributions

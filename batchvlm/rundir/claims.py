@@ -28,6 +28,8 @@ from batchvlm.rundir.durable import publish_exclusive
 
 ALIVE = "alive"
 """The claims folder's folder of heartbeats, a file per holder."""
+LEASE_S = 120.0
+"""runtime.lease_s's default: how old a heartbeat may be before its holder's claims are taken over."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchvlm.config import OutputConfig
+from batchvlm.config import ConfigError, one_of, positive
 from batchvlm.faults import crash_point
 from batchvlm.format.schema import DATA_SCHEMA, QUARANTINE_SCHEMA
 from batchvlm.pipeline.preprocess import merged_stats
@@ -33,6 +33,29 @@ from batchvlm.rundir.durable import json_text, publish, publish_exclusive, sha25
 from batchvlm.rundir.layout import DATA, IDS, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import Listing, Manifest
 from batchvlm.rundir.rank_reports import RankUnits
+
+
+@dataclass
+class OutputConfig:
+    root: str = "outputs"
+    """Folder that holds run directories."""
+    embed_dtype: str = "bfloat16"
+    """dtype of stored embeddings (raw little-endian bytes): bfloat16 | float16 | float32."""
+    compression: str = "zstd"
+    quarantine_bytes_cap: int = 4 * 1024 * 1024
+    """Original image bytes kept in a quarantine row up to this size; larger ones keep only their path."""
+    shard_bytes: int = 1024 * 1024 * 1024
+    """Bytes of a data or quarantine file at most, its footer included: a unit writes as many files as its rows need,
+    all listed in its manifest, each a few row groups (of a quarter of this, 64 MB at most). A single record larger
+    than that gets a file of its own."""
+
+    def __post_init__(self) -> None:
+        one_of("output.embed_dtype", self.embed_dtype, ("bfloat16", "float16", "float32"))
+        positive("output.shard_bytes", self.shard_bytes)
+        one_of("output.compression", self.compression, ("zstd", "snappy", "none"))
+        if self.quarantine_bytes_cap < 0:
+            raise ConfigError("output.quarantine_bytes_cap must be >= 0")
+
 
 log = logging.getLogger("batchvlm")
 

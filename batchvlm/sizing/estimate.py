@@ -19,7 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from batchvlm.config import EstimateConfig
+from batchvlm.config import positive
+from batchvlm.executor.config import JobConfig
 from batchvlm.executor.rows import Assembler
 from batchvlm.executor.worker import checked_id, prepare
 from batchvlm.families import load_family
@@ -32,6 +33,27 @@ from batchvlm.review.status import readable_bytes
 from batchvlm.rundir.sink import row_group_bytes
 from batchvlm.sources import make_source
 from batchvlm.training.loader import resident_bytes
+
+
+@dataclass
+class EstimateConfig(JobConfig):
+    """`batchvlm-estimate`: the embed job's config, and how to size it."""
+
+    records: int = 1000
+    """Records sampled from the inputs, spread over the work units; their images' headers are read, not decoded."""
+    images_per_s: float | None = None
+    """Images per second one device embeds (measured with `batchvlm-bench task=e2e`, or a sample run): with it, the
+    hours and the write bandwidth the job needs."""
+    devices: int = 1
+    """Devices the job runs on (GPUs over every node)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive("records", self.records)
+        positive("devices", self.devices)
+        if self.images_per_s is not None:
+            positive("images_per_s", self.images_per_s)
+
 
 TAR_BLOCK = 512
 

@@ -23,7 +23,8 @@ import fsspec
 import pyarrow as pa
 
 from batchvlm.checks import CheckFailed, failure
-from batchvlm.config import ConfigError, DatasetConfig
+from batchvlm.config import ConfigError
+from batchvlm.sources.config import DatasetConfig
 from batchvlm.records import Failure, ImageRef, InputFile, SourceRecord, WorkUnit
 from batchvlm.sources.conversations import read_turns, turns_text
 

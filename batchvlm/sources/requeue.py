@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from batchvlm.config import ConfigError, DatasetConfig
+from batchvlm.config import ConfigError
+from batchvlm.sources.config import DatasetConfig
 from batchvlm.records import WorkUnit
 from batchvlm.rundir.durable import durable_write_json, read_json
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout

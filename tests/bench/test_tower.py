@@ -10,7 +10,7 @@ from photos import photo_of_size, preprocessed
 
 from batchvlm.bench.tasks import BenchConfig
 from batchvlm.bench.tower import bench_tower, format_tower, vit_flops
-from batchvlm.config import ModelConfig
+from batchvlm.families import ModelConfig
 from batchvlm.families import load_family
 
 

@@ -11,7 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from batchvlm.config import DatasetConfig, DecodeConfig, JobConfig
+from batchvlm.executor.config import JobConfig
+from batchvlm.pipeline.decode import DecodeConfig
+from batchvlm.sources.config import DatasetConfig
 from batchvlm.executor.worker import PreparedStream, QueuedUnits, checked_id
 from batchvlm.records import PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd, UnitStart, WorkUnit
 from batchvlm.rundir.claims import Claims

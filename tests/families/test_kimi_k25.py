@@ -57,7 +57,7 @@ def test_a_sharded_moe_checkpoint_yields_its_own_tower_and_projector(tmp_path, k
 
     from transformers import AutoConfig
 
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
 
     config = AutoConfig.from_pretrained(kimi_family.checkpoint)

@@ -13,7 +13,7 @@ from transformers import Siglip2VisionModel
 
 from photos import demo_images, photo_of_size, preprocessed
 
-from batchvlm.config import ModelConfig
+from batchvlm.families import ModelConfig
 from batchvlm.families import load_family
 from batchvlm.families.siglip2 import PackedImages, naflex_size
 

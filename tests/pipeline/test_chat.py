@@ -14,7 +14,8 @@ import pytest
 from PIL import Image
 
 from batchvlm.checks import CheckFailed
-from batchvlm.config import ModelConfig, TextConfig
+from batchvlm.families import ModelConfig
+from batchvlm.pipeline.chat import TextConfig
 from batchvlm.families import load_family
 from batchvlm.format.schema import FRAME, IMAGE, TEXT
 from batchvlm.pipeline.chat import ChatRenderer, check_roles

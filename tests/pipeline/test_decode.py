@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from batchvlm.checks import CheckFailed
-from batchvlm.config import DecodeConfig
+from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.pipeline.decode import Decoder, decode_image
 from batchvlm.records import ImageRef
 

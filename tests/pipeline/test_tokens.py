@@ -71,7 +71,7 @@ class _ShiftedPositions:
 
 
 def test_a_record_with_no_text_and_no_image_gets_empty_positions():
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
     from batchvlm.pipeline.tokens import attach_positions
 
@@ -83,7 +83,7 @@ def test_a_record_with_no_text_and_no_image_gets_empty_positions():
 
 @pytest.mark.parametrize("drop_last", [True, False], ids=["short", "delta"])
 def test_position_ids_that_do_not_fit_the_sequence_are_caught(drop_last):
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
     from batchvlm.pipeline.tokens import attach_positions
 

@@ -8,7 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from batchvlm.config import ConfigError, JobConfig, OutputConfig
+from batchvlm.config import ConfigError
+from batchvlm.executor.config import JobConfig
+from batchvlm.rundir.sink import OutputConfig
 from batchvlm.executor.fingerprint import run_fingerprint
 from batchvlm.records import WorkUnit
 from batchvlm.rundir.dedup import commit_bucket

@@ -12,7 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchvlm.config import ConfigError, DatasetConfig, DecodeConfig, JobConfig
+from batchvlm.config import ConfigError
+from batchvlm.executor.config import JobConfig
+from batchvlm.pipeline.decode import DecodeConfig
+from batchvlm.sources.config import DatasetConfig
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.records import WorkUnit
 from batchvlm.rundir.workunits import Plan, block_units_for, make_plan, read_plan, write_plan

@@ -13,7 +13,8 @@ import pytest
 from conftest import REPO, run_embed
 from PIL import Image
 
-from batchvlm.config import DatasetConfig, EstimateConfig
+from batchvlm.sizing.estimate import EstimateConfig
+from batchvlm.sources.config import DatasetConfig
 from batchvlm.sizing.estimate import estimate, format_estimate
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import all_manifests

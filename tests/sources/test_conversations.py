@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchvlm.checks import CheckFailed
-from batchvlm.config import DatasetConfig
+from batchvlm.sources.config import DatasetConfig
 from batchvlm.records import Turn
 from batchvlm.sources import make_source
 from batchvlm.sources.conversations import (cauldron_turns, llava_turns, messages_turns, place_conversation_images,

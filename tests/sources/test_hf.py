@@ -8,7 +8,8 @@ import datasets
 from PIL import Image
 from test_sources import FEATURES, PHOTOS, _columns, _table
 
-from batchvlm.config import DatasetConfig, DecodeConfig
+from batchvlm.pipeline.decode import DecodeConfig
+from batchvlm.sources.config import DatasetConfig
 from batchvlm.pipeline.decode import read_bytes
 from batchvlm.sources import make_source
 

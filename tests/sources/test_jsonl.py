@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from batchvlm.config import ConfigError, DatasetConfig
+from batchvlm.config import ConfigError
+from batchvlm.sources.config import DatasetConfig
 from batchvlm.sources import make_source
 
 

@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 from test_sources import FEATURES, _columns, _table
 
-from batchvlm.config import ConfigError, DatasetConfig
+from batchvlm.config import ConfigError
+from batchvlm.sources.config import DatasetConfig
 from batchvlm.sources import make_source
 
 

@@ -13,8 +13,12 @@ import pytest
 from conftest import data_ids, quarantine_rows, run_embed
 from PIL import Image
 
-from batchvlm.config import (ChecksConfig, ConfigError, DatasetConfig, DecodeConfig, JobConfig, OutputConfig,
-                             RuntimeConfig)
+from batchvlm.config import ConfigError
+from batchvlm.executor.config import JobConfig, RuntimeConfig
+from batchvlm.executor.tally import ChecksConfig
+from batchvlm.pipeline.decode import DecodeConfig
+from batchvlm.rundir.sink import OutputConfig
+from batchvlm.sources.config import DatasetConfig
 from batchvlm.executor.job import run_job
 from batchvlm.review.html import render
 from batchvlm.review.report import build_report, summary_text

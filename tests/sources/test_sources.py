@@ -14,7 +14,9 @@ import pytest
 from PIL import Image
 from skimage import data
 
-from batchvlm.config import ConfigError, DatasetConfig, DecodeConfig
+from batchvlm.config import ConfigError
+from batchvlm.pipeline.decode import DecodeConfig
+from batchvlm.sources.config import DatasetConfig
 from batchvlm.pipeline.decode import read_bytes
 from batchvlm.sources import make_source
 from batchvlm.training.reader import read_run

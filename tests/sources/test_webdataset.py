@@ -137,7 +137,7 @@ def _malformed_shard(path) -> None:
 
 
 def test_a_malformed_shard_quarantines_each_bad_sample_and_its_lost_tail_and_reads_the_rest(tmp_path):
-    from batchvlm.config import DatasetConfig
+    from batchvlm.sources.config import DatasetConfig
     from batchvlm.sources import make_source
 
     _malformed_shard(tmp_path / "bad.tar")

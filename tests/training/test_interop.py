@@ -12,7 +12,7 @@ import torch
 from conftest import committed_shards, relist
 from transformers import Qwen2VLForConditionalGeneration
 
-from batchvlm.config import ModelConfig
+from batchvlm.families import ModelConfig
 from batchvlm.families import load_family
 from batchvlm.training import DatasetRows, load_run_dataset, mm_token_type_ids, vllm_qwen2_vl_image_input
 from batchvlm.training.reader import read_run

@@ -11,7 +11,8 @@ from conftest import all_families, run_embed
 from transformers import AutoConfig, AutoModelForImageTextToText
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-from batchvlm.config import DecodeConfig, ModelConfig
+from batchvlm.families import ModelConfig
+from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.pipeline.decode import decode_image
 from batchvlm.demo import demo_rows
 from batchvlm.families import load_family
