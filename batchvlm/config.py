@@ -10,11 +10,13 @@ the composed config becomes objects (`to_job_config`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import sys
+import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # Hydra and OmegaConf are the jobs' (imported where the jobs use them): the library runs without
     from omegaconf import DictConfig
@@ -24,9 +26,104 @@ class ConfigError(ValueError):
     """A config value that cannot work. The message names the key."""
 
 
-def one_of(key: str, value: object, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
+class Choice(str, enum.Enum):
+    """The values a config key may take. OmegaConf checks a value from a YAML file or the command line against them
+    as it composes the config, naming the key (it rejects `Literal`); a value given in Python is checked by
+    `Config.__post_init__`. A member is its value as a string too (`Dtype.float32 == "float32"`), so JSON, YAML
+    and comparisons see the plain value. Members are named as their values."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Effect(enum.Enum):
+    """What a config field does to a run's output: every field of a run's config declares one (`written`,
+    `read_from`, `operational`), and the run's fingerprint is computed from the declarations (`fingerprinted`)."""
+
+    WRITTEN = "changes what is written or quarantined: its value is in the run's fingerprint"
+    READ_FROM = ("names what is read (a checkpoint, a file, the inputs): their content is in the run's fingerprint or "
+                 "plan (a digest, the inputs' identities), not the name, which may differ between nodes and launches")
+    OPERATIONAL = "how the job runs, not what it writes: never in the fingerprint"
+
+
+EFFECT = "batchvlm.effect"
+"""The key of a config field's metadata that holds its Effect."""
+
+
+def _declared(effect: Effect, default: Any, factory: Any) -> Any:
+    return dataclasses.field(default=default, default_factory=factory, metadata={EFFECT: effect})
+
+
+def written(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING) -> Any:
+    """A config field that changes what a run writes or quarantines: a relaunch with another value would mix two
+    outputs in one run, so its value is in the run's fingerprint."""
+    return _declared(Effect.WRITTEN, default, factory)
+
+
+def read_from(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING) -> Any:
+    """A config field that names what is read, whose content (not its name) the fingerprint or the plan holds."""
+    return _declared(Effect.READ_FROM, default, factory)
+
+
+def operational(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING) -> Any:
+    """A config field that changes how the job runs (speed, memory, where it logs), never what it writes."""
+    return _declared(Effect.OPERATIONAL, default, factory)
+
+
+def effect_of(field: dataclasses.Field, owner: type) -> Effect:
+    """A field's declared Effect; a field that declares none is an error, so a new key cannot be left out."""
+    if EFFECT not in field.metadata:
+        raise TypeError(f"{owner.__name__}.{field.name} declares no Effect: declare it with written(...), "
+                        "read_from(...) or operational(...) (batchvlm.config)")
+    return field.metadata[EFFECT]
+
+
+def fingerprinted(config: Any) -> dict:
+    """The values of the fields a config (and the configs it nests) declares `written`, nested as the config: what the
+    settings contribute to a run's fingerprint."""
+    found = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            if inner := fingerprinted(value):
+                found[field.name] = inner
+        elif effect_of(field, type(config)) is Effect.WRITTEN:
+            found[field.name] = value.value if isinstance(value, enum.Enum) else value
+    return found
+
+
+class Config:
+    """The base of every config schema: a key prefix for messages (`KEY`, e.g. "decode"), and each `Choice` field's
+    value checked and made a member when the config is built in Python (OmegaConf does it for YAML)."""
+
+    KEY: typing.ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for field in dataclasses.fields(self):
+            choices = _choice_type(hints.get(field.name))
+            value = getattr(self, field.name)
+            if choices is not None and value is not None and not isinstance(value, choices):
+                try:
+                    setattr(self, field.name, choices(value))
+                except ValueError:
+                    raise ConfigError(f"{self.key(field.name)}={value!r} is not one of "
+                                      f"{', '.join(member.value for member in choices)}") from None
+
+    def key(self, name: str) -> str:
+        """The dotted key of one of this config's fields, as the user writes it."""
+        return f"{self.KEY}.{name}" if self.KEY else name
+
+
+def _choice_type(hint: Any) -> type[Choice] | None:
+    """The Choice of a field typed `SomeChoice` or `SomeChoice | None`."""
+    for candidate in typing.get_args(hint) or (hint,):
+        if isinstance(candidate, type) and issubclass(candidate, Choice):
+            return candidate
+    return None
 
 
 def positive(key: str, value: int | float) -> None:
@@ -74,16 +171,19 @@ def required_path(cfg: DictConfig, key: str, usage: str) -> Path:
     return Path(cfg[key])
 
 
-def _reject_unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> None:
-    """Hydra's `+key=value` adds keys even to typed nodes; refuse them rather than ignore them."""
-    fields = {f.name: f for f in dataclasses.fields(schema)}
+def _reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
+    """Hydra's `+key=value` adds keys even to typed nodes; refuse them rather than ignore them. Each node is checked
+    against its own schema (a dataset's is its kind's)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    fields = [f.name for f in dataclasses.fields(OmegaConf.get_type(node))]
     for key in node.keys():
         if key not in fields:
             raise ConfigError(f"{prefix}{key} is not a config key (known under {prefix.rstrip('.') or 'the root'}: "
                               f"{', '.join(fields)})")
-        factory = fields[key].default_factory
-        if isinstance(factory, type) and dataclasses.is_dataclass(factory):
-            _reject_unknown_keys(node[key], factory, f"{prefix}{key}.")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
+            _reject_unknown_keys(child, f"{prefix}{key}.")
 
 
 Schema = TypeVar("Schema")
@@ -91,7 +191,7 @@ Schema = TypeVar("Schema")
 
 def to_job_config(cfg: DictConfig, schema: type[Schema]) -> Schema:
     """Turn the composed config into validated objects; ConfigError names the offending key."""
-    _reject_unknown_keys(cfg, schema)
+    _reject_unknown_keys(cfg)
     from omegaconf import OmegaConf
     from omegaconf.errors import MissingMandatoryValue
 

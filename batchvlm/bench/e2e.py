@@ -35,7 +35,7 @@ from batchvlm.families import ModelConfig
 from batchvlm.pipeline.chat import TextConfig
 from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.rundir.sink import OutputConfig
-from batchvlm.sources.config import DatasetConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.executor.batching import TokenBudgetBatcher
 from batchvlm.executor.job import Parts, rank_job
 from batchvlm.executor.worker import plan_and_lay_out
@@ -76,7 +76,7 @@ def write_dataset(folder: Path, images: list[bytes]) -> Path:
 
 def job_config(path: Path, out: Path, model: ModelConfig, unit_records: int, workers: int, name: str = "e2e",
                overlap: bool = True, jpeg: str = "safe", limit: int | None = None) -> JobConfig:
-    return JobConfig(run_name=name, dataset=DatasetConfig(kind="parquet", path=str(path), unit_records=unit_records,
+    return JobConfig(run_name=name, dataset=dataset_config("parquet", path=str(path), unit_records=unit_records,
                                                           limit=limit),
                      model=model, output=OutputConfig(root=str(out)), decode=DecodeConfig(jpeg=jpeg),
                      runtime=RuntimeConfig(progress=False, overlap=overlap, num_workers=workers))

@@ -31,11 +31,11 @@ import pyarrow.parquet as pq
 import torch
 
 from batchvlm.bench import EMBED_JOB
-from batchvlm.config import ConfigError, one_of, positive
-from batchvlm.executor.config import RuntimeConfig
-from batchvlm.families import TINY, ModelConfig
+from batchvlm.config import Choice, Config, ConfigError, positive
 from batchvlm.demo import build_once, demo_rows, home, photographs
-from batchvlm.families import load_family
+from batchvlm.executor.config import RuntimeConfig
+from batchvlm.families import TINY, ModelConfig, load_family
+from batchvlm.format.schema import Dtype
 from batchvlm.pipeline.preprocess import TorchPreprocessor, TritonPreprocessor
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.manifest import listed_shards
@@ -43,9 +43,24 @@ from batchvlm.records import DecodedImage, PreparedRecord, SourceRecord, TokenLa
 from batchvlm.training import LoaderConfig, PackedLoader, packing_efficiency
 
 
+class Task(Choice):
+    preprocess = "preprocess"
+    scale = "scale"
+    loader = "loader"
+    e2e = "e2e"
+    tower = "tower"
+    jpeg = "jpeg"
+    claims = "claims"
+
+
+class Tower(Choice):
+    base = "base"
+    tiny = "tiny"
+
+
 @dataclass
-class BenchConfig:
-    task: str = "preprocess"
+class BenchConfig(Config):
+    task: Task = Task.preprocess
     model: ModelConfig = field(default_factory=ModelConfig)
     """The family whose plan, layout and HF processor are measured."""
     device: str = "auto"
@@ -73,9 +88,9 @@ class BenchConfig:
     records: int = 16
     """task=e2e|tower|jpeg: records (one real photo each, of the common sizes in decoding.REAL_SIZES) run through the
     job and each stage, through the tower, or encoded as each kind of JPEG."""
-    tower: str = "base"
+    tower: Tower = Tower.base
     """task=e2e|tower: base (a ViT-B-sized MoonViT, built once) | tiny (the demo tower)."""
-    dtype: str = "bfloat16"
+    dtype: Dtype = Dtype.bfloat16
     """task=e2e|tower: the tower's dtype (model.dtype), as checkpoints ship: bfloat16 | float16 | float32."""
     job_workers: int = 2
     """task=e2e: the job's runtime.num_workers; the records are cut into two work units per worker."""
@@ -93,9 +108,7 @@ class BenchConfig:
     rehearsal on a CPU)."""
 
     def __post_init__(self) -> None:
-        one_of("task", self.task, ("preprocess", "scale", "loader", "e2e", "tower", "jpeg", "claims"))
-        one_of("tower", self.tower, ("base", "tiny"))
-        one_of("dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        super().__post_init__()
         for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens", "records",
                     "job_workers", "peak_tflops", "ranks", "units", "block_units"):
             positive(key, getattr(self, key))

@@ -1,5 +1,11 @@
 """What a run's outputs depend on: its fingerprint. A run directory holds one (rundir.run) and refuses a job with
-another, naming what differs, so that one run never mixes two outputs."""
+another, naming what differs, so that one run never mixes two outputs.
+
+The settings' part is computed from their declarations: every config field states whether it changes what is written
+or quarantined (batchvlm.config: written, read_from, operational), and the values of the `written` ones are in the
+fingerprint, so a key added to a config is in it, or declared out of it, by construction. What a `read_from` setting
+names is in it by content: the checkpoint's config and weights, its tokenizer and the chat template, by digest.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +16,11 @@ import torch
 import transformers
 
 import batchvlm
+from batchvlm.config import fingerprinted
 from batchvlm.executor.config import JobConfig
 from batchvlm.families import TINY
-from batchvlm.pipeline.chat import text_fingerprint
+from batchvlm.pipeline.chat import template_digest
+from batchvlm.sources.config import TextFormat
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -29,20 +37,17 @@ def config_digest(checkpoint: Path) -> str:
 
 
 def run_fingerprint(job: JobConfig, family, encoder) -> dict:
-    """The fingerprint of a job whose `auto` choices are resolved (executor.job.resolve_auto)."""
+    """The fingerprint of a job whose `auto` choices are resolved (executor.job.resolve_auto: the backends' pixels
+    differ by a level, nvJPEG's are not libjpeg-turbo's)."""
+    conversations = job.dataset.format != TextFormat.text
     return {
-        **family.fingerprint(),
+        "settings": fingerprinted(job),
+        **family.fingerprint(),  # the processor's parameters as the checkpoint and model.processor resolve them
         "checkpoint": "tiny" if job.model.path == TINY else "local",  # the demo's tiny one is never a real model
         "model_config_sha256": config_digest(family.checkpoint),
         "weights_sha256": weights_digest(encoder),
         "hidden_size": encoder.hidden_size,
-        "model_dtype": job.model.dtype,
-        "embed_dtype": job.output.embed_dtype,
-        "preprocess_backend": job.preprocess.backend,
-        "jpeg_decode": job.decode.jpeg,  # resolved: nvJPEG's pixels are not libjpeg-turbo's
-        "background": job.preprocess.background,
-        "placeholder": job.dataset.placeholder,
-        **text_fingerprint(job.dataset.format, job.text, family),
+        "chat_template_sha256": template_digest(family) if conversations else None,
         "versions": {"batchvlm": batchvlm.__version__, "transformers": transformers.__version__,
                      "torch": torch.__version__},
     }

@@ -7,6 +7,7 @@ import pyarrow as pa
 import torch
 
 import batchvlm
+from batchvlm.config import Choice
 
 TEXT, IMAGE, FRAME = 0, 1, 2
 """token_tags values: text, an image-embedding position, a frame token around an image's span."""
@@ -18,7 +19,15 @@ EXTRA_OUTPUTS = {
 }
 """Outputs an encoder may return beside `image_embeds`; each is stored in its own column."""
 
-EMBED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+class Dtype(Choice):
+    """A tower's compute dtype, and the stored embeddings' (model.dtype, output.embed_dtype)."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+EMBED_DTYPES = {Dtype.bfloat16: torch.bfloat16, Dtype.float16: torch.float16, Dtype.float32: torch.float32}
 
 _SIZE = pa.list_(pa.int32(), 2)
 TURN = pa.struct([("role", pa.string()), ("start", pa.int32()), ("end", pa.int32())])

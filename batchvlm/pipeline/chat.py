@@ -17,42 +17,58 @@ turns, image tokens, the assistant header and whatever the template puts before 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from batchvlm.checks import CheckFailed, require
-from batchvlm.config import ConfigError, one_of, positive
+from batchvlm.config import Choice, Config, ConfigError, positive, written
 from batchvlm.format.schema import FRAME, IMAGE, TEXT
 from batchvlm.pipeline.tokens import checked_spans
 from batchvlm.records import ROLES, ChatLayout, ImagePlan, TokenLayout, Turn, TurnSpan
 
 
+class TrainOn(Choice):
+    auto = "auto"
+    assistant = "assistant"
+    last_assistant = "last_assistant"
+    all = "all"
+
+
+class Overflow(Choice):
+    quarantine = "quarantine"
+    drop_turns = "drop_turns"
+
+
 @dataclass
-class TextConfig:
-    train_on: str = "auto"
+class TextConfig(Config):
+    KEY: ClassVar[str] = "text"
+
+    train_on: TrainOn = written(TrainOn.auto)
     """Which tokens a trainer learns to predict (the stored loss_mask): assistant (the content and end-of-turn token of
     every assistant turn) | last_assistant (of the last one only) | all (every token but image tokens) | auto
     (assistant for a conversation; all for dataset.format=text, which has no turns)."""
-    max_tokens: int | None = None
+    max_tokens: int | None = written(None)
     """Tokens per record at most (the trainer's context length); null: no limit. A longer record is quarantined under
     text.too_long, or loses whole trailing turns (text.overflow)."""
-    overflow: str = "quarantine"
+    overflow: Overflow = written(Overflow.quarantine)
     """A record over text.max_tokens: quarantine (text.too_long) | drop_turns (a conversation keeps its longest prefix
     of whole turns that ends with an assistant turn and fits; never part of an image; the row records how many
     turns it lost)."""
 
     def __post_init__(self) -> None:
-        one_of("text.train_on", self.train_on, ("auto", "assistant", "last_assistant", "all"))
-        one_of("text.overflow", self.overflow, ("quarantine", "drop_turns"))
+        super().__post_init__()
         if self.max_tokens is not None:
             positive("text.max_tokens", self.max_tokens)
-        if self.overflow == "drop_turns" and self.max_tokens is None:
+        if self.overflow == Overflow.drop_turns and self.max_tokens is None:
             raise ConfigError("text.overflow=drop_turns needs text.max_tokens")
 
-    def trained(self, format: str) -> str:
+    def trained(self, format: str) -> TrainOn:
         """text.train_on resolved for a dataset format: auto trains assistant turns, or everything in plain text."""
-        return ("all" if format == "text" else "assistant") if self.train_on == "auto" else self.train_on
+        if self.train_on != TrainOn.auto:
+            return self.train_on
+        return TrainOn.all if format == "text" else TrainOn.assistant
 
 
 FOLLOWS = {"system": (None,), "user": (None, "system", "assistant", "tool"), "assistant": ("user", "tool"),
@@ -268,11 +284,8 @@ class ChatRenderer:
         return mask
 
 
-def text_fingerprint(format: str, text: TextConfig, family) -> dict:
-    """What the text side adds to a run's fingerprint: the format, the text settings and the chat template, where they
-    change the rows (nothing for plain text without a length limit)."""
-    if format == "text" and text.max_tokens is None:
-        return {}
-    template = family.tokenizer.chat_template if format != "text" else None
-    return {"text": {"format": format, **asdict(text), "chat_template_sha256":
-                     hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None}}
+def template_digest(family) -> str | None:
+    """The sha256 of the chat template a conversation is rendered with (the checkpoint's, or model.chat_template's
+    once loaded into the tokenizer): what the run's fingerprint holds of it, not the file's name."""
+    template = family.tokenizer.chat_template
+    return hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 import logging
 import os
 from collections import Counter
@@ -21,39 +22,58 @@ import torch
 import torch.nn.functional as F
 
 from batchvlm.checks import CheckFailed, require
-from batchvlm.config import ConfigError, one_of, positive
+from batchvlm.config import Choice, Config, ConfigError, operational, positive, written
 from batchvlm.faults import fault
 from batchvlm.kernels.reference import composite, resize_image
 from batchvlm.devices import Syncs, images_on, to_device
 from batchvlm.records import DecodedImage, ImagePlan, PixelBatch, PreparedRecord, PreprocessStats
 
 
+class Backend(Choice):
+    auto = "auto"
+    triton = "triton"
+    torch = "torch"
+    reference = "reference"
+
+
+class Background(Choice):
+    black = "black"
+    white = "white"
+    gray = "gray"
+    chessboard = "chessboard"
+
+
+class Fallback(Choice):
+    cpu = "cpu"
+    quarantine = "quarantine"
+
+
 @dataclass
-class PreprocessConfig:
-    backend: str = "auto"
+class PreprocessConfig(Config):
+    KEY: ClassVar[str] = "preprocess"
+
+    backend: Backend = written(Backend.auto)
     """auto (triton on CUDA, torch otherwise) | triton (kernels/, fused, GPU) | torch (batchvlm's own ops, CPU or
-    GPU) | reference (the family's Hugging Face processor)."""
-    token_budget: int = 16384
+    GPU) | reference (the family's Hugging Face processor). Their pixels differ by a level."""
+    token_budget: int = operational(16384)
     """Patches per packed batch; an image larger than the budget is encoded alone."""
-    max_images_per_batch: int = 256
-    background: str = "black"
+    max_images_per_batch: int = operational(256)
+    background: Background = written(Background.black)
     """Background that transparent pixels are composited onto: black | white | gray | chessboard."""
-    fallback: str = "cpu"
+    fallback: Fallback = written(Fallback.cpu)
     """An image whose backend result fails a preprocess check: cpu (redone on the CPU torch path, counted in the
     run's totals) | quarantine (its record is quarantined under the check)."""
-    parity_sample_rate: float = 0.001
+    parity_sample_rate: float = written(0.001)
     """Fraction of images (chosen by content hash, so reruns pick the same) also run through the family's HF
     processor and compared with the backend (check preprocess.parity). The HF processor runs on the CPU."""
-    parity_max_levels: float = 3.0
+    parity_max_levels: float = written(3.0)
     """Largest pixel difference from the HF processor that parity accepts, in uint8 levels."""
 
     def __post_init__(self) -> None:
-        one_of("preprocess.backend", self.backend, ("auto", "triton", "torch", "reference"))
-        one_of("preprocess.fallback", self.fallback, ("cpu", "quarantine"))
+        super().__post_init__()
         if not 0.0 <= self.parity_sample_rate <= 1.0:
             raise ConfigError(f"preprocess.parity_sample_rate={self.parity_sample_rate} must be in [0, 1]")
         positive("preprocess.parity_max_levels", self.parity_max_levels)
-        one_of("preprocess.background", self.background, ("black", "white", "gray", "chessboard"))
         positive("preprocess.token_budget", self.token_budget)
         positive("preprocess.max_images_per_batch", self.max_images_per_batch)
 

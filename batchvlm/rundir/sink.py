@@ -18,13 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import ClassVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchvlm.config import ConfigError, one_of, positive
+from batchvlm.config import Choice, Config, ConfigError, operational, positive, written
 from batchvlm.faults import crash_point
-from batchvlm.format.schema import DATA_SCHEMA, QUARANTINE_SCHEMA
+from batchvlm.format.schema import DATA_SCHEMA, QUARANTINE_SCHEMA, Dtype
 from batchvlm.pipeline.preprocess import merged_stats
 from batchvlm.records import OutputRow, UnitEnd, UnitStart, WorkUnit
 from batchvlm.rundir.claims import Claim, Claims
@@ -35,24 +36,32 @@ from batchvlm.rundir.manifest import Listing, Manifest
 from batchvlm.rundir.rank_reports import RankUnits
 
 
+class Compression(Choice):
+    zstd = "zstd"
+    snappy = "snappy"
+    none = "none"
+
+
 @dataclass
-class OutputConfig:
-    root: str = "outputs"
+class OutputConfig(Config):
+    KEY: ClassVar[str] = "output"
+
+    root: str = operational("outputs")
     """Folder that holds run directories."""
-    embed_dtype: str = "bfloat16"
+    embed_dtype: Dtype = written(Dtype.bfloat16)
     """dtype of stored embeddings (raw little-endian bytes): bfloat16 | float16 | float32."""
-    compression: str = "zstd"
-    quarantine_bytes_cap: int = 4 * 1024 * 1024
+    compression: Compression = operational(Compression.zstd)
+    """Of the Parquet files: zstd | snappy | none (the rows are the same)."""
+    quarantine_bytes_cap: int = written(4 * 1024 * 1024)
     """Original image bytes kept in a quarantine row up to this size; larger ones keep only their path."""
-    shard_bytes: int = 1024 * 1024 * 1024
+    shard_bytes: int = operational(1024 * 1024 * 1024)
     """Bytes of a data or quarantine file at most, its footer included: a unit writes as many files as its rows need,
     all listed in its manifest, each a few row groups (of a quarter of this, 64 MB at most). A single record larger
     than that gets a file of its own."""
 
     def __post_init__(self) -> None:
-        one_of("output.embed_dtype", self.embed_dtype, ("bfloat16", "float16", "float32"))
+        super().__post_init__()
         positive("output.shard_bytes", self.shard_bytes)
-        one_of("output.compression", self.compression, ("zstd", "snappy", "none"))
         if self.quarantine_bytes_cap < 0:
             raise ConfigError("output.quarantine_bytes_cap must be >= 0")
 

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from batchvlm.config import positive
+from batchvlm.config import operational, positive
 from batchvlm.executor.config import JobConfig
 from batchvlm.executor.rows import Assembler
 from batchvlm.executor.worker import checked_id, prepare
@@ -39,12 +39,12 @@ from batchvlm.training.loader import resident_bytes
 class EstimateConfig(JobConfig):
     """`batchvlm-estimate`: the embed job's config, and how to size it."""
 
-    records: int = 1000
+    records: int = operational(1000)
     """Records sampled from the inputs, spread over the work units; their images' headers are read, not decoded."""
-    images_per_s: float | None = None
+    images_per_s: float | None = operational(None)
     """Images per second one device embeds (measured with `batchvlm-bench task=e2e`, or a sample run): with it, the
     hours and the write bandwidth the job needs."""
-    devices: int = 1
+    devices: int = operational(1)
     """Devices the job runs on (GPUs over every node)."""
 
     def __post_init__(self) -> None:

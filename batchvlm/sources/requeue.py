@@ -139,7 +139,7 @@ class RequeueSource(Source):
         self.found, self.not_found = locate(self.base, wanted)
         if not self.found:
             raise ConfigError(f"none of the {len(wanted)} quarantined records of {run_dir} is in the current dataset "
-                              f"(dataset.kind={cfg.kind}, dataset.path={cfg.path}); requeue with the dataset "
+                              f"({cfg.described()}); requeue with the dataset "
                               f"overrides of the original run (see {RunLayout(run_dir).config})")
         self.rows: dict[str, list[int]] = {}
         for located in self.found:

@@ -13,7 +13,7 @@ from PIL import Image
 
 from batchvlm.executor.config import JobConfig
 from batchvlm.pipeline.decode import DecodeConfig
-from batchvlm.sources.config import DatasetConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.executor.worker import PreparedStream, QueuedUnits, checked_id
 from batchvlm.records import PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd, UnitStart, WorkUnit
 from batchvlm.rundir.claims import Claims
@@ -48,7 +48,7 @@ def test_a_worker_claims_each_unit_not_yet_committed_and_prepares_its_records(tm
     pq.write_table(pa.table({"id": ["a", "b", "c", "d"], "images": [[png()], [png()], [b"not an image"], []],
                              "text": ["<image> one", "<image> two", "<image> three", "no image"]}),
                    tmp_path / "in.parquet", row_group_size=2)
-    job = JobConfig(dataset=DatasetConfig(kind="parquet", path=str(tmp_path / "in.parquet"), unit_records=2),
+    job = JobConfig(dataset=dataset_config("parquet", path=str(tmp_path / "in.parquet"), unit_records=2),
                     decode=DecodeConfig(isolation="none"))
     source = make_source(job.dataset)
     units = source.plan()

@@ -15,7 +15,7 @@ import pytest
 from batchvlm.config import ConfigError
 from batchvlm.executor.config import JobConfig
 from batchvlm.pipeline.decode import DecodeConfig
-from batchvlm.sources.config import DatasetConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.records import WorkUnit
 from batchvlm.rundir.workunits import Plan, block_units_for, make_plan, read_plan, write_plan
@@ -30,7 +30,7 @@ def write_rows(path, count: int, group: int) -> None:
 
 def plan_of(folder, run_dir, **dataset):
     """The plan of a run over the folder's Parquet files, written where it is new, as the job does."""
-    job = JobConfig(dataset=DatasetConfig(kind="parquet", path=str(folder / "*.parquet"), **dataset))
+    job = JobConfig(dataset=dataset_config("parquet", path=str(folder / "*.parquet"), **dataset))
     run_dir.mkdir(exist_ok=True)
     plan, new = make_plan(RunLayout(run_dir), make_source(job.dataset), job.reading_settings())
     if new:
@@ -85,7 +85,7 @@ def test_a_resume_with_other_reading_settings_is_refused_naming_them(tmp_path, s
 
 def test_a_resume_with_other_decode_limits_is_refused_naming_them(tmp_path):
     write_rows(tmp_path / "a.parquet", 10, 5)
-    cfg = DatasetConfig(kind="parquet", path=str(tmp_path / "*.parquet"))
+    cfg = dataset_config("parquet", path=str(tmp_path / "*.parquet"))
     layout = RunLayout(tmp_path)
     write_plan(layout, make_plan(layout, make_source(cfg), JobConfig(dataset=cfg).reading_settings())[0])
     with pytest.raises(ConfigError, match=r"decode\.max_pixels: 50000000 -> 1000"):
@@ -95,7 +95,7 @@ def test_a_resume_with_other_decode_limits_is_refused_naming_them(tmp_path):
 def test_a_saved_dataset_with_rows_appended_is_refused(tmp_path):
     rows = {"id": ["a", "b"], "images": [[b"x"], [b"y"]], "text": ["t", "t"]}
     datasets.Dataset.from_dict(rows).save_to_disk(tmp_path / "ds")
-    job = JobConfig(dataset=DatasetConfig(kind="disk", path=str(tmp_path / "ds")))
+    job = JobConfig(dataset=dataset_config("disk", path=str(tmp_path / "ds")))
     layout = RunLayout(tmp_path)
     write_plan(layout, make_plan(layout, make_source(job.dataset), job.reading_settings())[0])
     more = {key: values * 2 for key, values in rows.items()}

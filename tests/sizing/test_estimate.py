@@ -14,7 +14,7 @@ from conftest import REPO, run_embed
 from PIL import Image
 
 from batchvlm.sizing.estimate import EstimateConfig
-from batchvlm.sources.config import DatasetConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.sizing.estimate import estimate, format_estimate
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import all_manifests
@@ -30,7 +30,7 @@ def written_bytes(run_dir) -> int:
 
 
 def test_the_estimate_of_the_demo_is_within_ten_percent_of_the_bytes_the_job_writes(demo_run):
-    result = estimate(EstimateConfig(dataset=DatasetConfig(kind="demo", unit_records=6)))
+    result = estimate(EstimateConfig(dataset=dataset_config("demo", unit_records=6)))
     assert result.records == 21 and result.sampled == 21 and result.units == 4
     assert abs(result.total_bytes / written_bytes(demo_run) - 1) <= 0.10
 
@@ -57,7 +57,7 @@ def test_the_estimate_of_mixed_image_sizes_from_a_sample_is_within_ten_percent(t
     assert sampled.returncode == 0, sampled.stderr[-3000:]
     report = sampled.stdout
     assert "sample: 24 records" in report and "records: 48 in 6 units" in report and " h, writing " in report
-    estimated = estimate(EstimateConfig(dataset=DatasetConfig(kind="parquet", path=str(tmp_path / "mixed.parquet"),
+    estimated = estimate(EstimateConfig(dataset=dataset_config("parquet", path=str(tmp_path / "mixed.parquet"),
                                                               unit_records=8), records=24))
     assert abs(estimated.total_bytes / written_bytes(tmp_path / "mixed") - 1) <= 0.10
     assert "tokens per image: p50 " in format_estimate(estimated)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from batchvlm.config import ConfigError
-from batchvlm.sources.config import DatasetConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.sources import make_source
 
 
@@ -18,7 +18,7 @@ def record(i: int) -> dict:
 
 
 def source_of(path, **options):
-    return make_source(DatasetConfig(kind="json", path=str(path), **options))
+    return make_source(dataset_config("json", path=str(path), **options))
 
 
 def read_all(source):

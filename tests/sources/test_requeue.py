@@ -18,7 +18,7 @@ from batchvlm.executor.config import JobConfig, RuntimeConfig
 from batchvlm.executor.tally import ChecksConfig
 from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.rundir.sink import OutputConfig
-from batchvlm.sources.config import DatasetConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.executor.job import run_job
 from batchvlm.review.html import render
 from batchvlm.review.report import build_report, summary_text
@@ -90,7 +90,7 @@ def test_requeue_reads_the_fixed_text_from_the_dataset_and_reports_records_gone_
     dataset = tmp_path / "captions.parquet"
     _write_parquet(dataset, [("cat", "<image> a cat"), ("twice", "<image> and again <image>"),
                              ("gone", "<image><image>"), ("cup", "<image> a cup")])
-    run_job(_job(tmp_path / "out", "captions", dataset=DatasetConfig(kind="parquet", path=str(dataset))),
+    run_job(_job(tmp_path / "out", "captions", dataset=dataset_config("parquet", path=str(dataset))),
             tmp_path / "out" / "captions")
     assert {row["id"]: row["check"] for row in quarantine_rows(tmp_path / "out" / "captions")} == {
         "twice": "text.placeholder_count", "gone": "text.placeholder_count"}

@@ -16,7 +16,7 @@ from skimage import data
 
 from batchvlm.config import ConfigError
 from batchvlm.pipeline.decode import DecodeConfig
-from batchvlm.sources.config import DatasetConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.pipeline.decode import read_bytes
 from batchvlm.sources import make_source
 from batchvlm.training.reader import read_run
@@ -46,7 +46,7 @@ def _columns(**extra) -> dict:
 def test_a_missing_column_is_a_config_error_naming_the_key(tmp_path):
     datasets.Dataset.from_dict(_table(["cat"]), features=FEATURES).save_to_disk(tmp_path / "ds")
     with pytest.raises(ConfigError, match="dataset.images_column='images'"):
-        make_source(DatasetConfig(kind="disk", path=str(tmp_path / "ds"), id_column="key",
+        make_source(dataset_config("disk", path=str(tmp_path / "ds"), id_column="key",
                                   text_column="caption")).plan()
 
 
@@ -73,13 +73,13 @@ def test_an_image_given_as_a_url_is_refused_by_name_unless_fetching_is_allowed(t
     photo = tmp_path / "cat.jpg"
     photo.write_bytes(jpeg(PHOTOS["cat"]))
     url = photo.as_uri()  # file:///...: fsspec reads it like any remote URL, with no network
-    refused = image_ref(url, str(tmp_path), DatasetConfig(kind="parquet", path="x"))
+    refused = image_ref(url, str(tmp_path), dataset_config("parquet", path="x"))
     with pytest.raises(CheckFailed, match="given as a URL .*dataset.fetch_urls=true") as caught:
         read_bytes(refused, DecodeConfig(), 0)
     assert caught.value.check == "decode.missing_file"
-    allowed = image_ref(url, str(tmp_path), DatasetConfig(kind="parquet", path="x", fetch_urls=True))
+    allowed = image_ref(url, str(tmp_path), dataset_config("parquet", path="x", fetch_urls=True))
     assert read_bytes(allowed, DecodeConfig(), 0) == photo.read_bytes()
-    relative = image_ref("cat.jpg", str(tmp_path), DatasetConfig(kind="parquet", path="x"))
+    relative = image_ref("cat.jpg", str(tmp_path), dataset_config("parquet", path="x"))
     assert relative.path == str(photo)  # resolved against the input's folder, not mangled
 
 
