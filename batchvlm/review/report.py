@@ -31,6 +31,7 @@ from batchvlm.rundir.dedup import committed_results, duplicate_rows
 from batchvlm.rundir.durable import read_json
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import Manifest, ManifestError, RunTotals, all_manifests, listed_shards
+from batchvlm.rundir.upgrade import check_run_format
 from batchvlm.sources import parent_of
 from batchvlm.sources.requeue import read_lineage
 
@@ -101,6 +102,7 @@ def read_manifests(layout: RunLayout) -> list[Manifest]:
 
 def build_report(run_dir: Path, max_cards_per_check: int = 50, thumbnails: bool = True) -> Report:
     layout = RunLayout(run_dir)
+    check_run_format(layout)
     manifests = read_manifests(layout)
     success = read_json(layout.success)
     totals = RunTotals.of(manifests, committed_results(layout))
@@ -137,9 +139,7 @@ def _run_config(layout: RunLayout) -> dict:
 def _scan_shard(report: Report, shard: Path) -> None:
     """Count one shard batch by batch, and keep the rows that still fit under their check's card cap."""
     offset, file = 0, pq.ParquetFile(shard)
-    # A run written before a column was added (a conversation's turns) reports without it.
-    columns = [name for name in ROW_COLUMNS if name in file.schema_arrow.names]
-    for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=columns):
+    for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=ROW_COLUMNS):
         report.quarantined += batch.num_rows
         for counter, column in ((report.by_check, "check"), (report.by_stage, "stage"), (report.by_source, "source")):
             counter.update(value_counts(batch.column(column)))

@@ -27,6 +27,7 @@ from batchvlm.config import ConfigError
 from batchvlm.rundir.claims import LEASE_S, Beat, last_beats, rank_of_owner
 from batchvlm.rundir.frontier import claimed_so_far
 from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.upgrade import check_run_format
 from batchvlm.rundir.rank_reports import AT, RECORDS_COMMITTED, UNITS_COMMITTED, RankReport, Sample, read_reports
 from batchvlm.rundir.workunits import read_plan
 
@@ -85,6 +86,7 @@ def run_status(run_dir: Path, now: float | None = None, window_s: float = WINDOW
     if not layout.plan.exists():
         raise ConfigError(f"{run_dir} holds no batchvlm run (no plan): give run_dir=<output.root>/<run_name> of a run "
                           "that has started")
+    check_run_format(layout)
     now = time.time() if now is None else now
     plan = read_plan(layout)
     rows = [unit.num_rows for unit in plan.units]

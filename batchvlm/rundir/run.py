@@ -10,23 +10,25 @@ import hashlib
 import json
 import platform
 
-import batchvlm
 from batchvlm.config import ConfigError, differences
 from batchvlm.faults import crash_point
+from batchvlm.format.schema import FORMAT_VERSION, check_format
 from batchvlm.pipeline.preprocess import merged_stats
 from batchvlm.rundir.dedup import bucket_results
 from batchvlm.rundir.durable import durable_write, durable_write_json, read_json
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.manifest import RunTotals
+from batchvlm.rundir.upgrade import run_format, write_marker
 
 
 def check_ours(layout: RunLayout) -> None:
-    """The run directory is new or a batchvlm run's (its marker): the job never writes, nor cleans up, in a folder
-    of someone else's files."""
-    if not layout.root.exists() or layout.marker.exists():
+    """The run directory is new, or a batchvlm run's of the current output format: the job never writes, nor cleans
+    up, in a folder of someone else's files, nor adds to a run of another format."""
+    if not layout.root.exists():
         return
-    if layout.fingerprint.exists() and layout.plan.exists():
-        return  # a run written before the marker: reopening it writes one
+    if (version := run_format(layout)) is not None:
+        check_format(version, str(layout.root))
+        return
     if found := sorted(path.name for path in layout.root.iterdir()):
         raise ConfigError(f"{layout.root} is not empty and not a batchvlm run directory (it holds "
                           f"{', '.join(found[:5])}{', ...' if len(found) > 5 else ''}); give the run an empty or new "
@@ -53,7 +55,7 @@ class RunDir:
         """Rank 0 writes the marker, the fingerprint and the starting config of a new run directory."""
         self._check_fingerprint()
         if not self.layout.marker.exists():
-            durable_write_json(self.layout.marker, {"batchvlm": batchvlm.__version__, "run": self.path.name})
+            write_marker(self.layout)
         if not self.layout.fingerprint.exists():
             durable_write_json(self.layout.fingerprint, self.fingerprint)
         if not self.layout.config.exists():  # the config that started the run; restarts log theirs
@@ -90,6 +92,7 @@ class RunDir:
             # images redone on the CPU path, by check, and the parity sample, from every unit's manifest
             **merged_stats([manifest.preprocess for manifest in manifests]),
             "host": platform.node(),
+            "format_version": FORMAT_VERSION,
             "checkpoint": self.fingerprint["checkpoint"],
             "family": self.fingerprint["family"],
         }

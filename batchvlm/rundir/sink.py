@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from batchvlm.config import Choice, Config, ConfigError, operational, positive, written
 from batchvlm.faults import crash_point
-from batchvlm.format.schema import DATA_SCHEMA, QUARANTINE_SCHEMA, Dtype
+from batchvlm.format.schema import DATA_SHARD, QUARANTINE_SHARD, Dtype, Shard
 from batchvlm.pipeline.preprocess import merged_stats
 from batchvlm.records import OutputRow, UnitEnd, UnitStart, WorkUnit
 from batchvlm.rundir.claims import Claim, Claims
@@ -68,7 +68,7 @@ class OutputConfig(Config):
 
 log = logging.getLogger("batchvlm")
 
-SCHEMAS = {DATA: DATA_SCHEMA, QUARANTINE: QUARANTINE_SCHEMA}
+SHARDS = {DATA: DATA_SHARD, QUARANTINE: QUARANTINE_SHARD}
 ROW_GROUP_ROWS = 256
 ROW_GROUP_BYTES = 64 * 1024 * 1024
 DEFAULT_SHARD_BYTES = OutputConfig.shard_bytes
@@ -91,15 +91,16 @@ FOOTER_BYTES_PER_GROUP = 4096
 class ShardWriter:
     """One kind of a unit's rows, written a row group at a time to temporary files of at most `shard_bytes` each,
     footer included (a row group larger than that alone gets a file of its own); the first opened on the first row.
-    `path_of(n)` names the n-th file."""
+    `path_of(n)` names the n-th file; every row is checked against the contract's declaration of `shard` first."""
 
-    def __init__(self, path_of: Callable[[int], Path], schema: pa.Schema, metadata: dict, compression: str | None,
+    def __init__(self, path_of: Callable[[int], Path], shard: Shard, metadata: dict, compression: str | None,
                  shard_bytes: int):
-        self.path_of, self.schema, self.metadata, self.compression = path_of, schema, metadata, compression
+        self.path_of, self.shard, self.metadata, self.compression = path_of, shard, metadata, compression
+        self.schema = shard.schema
         self.shard_bytes = shard_bytes
         self.group_bytes = group_byte_limit(shard_bytes)
         # the footer holds the schema twice (Parquet's, and Arrow's serialized), then each row group's columns
-        self.footer_bytes = 2 * schema.with_metadata(metadata).serialize().size
+        self.footer_bytes = 2 * self.schema.with_metadata(metadata).serialize().size
         self.parts: list[ShardPart] = []
         self.writer: pq.ParquetWriter | None = None
         self.file: pa.NativeFile | None = None
@@ -108,6 +109,7 @@ class ShardWriter:
         self.rows = 0
 
     def append(self, row: dict) -> None:
+        self.shard.check_row(row)
         self.buffer.append(row)
         self.buffered_bytes += sum(len(v) for v in row.values() if isinstance(v, (bytes, str)))
         self.rows += 1
@@ -209,8 +211,8 @@ class RunSink:
 
     # -- records --------------------------------------------------------------------------------
     def start_unit(self, unit: WorkUnit, claim: Claim) -> None:
-        shards = {kind: ShardWriter(partial(self.layout.shard, kind, unit.unit_id, claim.token), schema, self.metadata,
-                                    self.compression, self.shard_bytes) for kind, schema in SCHEMAS.items()}
+        shards = {kind: ShardWriter(partial(self.layout.shard, kind, unit.unit_id, claim.token), shard, self.metadata,
+                                    self.compression, self.shard_bytes) for kind, shard in SHARDS.items()}
         self.open[unit.unit_id] = OpenUnit(unit, claim, shards)
 
     def take(self, item: UnitStart | OutputRow | UnitEnd) -> None:

@@ -33,8 +33,7 @@ rather than a rank with nothing to do while another works through a long block."
 @dataclass(frozen=True)
 class Block:
     """Consecutive units of the claim order, claimed as one task and worked through by the rank that holds it. Its
-    task is its first unit's id, so a plan of one unit per block (every plan made before blocks) claims units by
-    their ids, as it always did."""
+    task is its first unit's id, so a plan of one unit per block claims units by their ids."""
 
     task: str
     units: tuple[WorkUnit, ...]
@@ -132,4 +131,4 @@ def _identity(item: InputFile) -> dict:
 def read_plan(layout: RunLayout) -> Plan:
     raw = json.loads(layout.plan.read_text())
     return Plan([InputFile(**i) for i in raw["inputs"]], raw["params"], [WorkUnit(**u) for u in raw["units"]],
-                raw["dedup_buckets"], raw.get("block_units", 1))  # a plan made before blocks: one unit each
+                raw["dedup_buckets"], raw["block_units"])

@@ -25,6 +25,7 @@ from batchvlm.records import WorkUnit
 from batchvlm.rundir.durable import durable_write_json, read_json
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import listed_shards
+from batchvlm.rundir.upgrade import check_run_format
 from batchvlm.sources import Source, make_source
 
 log = logging.getLogger("batchvlm")
@@ -123,6 +124,7 @@ class RequeueSource(Source):
     """
 
     def __init__(self, cfg: DatasetConfig, run_dir: Path, checks: list[str] | None):
+        check_run_format(RunLayout(run_dir))
         self.base = make_source(cfg)
         super().__init__(cfg, list(self.base.inputs.values()))
         self.from_run, self.checks = run_dir.resolve(), checks

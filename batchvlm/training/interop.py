@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
 from batchvlm.format.schema import EXTRA_OUTPUTS
-from batchvlm.format.hf_features import EMBED_ID_PREFIX, embedding_layouts, features_key_of
+from batchvlm.format.hf_features import EMBED_ID_PREFIX, embedding_layouts
 from batchvlm.rundir.dedup import duplicate_rows
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.training.reader import RecordTensors, trusted_shards
@@ -37,12 +36,6 @@ def load_run_dataset(run_dir: str | Path, allow_unfinished: bool = False, checks
     shards = [shard for _, shard in units]
     if not shards:
         raise ValueError(f"{run_dir} has no committed shards")
-    schema = pq.read_schema(shards[0])
-    if b"huggingface" not in schema.metadata and "features" not in kwargs:
-        # Shards written before the job wrote datasets' key (`datasets` takes the features from the first file):
-        # the same features, from batchvlm's own keys.
-        kwargs["features"] = datasets.Features.from_arrow_schema(
-            schema.with_metadata({**schema.metadata, b"huggingface": features_key_of(schema)}))
     dataset = datasets.load_dataset("parquet", data_files=[str(path) for path in shards], split="train", **kwargs)
     return _without_later_occurrences(dataset, RunLayout(Path(run_dir))) if excluded else dataset
 

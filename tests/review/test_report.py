@@ -178,8 +178,6 @@ def _synthetic_run(run_dir: Path, shards: int, rows_per_shard: int, checks: list
             "image_paths": [[None]] * rows_per_shard, "text": [f"<image> caption {i}" for i in rows],
             "turns": [None] * rows_per_shard, "turn_index": [None] * rows_per_shard,
             "fingerprint": ["f"] * rows_per_shard}, schema=QUARANTINE_SCHEMA)
-        if shard % 2:  # written before conversations: no turns columns
-            table = table.drop_columns(["turns", "turn_index"])
         pq.write_table(table, run_dir / "quarantine" / f"{unit}.parquet")
         listing = Listing(f"quarantine/{unit}.parquet", rows_per_shard, 0, "")
         manifest = Manifest(unit, "input", rows.start, rows.stop, rows_per_shard, 0, rows_per_shard, {},

@@ -116,13 +116,13 @@ def test_blocks_cut_the_claim_order_and_are_sized_for_the_launch_that_plans_the_
     assert plan.block_of()["u010"] == "u008"
 
 
-def test_a_plan_written_before_blocks_claims_each_unit_under_its_own_id(tmp_path):
+def test_a_plan_of_one_unit_per_block_claims_each_unit_under_its_own_id(tmp_path):
     write_rows(tmp_path / "a.parquet", 10, 5)
     layout = RunLayout(tmp_path / "run")
     plan = plan_of(tmp_path, tmp_path / "run", unit_records=5)
     raw = json.loads(layout.plan.read_text())
-    del raw["block_units"]  # as a plan of an earlier release
+    raw["block_units"] = 1
     layout.plan.write_text(json.dumps(raw))
-    older = read_plan(layout)
-    assert older.block_units == 1 and [block.task for block in older.blocks()] == [u.unit_id for u in
-                                                                                 plan.claim_order()]
+    single = read_plan(layout)
+    assert single.block_units == 1 and [block.task for block in single.blocks()] == [u.unit_id for u in
+                                                                                   plan.claim_order()]
