@@ -37,15 +37,15 @@ from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.rundir.sink import OutputConfig
 from batchvlm.sources.config import dataset_config
 from batchvlm.executor.batching import TokenBudgetBatcher
+from batchvlm.executor.steps import Assembly, Batching, alone
 from batchvlm.executor.job import Parts, rank_job
 from batchvlm.executor.worker import plan_and_lay_out
 from batchvlm.format.schema import DATA_SCHEMA
-from batchvlm.pipeline.assemble import data_row
 from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.encode import encode_batch
 from batchvlm.pipeline.preprocess import preprocess_batch
-from batchvlm.records import ImageRef, OutputRow, SourceRecord, Turn, WorkUnit
+from batchvlm.records import ImageRef, OutputRow, Outcomes, SourceRecord, Turn, WorkUnit
 from batchvlm.rundir.claims import Claims
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.rundir.sink import RunSink
@@ -148,13 +148,14 @@ def stage_rates(job: Parts, images: list[bytes]) -> tuple[dict, list, list]:
     layout_s, prepared = timed(lambda: [plan_and_lay_out(record, record.text, [image], job.family, job.job)
                                         for record, image in zip(records, decoded)], job.device)
     batcher = TokenBudgetBatcher(job.job.preprocess.token_budget, job.job.preprocess.max_images_per_batch)
-    groups = [closed for record in prepared if (closed := batcher.add(record))] + [batcher.flush()]
-    preprocess_s, batches = timed(lambda: [preprocess_batch(group, job.stage.preprocessor) for group in groups],
-                                  job.device)
-    dtype, sizes = job.assembler.embed_dtype, job.assembler.hidden_sizes
+    groups = alone(Batching(batcher), prepared)
+    preprocess_s, batches = timed(lambda: [preprocess_batch(group.records, job.stage.preprocessor)
+                                           for group in groups], job.device)
+    dtype = job.assembler.embed_dtype
     encode_s, encoded = timed(lambda: [e for batch in batches for e in encode_batch(job.stage.encoder, batch, dtype)],
                               job.device)
-    assemble_s, rows = timed(lambda: [data_row(e, dtype, sizes) for e in encoded], job.device)
+    assemble_s, assembled = timed(lambda: alone(Assembly(job.assembler), [Outcomes(encoded)]), job.device)
+    rows = [row.values for item in assembled for row in item.rows]
     count = len(images)
     return ({"decode": count / decode_s, "plan+layout": count / layout_s,
              "preprocess": count / preprocess_s, "tower+checks": count / encode_s, "assemble": count / assemble_s},

@@ -5,7 +5,7 @@
     embed:     until every unit is committed, by any rank:                                     (Job.embed)
                  claims thread: claim a block of units at the frontier (rundir.frontier)          (executor.worker)
                  workers:       a claimed unit -> source -> decode -> plan -> layout           (executor.worker)
-                 main process:  token-budget batches -> device -> rows                         (batching, device, rows)
+                 main process:  the typed steps: token-budget batches -> device -> rows -> sink (executor.steps)
                  writer thread: sink (atomic per-unit commit)                                  (rundir.sink)
                then wait on the launch's board for blocks that dead holders left, or the end
     dedup:     ranks claim the hash buckets of the ids and list the later occurrences          (Job.find_duplicates)
@@ -25,13 +25,14 @@ import torch
 from omegaconf import OmegaConf
 
 from batchvlm.executor.config import JobConfig
-from batchvlm.executor.batching import TokenBudgetBatcher, batches
-from batchvlm.executor.device import Device, encoded
+from batchvlm.executor.batching import TokenBudgetBatcher
+from batchvlm.executor.device import Device
 from batchvlm.executor.distributed import Coordinator, Ranks, init_ranks
 from batchvlm.executor.fingerprint import run_fingerprint
 from batchvlm.executor.overlap import Streams
 from batchvlm.executor.progress import Progress
-from batchvlm.executor.rows import Assembler, rows
+from batchvlm.executor.rows import Assembler
+from batchvlm.executor.steps import job_steps
 from batchvlm.executor.tally import JobAborted, QuarantineOverLimit, Tally, check_run_totals
 from batchvlm.executor.worker import prepared_units
 from batchvlm.families import Family, load_family, resolve_checkpoint
@@ -254,14 +255,7 @@ class Job:
         if queued is not None:
             queued.start()
         try:
-            for item in rows(encoded(batches(prepared, batcher), parts.stage), parts.assembler):
-                if not isinstance(item, list):
-                    writer.submit(item)  # a unit opens or closes
-                    continue
-                for row in item:
-                    writer.submit(row)
-                self.tally.count(item)
-                shown()
+            job_steps(parts.stage, parts.assembler, batcher, writer, self.tally, shown).run(prepared)
             writer.close()
             if queued is not None:
                 queued.check()

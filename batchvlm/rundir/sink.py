@@ -215,15 +215,6 @@ class RunSink:
                                     self.compression, self.shard_bytes) for kind, shard in SHARDS.items()}
         self.open[unit.unit_id] = OpenUnit(unit, claim, shards)
 
-    def take(self, item: UnitStart | OutputRow | UnitEnd) -> None:
-        """The next item of the job's stream: a unit opens, a record's row arrives, a unit's record count is known."""
-        if isinstance(item, UnitStart):
-            self.start_unit(item.unit, item.claim)
-        elif isinstance(item, UnitEnd):
-            self.end_unit(item.unit, item.num_records)
-        else:
-            self.add(item)
-
     def add(self, row: OutputRow) -> None:
         """A record's row, written once every row before it in the unit is."""
         unit_id = row.source.unit_id
@@ -310,8 +301,8 @@ class RunSink:
 
 
 class SinkWriter:
-    """Runs the sink on a thread behind a bounded queue, so writing never stalls the device loop: `submit` hands it
-    the job's stream item by item (RunSink.take)."""
+    """Runs the sink on a thread behind a bounded queue, so writing never stalls the device loop: `start_unit`, `add`
+    and `end_unit` hand it the job's stream in order, as the sink's own methods of those names take it."""
 
     def __init__(self, sink: RunSink, maxsize: int):
         self.sink = sink
@@ -321,16 +312,25 @@ class SinkWriter:
         self.thread.start()
 
     def _run(self) -> None:
-        while (item := self.queue.get()) is not None:
+        while (call := self.queue.get()) is not None:
             if self.error is None:
                 try:
-                    self.sink.take(item)
-                except BaseException as error:  # surfaced to the main thread on the next submit/close
+                    call()
+                except BaseException as error:  # surfaced to the main thread on the next call or close
                     self.error = error
 
-    def submit(self, item: UnitStart | OutputRow | UnitEnd) -> None:
+    def start_unit(self, start: UnitStart) -> None:
+        self._submit(partial(self.sink.start_unit, start.unit, start.claim))
+
+    def add(self, row: OutputRow) -> None:
+        self._submit(partial(self.sink.add, row))
+
+    def end_unit(self, end: UnitEnd) -> None:
+        self._submit(partial(self.sink.end_unit, end.unit, end.num_records))
+
+    def _submit(self, call: Callable[[], None]) -> None:
         self._raise_if_failed()
-        self.queue.put(item)
+        self.queue.put(call)
 
     def close(self) -> None:
         if self.thread.is_alive():

@@ -103,7 +103,8 @@ def make_plan(layout: RunLayout, source: Plannable, settings: dict, world: int =
     if not units:
         raise ConfigError(f"dataset.path: the inputs hold no rows ({', '.join(i.location for i in inputs[:3])}"
                           f"{', ...' if len(inputs) > 3 else ''})")
-    return Plan(inputs, settings, units, _buckets(units, dedup_buckets), block_units_for(units, block_units, world)), True
+    blocks = block_units_for(units, block_units, world)
+    return Plan(inputs, settings, units, _buckets(units, dedup_buckets), blocks), True
 
 
 def write_plan(layout: RunLayout, plan: Plan) -> None:

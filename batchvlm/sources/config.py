@@ -88,8 +88,8 @@ class DatasetConfig(Config):
     def __post_init__(self) -> None:
         super().__post_init__()
         if (own := kind_of(type(self))) is None:
-            raise ConfigError("dataset: choose the kind of input with dataset=<name> (demo, parquet, webdataset, llava, "
-                              "disk, imagefolder, hub, ...); a dataset YAML of your own extends one of those "
+            raise ConfigError("dataset: choose the kind of input with dataset=<name> (demo, parquet, webdataset, "
+                              "llava, disk, imagefolder, hub, ...); a dataset YAML of your own extends one of those "
                               "(defaults: [parquet, _self_])")
         if self.kind != own:
             raise ConfigError(f"dataset.kind={self.kind}: this dataset's schema reads {own}; choose another kind with "
