@@ -32,7 +32,7 @@ from batchvlm.rundir.durable import read_json
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import Manifest, ManifestError, RunTotals, all_manifests, listed_shards
 from batchvlm.rundir.upgrade import check_run_format
-from batchvlm.sources import parent_of
+from batchvlm.sources.files import parent_of
 from batchvlm.sources.requeue import read_lineage
 
 log = logging.getLogger("batchvlm")

@@ -22,7 +22,9 @@ from collections.abc import Iterator
 from batchvlm.checks import failure
 from batchvlm.config import ConfigError
 from batchvlm.records import InputFile, SourceRecord, WorkUnit
-from batchvlm.sources import Source, list_files, open_input, parent_of, record_from_row
+from batchvlm.sources import Source
+from batchvlm.sources.files import list_files, open_input, parent_of
+from batchvlm.sources.rows import record_from_row
 
 CHUNK = 1 << 22
 """Bytes read at a time while indexing an array."""

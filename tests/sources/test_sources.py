@@ -68,7 +68,7 @@ def test_embed_job_reads_a_parquet_glob_with_overridden_columns(tmp_path):
 
 def test_an_image_given_as_a_url_is_refused_by_name_unless_fetching_is_allowed(tmp_path):
     from batchvlm.checks import CheckFailed
-    from batchvlm.sources import image_ref
+    from batchvlm.sources.rows import image_ref
 
     photo = tmp_path / "cat.jpg"
     photo.write_bytes(jpeg(PHOTOS["cat"]))
@@ -108,7 +108,7 @@ def test_a_dataset_naming_files_outside_its_folder_gets_them_quarantined_unread_
 
 
 def test_brace_patterns_expand_as_shard_lists_are_written():
-    from batchvlm.sources import expand_braces
+    from batchvlm.sources.files import expand_braces
 
     assert expand_braces("s3://b/{00008..00011}.tar") == [f"s3://b/{i:05d}.tar" for i in range(8, 12)]
     assert expand_braces("x/{a,b}/{1..2}.parquet") == ["x/a/1.parquet", "x/a/2.parquet", "x/b/1.parquet",
@@ -119,7 +119,7 @@ def test_brace_patterns_expand_as_shard_lists_are_written():
 
 
 def test_a_list_of_paths_and_brace_patterns_name_the_inputs_and_a_missing_one_is_named(tmp_path):
-    from batchvlm.sources import list_files
+    from batchvlm.sources.files import list_files
 
     for index in range(4):
         (tmp_path / f"part-{index:03d}.parquet").write_bytes(b"PAR1")
