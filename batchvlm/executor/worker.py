@@ -18,11 +18,11 @@ from batchvlm.executor.config import JobConfig
 from batchvlm.faults import crash_point
 from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
-from batchvlm.pipeline.tokens import attach_positions, build_layout, place_images, require_fits
+from batchvlm.pipeline.tokens import (attach_positions, build_layout, place_conversation_images, place_images,
+                                      require_fits)
 from batchvlm.records import PreparedRecord, QuarantinedRecord, SourceRecord, Turn, UnitEnd, UnitStart, WorkUnit
 from batchvlm.rundir.claims import Claim
 from batchvlm.sources import Source
-from batchvlm.sources.conversations import place_conversation_images
 
 
 def prepare(record: SourceRecord, family, job: JobConfig, decoder: Decoder,

@@ -10,7 +10,7 @@ import numpy as np
 
 from batchvlm.checks import CheckFailed, require
 from batchvlm.format.schema import TEXT
-from batchvlm.records import ImagePlan, TokenLayout
+from batchvlm.records import ImagePlan, TokenLayout, Turn
 
 
 def find_spans(input_ids: list[int] | np.ndarray, token_id: int) -> list[tuple[int, int]]:
@@ -36,6 +36,20 @@ def place_images(text: str, placeholder: str, num_images: int, missing_policy: s
             f"Expected {num_images} image placeholder(s) {placeholder!r}, found {found}.",
             expected=num_images, observed=found)
     return text
+
+
+def place_conversation_images(turns: list[Turn], num_images: int, missing_policy: str) -> list[Turn]:
+    """The turns with one image slot per image: as read, or (none at all, missing_placeholder=prepend) the images at
+    the front of the first user turn; else a text.placeholder_count failure."""
+    found = sum(turn.num_images for turn in turns)
+    first_user = next((i for i, turn in enumerate(turns) if turn.role == "user"), None)
+    if found == 0 and num_images and missing_policy == "prepend" and first_user is not None:
+        turn = turns[first_user]
+        turns = [*turns[:first_user], Turn(turn.role, (None,) * num_images + turn.content), *turns[first_user + 1:]]
+        found = num_images
+    require(found == num_images, "text.placeholder_count", f"Expected {num_images} image placeholder(s) across the "
+            f"conversation's turns, found {found}.", expected=num_images, observed=found)
+    return turns
 
 
 def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family) -> TokenLayout:

@@ -113,20 +113,6 @@ def read_turns(format: str, value, placeholder: str, num_images: int, image_firs
     return cauldron_turns(value, num_images, column)
 
 
-def place_conversation_images(turns: list[Turn], num_images: int, missing_policy: str) -> list[Turn]:
-    """The turns with one image slot per image: as read, or (none at all, missing_placeholder=prepend) the images at
-    the front of the first user turn; else a text.placeholder_count failure."""
-    found = sum(turn.num_images for turn in turns)
-    first_user = next((i for i, turn in enumerate(turns) if turn.role == "user"), None)
-    if found == 0 and num_images and missing_policy == "prepend" and first_user is not None:
-        turn = turns[first_user]
-        turns = [*turns[:first_user], Turn(turn.role, (None,) * num_images + turn.content), *turns[first_user + 1:]]
-        found = num_images
-    require(found == num_images, "text.placeholder_count", f"Expected {num_images} image placeholder(s) across the "
-            f"conversation's turns, found {found}.", expected=num_images, observed=found)
-    return turns
-
-
 def turns_text(turns: list[Turn], placeholder: str) -> str:
     """The turns as JSON, each image as the placeholder: a conversation's `text` in rows and reports."""
     return json.dumps([{"role": turn.role, "content": turn.text(placeholder)} for turn in turns], ensure_ascii=False)

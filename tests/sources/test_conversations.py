@@ -15,8 +15,8 @@ from batchvlm.checks import CheckFailed
 from batchvlm.sources.config import dataset_config
 from batchvlm.records import Turn
 from batchvlm.sources import make_source
-from batchvlm.sources.conversations import (cauldron_turns, llava_turns, messages_turns, place_conversation_images,
-                                            split_placeholders)
+from batchvlm.pipeline.tokens import place_conversation_images
+from batchvlm.sources.conversations import cauldron_turns, llava_turns, messages_turns, split_placeholders
 
 LLAVA = [{"from": "system", "value": "Answer briefly."},
          {"from": "human", "value": "Render a clear summary of the photo.\n<image>"},
