@@ -145,7 +145,7 @@ def stage_rates(job: Parts, images: list[bytes]) -> tuple[dict, list, list]:
         decode_s, decoded = timed(lambda: [decoder(record.images[0], 0) for record in records], job.device)
     finally:
         decoder.close()
-    layout_s, prepared = timed(lambda: [plan_and_lay_out(record, record.text, [image], job.family, job.job)
+    layout_s, prepared = timed(lambda: [plan_and_lay_out(record, record.text, [image], job.family, job.job, job.text)
                                         for record, image in zip(records, decoded)], job.device)
     batcher = TokenBudgetBatcher(job.job.preprocess.token_budget, job.job.preprocess.max_images_per_batch)
     groups = alone(Batching(batcher), prepared)

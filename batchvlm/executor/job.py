@@ -34,13 +34,13 @@ from batchvlm.executor.progress import Progress
 from batchvlm.executor.rows import Assembler
 from batchvlm.executor.steps import job_steps
 from batchvlm.executor.tally import JobAborted, QuarantineOverLimit, Tally, check_run_totals
-from batchvlm.executor.worker import prepared_units
+from batchvlm.executor.worker import prepared_units, text_side_of
 from batchvlm.families import Family, load_family, resolve_checkpoint
 from batchvlm.format.schema import EMBED_DTYPES, shard_metadata
-from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.jpeg import JpegBatchDecoder, resolve_jpeg_decode
 from batchvlm.pipeline.preprocess import PreprocessGuard, make_preprocessor, resolve_backend
+from batchvlm.pipeline.text import TextSide
 from batchvlm.records import WorkUnit
 from batchvlm.rundir.claims import Claim, Claims, Heartbeat
 from batchvlm.rundir.dedup import BucketPass
@@ -94,7 +94,7 @@ class Parts:
     stage: Device
     assembler: Assembler
     requeue: RequeueSource | None
-    chat: ChatRenderer | None  # a conversation format's chat template renderer
+    text: TextSide  # the text side of the dataset's format: plain text, or conversations and their chat template
     draft: Draft | None  # rank 0's
 
     def shard_metadata(self) -> dict[str, str]:
@@ -109,7 +109,7 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
     The plan comes before the run directory is written: a config that does not fit its inputs (a column that is not
     there, a glob that matches nothing, a changed input) is refused with nothing left behind."""
     family = load_family(job.model)
-    chat = ChatRenderer.of(family, job.text, job.dataset.format)
+    text = text_side_of(family, job)
     requeue = requeue_source(job.dataset, job.requeue_from, job.check, layout.root) if job.requeue_from else None
     draft = None
     if ranks.is_main:
@@ -126,7 +126,7 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
                    overlap, Streams(device, overlap), _jpeg_decoder(job, device))
     assembler = Assembler(embed_dtype, encoder.hidden_sizes, job.output.quarantine_bytes_cap, run.fingerprint_digest,
                           job.text.trained(job.dataset.format), job.dataset.placeholder)
-    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue, chat, draft)
+    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue, text, draft)
 
 
 def _jpeg_decoder(job: JobConfig, device: torch.device) -> JpegBatchDecoder | None:
@@ -249,7 +249,7 @@ class Job:
         claimed units to committed shards."""
         runtime, parts = self.job.runtime, self.parts
         # the workers fork before any thread of this pass starts
-        prepared, queued = prepared_units(source, claimed, parts.family, self.job, parts.chat)
+        prepared, queued = prepared_units(source, claimed, parts.family, self.job, parts.text)
         writer = SinkWriter(sink, runtime.writer_queue)
         batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
         if queued is not None:

@@ -220,31 +220,25 @@ class ChatRenderer:
 
     # -- expand and mask ------------------------------------------------------------------------------
     def lay_out(self, turns: list[Turn], plans: list[ImagePlan]) -> TokenLayout:
-        """The conversation's token layout, with its loss mask and turns; over text.max_tokens, quarantined
-        (text.too_long) or cut to fewer whole turns (text.overflow=drop_turns)."""
+        """The conversation's token layout, with its loss mask and turns; over text.max_tokens with
+        text.overflow=drop_turns, cut to fewer whole turns where some prefix fits. Whether it is within the limit is
+        tokens.require_fits's to say, for every text (pipeline.text.laid_out)."""
         check_roles(turns)
         layout = self._expanded(turns, plans)
         limit = self.text.max_tokens
-        if limit is None or len(layout.input_ids) <= limit:
+        if limit is None or len(layout.input_ids) <= limit or self.text.overflow != Overflow.drop_turns:
             return layout
-        spans = layout.chat.turns
-        over = next(i for i, span in enumerate(spans) if span.end > limit)
-        if self.text.overflow == "drop_turns":
-            # The longest prefix of whole turns that ends with an assistant turn and fits. A template may render a
-            # turn differently by its position, so the prefix is rendered again, not cut out of this rendering.
-            for keep in range(over, 0, -1):
-                if turns[keep - 1].role != "assistant":
-                    continue
-                kept = self._expanded(turns[:keep], plans[:sum(t.num_images for t in turns[:keep])])
-                if len(kept.input_ids) <= limit:
-                    kept.chat.dropped_turns = len(turns) - keep
-                    return kept
-        raise CheckFailed("text.too_long", f"{len(layout.input_ids)} tokens, more than text.max_tokens={limit}; turn "
-                          f"{over} ({spans[over].role}) ends at token {spans[over].end}"
-                          + (": no prefix of whole turns ending with an assistant turn fits"
-                             if self.text.overflow == "drop_turns" else ""),
-                          expected=f"<= {limit} tokens", observed=f"{len(layout.input_ids)} tokens",
-                          turn_index=over)
+        over = next(i for i, span in enumerate(layout.chat.turns) if span.end > limit)
+        # The longest prefix of whole turns that ends with an assistant turn and fits. A template may render a turn
+        # differently by its position, so the prefix is rendered again, not cut out of this rendering.
+        for keep in range(over, 0, -1):
+            if turns[keep - 1].role != "assistant":
+                continue
+            kept = self._expanded(turns[:keep], plans[:sum(t.num_images for t in turns[:keep])])
+            if len(kept.input_ids) <= limit:
+                kept.chat.dropped_turns = len(turns) - keep
+                return kept
+        return layout
 
     def _expanded(self, turns: list[Turn], plans: list[ImagePlan]) -> TokenLayout:
         rendered = self.tokenize(turns)

@@ -82,12 +82,22 @@ def checked_spans(input_ids: list[int] | np.ndarray, plans: list[ImagePlan], fam
     return spans
 
 
-def require_fits(layout: TokenLayout, max_tokens: int | None) -> None:
-    """text.too_long for a plain text: it has no turns to drop."""
-    if max_tokens is not None:
-        require(len(layout.input_ids) <= max_tokens, "text.too_long", f"{len(layout.input_ids)} tokens, more than "
-                f"text.max_tokens={max_tokens}", expected=f"<= {max_tokens} tokens",
-                observed=f"{len(layout.input_ids)} tokens")
+def require_fits(layout: TokenLayout, max_tokens: int | None, dropped: bool = False) -> None:
+    """text.too_long where the record is over text.max_tokens: the one place the limit is enforced, for a plain text
+    and a conversation alike (a conversation's message names the turn where the limit falls; `dropped`: it was
+    already cut to the longest prefix of whole turns that could be, text.overflow=drop_turns, and none fits)."""
+    length = len(layout.input_ids)
+    if max_tokens is None or length <= max_tokens:
+        return
+    message, over = f"{length} tokens, more than text.max_tokens={max_tokens}", None
+    if layout.chat is not None:
+        spans = layout.chat.turns
+        over = next(i for i, span in enumerate(spans) if span.end > max_tokens)
+        message += f"; turn {over} ({spans[over].role}) ends at token {spans[over].end}"
+        if dropped:
+            message += ": no prefix of whole turns ending with an assistant turn fits"
+    raise CheckFailed("text.too_long", message, expected=f"<= {max_tokens} tokens", observed=f"{length} tokens",
+                      turn_index=over)
 
 
 def attach_positions(layout: TokenLayout, plans: list[ImagePlan], family) -> None:

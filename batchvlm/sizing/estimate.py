@@ -22,7 +22,7 @@ import torch
 from batchvlm.config import operational, positive
 from batchvlm.executor.config import JobConfig
 from batchvlm.executor.rows import Assembler
-from batchvlm.executor.worker import checked_id, prepare
+from batchvlm.executor.worker import checked_id, prepare, text_side_of
 from batchvlm.families import load_family
 from batchvlm.format.schema import DATA_SCHEMA, EMBED_DTYPES, QUARANTINE_SCHEMA
 from batchvlm.pipeline.decode import read_bytes, upright_size
@@ -142,12 +142,13 @@ def estimate(config: EstimateConfig) -> Estimate:
     per_unit = math.ceil(config.records / len(picked))
     outcomes, record_bytes = [], []
     reader = HeaderReader(config.decode)
+    text = text_side_of(family, config)
     for unit in picked:
         seen = set()
         for index, record in enumerate(source.records(unit)):
             if index == per_unit:
                 break
-            outcomes.append(checked_id(record, unit, seen) or prepare(record, family, config, reader))
+            outcomes.append(checked_id(record, unit, seen) or prepare(record, family, config, reader, text))
             record_bytes.append(_tar_bytes(record))
     rows = Assembler(EMBED_DTYPES[config.output.embed_dtype], hidden_sizes, config.output.quarantine_bytes_cap,
                      "estimate").rows([_encoded(outcome, hidden_sizes) for outcome in outcomes])
