@@ -83,8 +83,7 @@ class BenchConfig(Config):
     max_tokens: int = 4096
     """task=loader: tokens per packed sequence."""
     workers: int = 0
-    """task=loader: DataLoader workers of the loader (0: in this process, like the scan); task=claims: DataLoader
-    workers of each simulated rank (each walked the claims before issue 23)."""
+    """task=loader: DataLoader workers of the loader (0: in this process, like the scan)."""
     records: int = 16
     """task=e2e|tower|jpeg: records (one real photo each, of the common sizes in decoding.REAL_SIZES) run through the
     job and each stage, through the tower, or encoded as each kind of JPEG."""
