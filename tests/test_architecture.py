@@ -1,4 +1,4 @@
-"""The package's layout is its architecture (DESIGN.md): a module imports only from its own room or the rooms below
+"""The package's layout is its architecture (docs/design.md): a module imports only from its own room or the rooms below
 it, and one module spells the run directory's paths."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Benchmarks measured side by side in one run (DESIGN.md, Performance model).
+"""Benchmarks measured side by side in one run (their figures and commands: docs/measured.md).
 
 task=scale: bench/scale.py (start-up and memory as the dataset grows).
 task=e2e: bench/e2e.py (the job against its tower, the sink against a bare write, stage by stage).

@@ -21,7 +21,8 @@ from batchvlm.records import ImagePlan, TokenLayout
 
 
 TEMPLATES = Path(__file__).parent / "templates"
-"""Published chat templates (shared/reference/conversations.md), which the tiny checkpoints' tokenizers carry."""
+"""Published chat templates (each checkpoint's tokenizer_config.json or chat_template.jinja on the Hugging Face Hub:
+Qwen/Qwen2-VL-7B-Instruct, moonshotai/Kimi-K2.5), which the tiny checkpoints' tokenizers carry."""
 
 
 class PatchFamily:

@@ -1,4 +1,5 @@
-"""Kimi-K2.5 / K3-style MoonViT (NaViT packing): shared/reference/families.md section 1.
+"""Kimi-K2.5 / K3-style MoonViT (NaViT packing): Kimi-VL (arXiv 2504.07491), moonshotai/Kimi-K2.5 on the Hugging Face
+Hub, transformers' Kimi_K25 model and image processor.
 
 Resize: scale down to a patch budget (never up), truncate, pad bottom/right to a multiple of
 merge*patch. Patches (N, C, p, p) in raster order; the tower merges 2x2 itself. Prompt: K3 framing

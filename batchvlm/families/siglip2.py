@@ -1,4 +1,5 @@
-"""SigLIP2 NaFlex: shared/reference/families.md section 3.
+"""SigLIP2 NaFlex: SigLIP 2 (arXiv 2502.14786), github.com/google-research/big_vision, transformers' Siglip2 model
+and Siglip2ImageProcessor.
 
 Resize: bisect a scale so that ceil-to-patch sides fit max_num_patches (may upscale); bilinear; no
 pixel padding. Rows are raster, channels last (layouts.RASTER_HWC). The tower runs packed: no

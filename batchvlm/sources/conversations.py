@@ -1,4 +1,6 @@
-"""Conversation formats users bring, read into turns (records.Turn): shared/reference/conversations.md section 1.
+"""Conversation formats users bring, read into turns (records.Turn), as their projects define them: LLaVA's
+(github.com/haotian-liu/LLaVA, docs/Finetune_Custom_Data.md), HF / TRL's conversational `messages`
+(huggingface.co/docs/trl, dataset formats), The Cauldron's (huggingface.co/datasets/HuggingFaceM4/the_cauldron).
 
 - llava (LLaVA, ShareGPT4V, OneVision, Cambrian): `conversations` of {from: human | gpt | system, value}, the
   images in `image` (a path or a list of paths). The k-th placeholder of the conversation takes the k-th image and

@@ -27,7 +27,7 @@ TEMPLATES = Path(__file__).resolve().parents[1] / "families" / "templates"
 
 CAT_AND_DOG = [Turn("user", (None, "What is this?")), Turn("assistant", ("A cat.",)),
                Turn("user", ("And this?", None)), Turn("assistant", ("A dog.",))]
-"""conversations.md section 2.6's conversation."""
+"""Two images in two user turns, a short answer after each."""
 RENDERED_26 = {
     "qwen2_vl": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
                 "<|image_pad|><|vision_end|>What is this?<|im_end|>\n<|im_start|>assistant\nA cat.<|im_end|>\n"
@@ -41,7 +41,7 @@ RENDERED_26 = {
                 "<|im_middle|>And this?<|media_begin|>image<|media_content|><|media_pad|><|media_end|>\n<|im_end|>"
                 "<|im_assistant|>assistant<|im_middle|><think></think>A dog.<|im_end|>",
 }
-"""What the templates render for it (conversations.md section 2.6, rendered with HF's Jinja settings)."""
+"""What the published templates render for it (transformers' apply_chat_template, HF's Jinja settings)."""
 
 
 def renderer(family, **text) -> ChatRenderer:
