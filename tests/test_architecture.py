@@ -78,3 +78,13 @@ def test_only_the_run_layout_spells_the_run_directory():
     spelled = [str(path.relative_to(REPO)) for path in PACKAGE.rglob("*.py")
                if '"manifest"' in (text := path.read_text()) or "_SUCCESS" in text]
     assert spelled == ["batchvlm/rundir/layout.py"]
+
+
+def test_the_code_cites_no_file_outside_the_repository():
+    """Docstrings and comments cite papers and repositories, or the repository's own docs/: a reader of the code has
+    neither the project's reference folder nor its design notes."""
+    outside = ("shared/reference", "DESIGN.md", "reference/families.md", "reference/conversations.md")
+    citing = [f"{path.relative_to(REPO)}: {needle}" for folder in (PACKAGE, *TOP_LEVEL.values(), REPO / "tests")
+              for path in folder.rglob("*.py") for needle in outside if needle in path.read_text()
+              and path != Path(__file__)]
+    assert citing == []
