@@ -81,6 +81,18 @@ def effect_of(field: dataclasses.Field, owner: type) -> Effect:
     return field.metadata[EFFECT]
 
 
+def declared(config: Any, prefix: str = "") -> dict[str, Effect]:
+    """Every key of a config (and the configs it nests), dotted, and what it declares it does to the output."""
+    found = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            found.update(declared(value, f"{prefix}{field.name}."))
+        else:
+            found[f"{prefix}{field.name}"] = effect_of(field, type(config))
+    return found
+
+
 def fingerprinted(config: Any) -> dict:
     """The values of the fields a config (and the configs it nests) declares `written`, nested as the config: what the
     settings contribute to a run's fingerprint."""

@@ -4,11 +4,13 @@ changes with every field that changes what is written or quarantined, and with n
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
+from conftest import REPO
 
-from batchvlm.config import EFFECT, Effect, effect_of, fingerprinted
+from batchvlm.config import Effect, declared, effect_of, fingerprinted
 from batchvlm.executor.config import JobConfig
 from batchvlm.executor.fingerprint import run_fingerprint
 from batchvlm.families import TINY, ModelConfig, load_family
@@ -53,18 +55,6 @@ def base_job(key: str, chat_template) -> JobConfig:
                      model=ModelConfig(path="/checkpoints/a", chat_template=str(chat_template)))
 
 
-def keys_of(config, prefix: str = "") -> dict[str, dataclasses.Field]:
-    """Every leaf key of a config, dotted, and its field."""
-    found = {}
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        if dataclasses.is_dataclass(value):
-            found.update(keys_of(value, f"{prefix}{field.name}."))
-        else:
-            found[f"{prefix}{field.name}"] = field
-    return found
-
-
 def changed(job: JobConfig, key: str, value) -> JobConfig:
     """The job with one key set to another value, every schema's checks run again."""
     section, _, name = key.rpartition(".")
@@ -99,15 +89,15 @@ def test_an_undeclared_field_cannot_be_fingerprinted():
 @pytest.mark.slow
 def test_the_fingerprint_changes_with_every_written_setting_and_with_no_other(parts):
     family, encoder, template = parts
-    keys = {key: field for kind in SCHEMAS.values()
-            for key, field in keys_of(dataclasses.replace(base_job("", template), dataset=_example(kind))).items()}
+    keys = {key: effect for kind in SCHEMAS.values()
+            for key, effect in declared(dataclasses.replace(base_job("", template), dataset=_example(kind))).items()}
     assert set(keys) == set(OTHER) | {"dataset.kind"}, "give every new key another value in OTHER"
     moved = set()
     for key, value in OTHER.items():
         job = base_job(key, template)
         if run_fingerprint(changed(job, key, value), family, encoder) != run_fingerprint(job, family, encoder):
             moved.add(key)
-    written = {key for key, field in keys.items() if field.metadata[EFFECT] is Effect.WRITTEN}
+    written = {key for key, effect in keys.items() if effect is Effect.WRITTEN}
     assert moved == written - {"dataset.kind"}
     # the kind of input is its schema's own: another kind, another fingerprint
     job = base_job("", template)
@@ -137,6 +127,20 @@ def test_a_named_file_counts_by_its_content(parts, tmp_path):
         job = changed(base_job("", path), "model.path", TINY)
         fingerprints[path] = run_fingerprint(job, load_family(job.model), encoder)
     assert fingerprints[same] == fingerprints[template] != fingerprints[other]
+
+
+def every_key() -> dict[str, Effect]:
+    """Every key of a run's config, over every kind of dataset."""
+    return {key: effect for kind in SCHEMAS.values()
+            for key, effect in declared(JobConfig(dataset=_example(kind))).items()}
+
+
+def test_the_configuration_page_says_which_keys_the_fingerprint_leaves_out():
+    page = (REPO / "docs" / "configuration.md").read_text()
+    for effect, lead in ((Effect.OPERATIONAL, "How the job runs, never in the fingerprint:"),
+                         (Effect.READ_FROM, "What is read, in the fingerprint or the plan by its content:")):
+        paragraph = next(paragraph for paragraph in page.split("\n\n") if paragraph.startswith(lead))
+        assert set(re.findall(r"`([\w.]+)`", paragraph)) == {key for key, e in every_key().items() if e is effect}
 
 
 def _example(kind: type):
