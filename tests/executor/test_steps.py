@@ -5,26 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_batching import ids, record
 
 from batchvlm.checks import failure
 from batchvlm.executor.batching import Batch, TokenBudgetBatcher
 from batchvlm.executor.rows import Assembler
 from batchvlm.executor.steps import (WORKERS_GIVE, Assembly, Batching, Chain, ChainError, Closing, Decided, Encoding,
                                      Opening, Writing)
-from batchvlm.records import (EncodedRecord, ImagePlan, Outcomes, PreparedRecord, QuarantinedRecord, Rows,
-                              SourceRecord, TokenLayout, UnitEnd, UnitStart)
+from batchvlm.records import (EncodedRecord, ImagePlan, Outcomes, PreparedRecord, QuarantinedRecord, Rows, SourceRecord,
+                              TokenLayout, UnitEnd, UnitStart)
 from batchvlm.rundir.layout import DATA, QUARANTINE
-
-
-def record(record_id: str, *patches: int) -> PreparedRecord:
-    """A record with one image of `n` patches per argument (a 1 x n grid)."""
-    plans = [ImagePlan((n, 1), (n, 1), (n, 1), (1, n, 1), n) for n in patches]
-    source = SourceRecord(id=record_id, unit_id="u", source="s.parquet", row=0, text="", images=[])
-    return PreparedRecord(source=source, images=[], plans=plans, layout=None)
-
-
-def ids(records) -> list[str]:
-    return [r.source.id for r in records]
 
 
 def test_the_stream_keeps_markers_and_decided_records_in_place_and_batches_the_rest():
