@@ -56,7 +56,9 @@ class Column:
         return self.written_by == EVERY_RECORD
 
     def field(self) -> pa.Field:
-        return pa.field(self.name, self.type, nullable=not self.required)
+        """Nullable in the Arrow schema whoever writes it: `datasets` takes a column's feature from the shard's own key
+        only where the types match to the nullability (hf_features), and the row check holds the required ones."""
+        return pa.field(self.name, self.type)
 
 
 _SIZE = pa.list_(pa.int32(), 2)

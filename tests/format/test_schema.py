@@ -20,9 +20,9 @@ from batchvlm.rundir.sink import ShardWriter
 
 def test_every_embedding_column_is_raw_bytes_and_nullable_where_a_family_may_lack_it():
     assert DATA_SCHEMA.field("image_embeds").type == pa.large_binary()  # every record's, empty without images
-    assert not DATA_SCHEMA.field("image_embeds").nullable
+    assert "image_embeds" in DATA_SHARD.required
     for name in EXTRA_OUTPUTS:
-        assert DATA_SCHEMA.field(name).type == pa.large_binary() and DATA_SCHEMA.field(name).nullable
+        assert DATA_SCHEMA.field(name).type == pa.large_binary() and name not in DATA_SHARD.required
 
 
 def test_token_tags_and_dtypes_are_distinct_and_a_quarantine_row_keeps_its_evidence():

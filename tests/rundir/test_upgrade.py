@@ -24,6 +24,7 @@ from batchvlm.rundir.upgrade import SHARDS, _rewrite, check_run_format, run_form
 from batchvlm.rundir.verify import verify_run
 from batchvlm.rundir.workunits import read_plan
 from batchvlm.training.interop import load_run_dataset
+from batchvlm.training.loader import RunIndex
 from batchvlm.training.reader import read_run, read_shard
 
 OLDER_DATA = ("num_tokens", "loss_mask", "turns", "dropped_turns")
@@ -123,6 +124,8 @@ def test_an_upgraded_run_reads_as_the_run_it_was(qwen_run, tmp_path, marker):
     for old, new in zip(before, after):
         assert torch.equal(old.input_ids, new.input_ids) and torch.equal(old.image_embeds, new.image_embeds)
         assert torch.equal(old.position_ids, new.position_ids) and new.loss_mask is None
+    lengths = [list(tokens) for tokens in RunIndex.of(older).lengths]  # num_tokens made from input_ids
+    assert lengths == [list(tokens) for tokens in RunIndex.of(qwen_run).lengths]
     upgraded = load_run_dataset(older, cache_dir=str(tmp_path / "cache"))
     assert upgraded.features == load_run_dataset(qwen_run, cache_dir=str(tmp_path / "cache")).features
     assert upgrade_run(older).shards == 0  # nothing left to do
