@@ -23,7 +23,7 @@ from batchvlm.format.schema import EMBED_DTYPES
 
 EMBED_ID_PREFIX = "batchvlm:embed:"
 SIZE_KEY = "batchvlm.hidden_size."
-"""The prefix of the schema-metadata keys that give each embedding column's hidden size (rundir.schema_metadata)."""
+"""The prefix of the schema-metadata keys that give each embedding column's hidden size (format.schema.shard_metadata)."""
 
 
 def features_key(hidden_sizes: dict[str, int], embed_dtype: str) -> str:
