@@ -1,4 +1,8 @@
-"""Typed records passed between stages. Stages exchange these, never dicts."""
+"""Typed records passed between stages. Stages exchange these, never dicts.
+
+The job's stream (executor.steps) carries, in order: UnitStart, each record of the unit prepared (PreparedRecord) or
+already quarantined (QuarantinedRecord), UnitEnd; the main process's steps turn prepared records into packed batches,
+batches into Outcomes (encoded or quarantined records), and outcomes into Rows for the unit's shards."""
 
 from __future__ import annotations
 
@@ -236,6 +240,20 @@ class OutputRow:
     kind: str
     values: dict
     preprocess: dict  # PreprocessStats.counts()
+
+
+@dataclass
+class Outcomes:
+    """Records decided, in the order they were: encoded, or quarantined with their evidence."""
+
+    records: list[EncodedRecord | QuarantinedRecord]
+
+
+@dataclass
+class Rows:
+    """The rows of some decided records, each for its unit's shard of its kind."""
+
+    rows: list[OutputRow]
 
 
 @dataclass

@@ -12,7 +12,8 @@ import transformers
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from batchvlm.config import ConfigError, fail, job_main, register_schemas, to_job_config
+from batchvlm.config import ConfigError, fail, job_main, to_job_config
+from batchvlm.executor.config import JobConfig, register_schemas
 from batchvlm.executor.job import JobAborted, QuarantineOverLimit, Terminated, run_job, summarize
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -26,7 +27,7 @@ def main(cfg: DictConfig) -> None:
     hydra_config = HydraConfig.get()
     run_dir = Path(hydra_config.runtime.output_dir)
     try:
-        job = to_job_config(cfg)
+        job = to_job_config(cfg, JobConfig)
         summary = run_job(job, run_dir)
     except (ConfigError, JobAborted) as error:
         _remove_if_empty(run_dir, Path(hydra_config.job_logging.handlers.file.filename))

@@ -1,5 +1,5 @@
 """`python jobs/estimate.py [overrides]`: how much output, how long and how much bandwidth the embed job of the same
-overrides needs, from a sample of its input (batchvlm/bench/estimate.py)."""
+overrides needs, from a sample of its input (batchvlm/sizing/estimate.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import os
 import transformers
 from omegaconf import DictConfig
 
-from batchvlm.config import EstimateConfig, exit_on_config_error, job_main, register_schemas, to_job_config
-from batchvlm.bench.estimate import estimate, format_estimate
+from batchvlm.config import exit_on_config_error, job_main, to_job_config
+from batchvlm.executor.config import register_schemas
+from batchvlm.sizing.estimate import EstimateConfig, estimate, format_estimate
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-register_schemas()
+register_schemas("estimate_schema", EstimateConfig)
 
 
 @job_main("estimate")

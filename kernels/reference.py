@@ -1,7 +1,7 @@
 """The pixel contract in plain torch ops: the `torch` backend, and the oracle of the Triton kernels.
 
-shared/reference/preprocessing.md: antialiased resize with PIL's uint8 semantics, alpha composited
-onto the background after the resize (floor), bottom/right padding with raw 0, then x*scale + bias.
+Antialiased resize with PIL's uint8 semantics (Pillow's src/libImaging/Resample.c: github.com/python-pillow/Pillow),
+alpha composited onto the background after the resize (floor), bottom/right padding with raw 0, then x*scale + bias.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ CHESSBOARD_GRAY = 200.0
 
 def background_image(kind: str, height: int, width: int, device: torch.device, square: int = CHESSBOARD_SQUARE,
                      white: float = CHESSBOARD_WHITE, gray: float = CHESSBOARD_GRAY) -> torch.Tensor:
-    """The background that transparent pixels are composited onto (shared/reference/preprocessing.md s3)."""
+    """The background that transparent pixels are composited onto (preprocess.background; docs/configuration.md)."""
     if kind in BACKGROUNDS:
         return torch.full((1, height, width), BACKGROUNDS[kind], device=device)
     y = torch.arange(height, device=device)[:, None] // square

@@ -89,7 +89,7 @@ def run_embed_measured(*overrides: str, timeout: int = 600) -> tuple[subprocess.
 
 @pytest.fixture(scope="session")
 def kimi_family():
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
 
     return load_family(ModelConfig())
@@ -114,7 +114,7 @@ def all_families() -> list[str]:
 @pytest.fixture(scope="session", params=all_families())
 def family(request):
     """Each family with its tiny demo checkpoint."""
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
 
     return load_family(ModelConfig(family=request.param))
@@ -186,7 +186,7 @@ def qwen_real_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen_real(qwen_real_checkpoint):
     """The qwen2_vl family over that checkpoint, as `model.path` loads it."""
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
 
     return load_family(ModelConfig(family="qwen2_vl", path=str(qwen_real_checkpoint)))

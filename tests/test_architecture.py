@@ -1,4 +1,4 @@
-"""The package's layout is its architecture (DESIGN.md): a module imports only from its own room or the rooms below
+"""The package's layout is its architecture (docs/design.md): a module imports only from its own room or the rooms below
 it, and one module spells the run directory's paths."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROOMS = {
     "rundir": 3,
     "sources": 4,
     "executor": 5, "review": 5, "training": 5,
-    "bench": 6,
+    "bench": 6, "sizing": 6,
     "jobs": 7,
 }
 """Each room's level: it may import from rooms of a lower level and from itself, never from another of its own level
@@ -78,3 +78,13 @@ def test_only_the_run_layout_spells_the_run_directory():
     spelled = [str(path.relative_to(REPO)) for path in PACKAGE.rglob("*.py")
                if '"manifest"' in (text := path.read_text()) or "_SUCCESS" in text]
     assert spelled == ["batchvlm/rundir/layout.py"]
+
+
+def test_the_code_cites_no_file_outside_the_repository():
+    """Docstrings and comments cite papers and repositories, or the repository's own docs/: a reader of the code has
+    neither the project's reference folder nor its design notes."""
+    outside = ("shared/reference", "DESIGN.md", "reference/families.md", "reference/conversations.md")
+    citing = [f"{path.relative_to(REPO)}: {needle}" for folder in (PACKAGE, *TOP_LEVEL.values(), REPO / "tests")
+              for path in folder.rglob("*.py") for needle in outside if needle in path.read_text()
+              and path != Path(__file__)]
+    assert citing == []

@@ -12,7 +12,10 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf
 
-from batchvlm.config import ConfigError, check_command_line, register_schemas, to_job_config
+from batchvlm.config import ConfigError, check_command_line, to_job_config
+from batchvlm.executor.config import JobConfig, register_schemas
+from batchvlm.pipeline.decode import DecodeConfig, JpegDecode
+from batchvlm.sources.config import SourceKind
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 STAND_INS = {"dataset.path": "/data/x.parquet", "model.path": "/ckpt"}
@@ -24,28 +27,59 @@ def job(*overrides):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose(config_name="embed", overrides=list(overrides))
         cfg.run_name = "test"  # the default interpolates Hydra's runtime choices, absent in compose
-        return to_job_config(cfg)
+        return to_job_config(cfg, JobConfig)
 
 
 @pytest.mark.parametrize("group,option", sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml")))
 def test_every_shipped_config_loads(group, option):
     shipped = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml"))
+    schemas = shipped.pop("defaults", [])
     given = {key: STAND_INS[f"{group}.{key}"] for key, value in shipped.items() if value == "???"}
     section = dataclasses.asdict(getattr(job(f"{group}={option}", *(f"{group}.{k}={v}" for k, v in given.items())),
                                          group))
     assert {key: section[key] for key in shipped} == {**shipped, **given}
+    if group == "dataset":  # a dataset YAML names its kind's schema, which sets the kind
+        assert schemas == [f"/dataset_schema/{section['kind']}@_here_", "_self_"]
 
 
 def test_each_group_offers_its_yaml_files_and_no_schema():
-    """What --help and tab completion list, and what `group=option` accepts."""
+    """What --help and tab completion list, and what `group=option` accepts: the YAML files, and the dataset kinds'
+    schemas in a group of their own, which only a dataset YAML names."""
     register_schemas()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         loader = GlobalHydra.instance().config_loader()
         options = {group: loader.get_group_options(group) for group in loader.list_groups("") if group != "hydra"}
         with pytest.raises(MissingConfigException, match="model/schema"):
             compose(config_name="embed", overrides=["model=schema"])
-    assert options == {group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-                       for group in ("checks", "dataset", "model", "output", "preprocess")}
+        with pytest.raises(Exception, match="dataset_schema"):
+            compose(config_name="embed", overrides=["dataset_schema=parquet"])
+    assert options == {**{group: sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+                          for group in ("checks", "dataset", "model", "output", "preprocess")},
+                       "dataset_schema": sorted(kind.value for kind in SourceKind)}
+
+
+def test_a_dataset_kind_takes_only_its_own_keys():
+    """One schema per kind of input: a key another kind reads fails at load, naming it; a YAML of your own extends a
+    shipped one."""
+    with pytest.raises(Exception, match=r"dataset\.split"):
+        job("dataset=parquet", "dataset.path=/x.parquet", "dataset.split=validation")
+    with pytest.raises(Exception, match=r"dataset\.unit_bytes"):
+        job("dataset=webdataset", "dataset.path=/x.tar", "dataset.unit_bytes=5")
+    assert job("dataset=hub", "dataset.path=org/name", "dataset.split=validation").dataset.split == "validation"
+    with pytest.raises(ConfigError, match="dataset.kind=json: this dataset's schema reads parquet"):
+        job("dataset=parquet", "dataset.path=/x.parquet", "dataset.kind=json")
+
+
+def test_a_bad_choice_fails_naming_the_key_and_the_choices():
+    """Choices are Enums: OmegaConf refuses another value as the config composes, naming the key and every choice;
+    in Python the schema does the same."""
+    with pytest.raises(Exception) as caught:
+        job("model.dtype=int8")
+    message = f"{caught.value} {caught.value.__cause__}"
+    assert "model.dtype=int8" in message and "float32, bfloat16, float16" in message
+    with pytest.raises(ConfigError, match=r"decode\.jpeg='nvjpeg' is not one of safe, device, auto"):
+        DecodeConfig(jpeg="nvjpeg")
+    assert DecodeConfig(jpeg="device").jpeg is JpegDecode.device and f"{JpegDecode.device}" == "device"
 
 
 def test_unknown_key_fails_naming_it():
@@ -82,7 +116,7 @@ def test_flash_attention_in_fp32_is_refused_before_any_work_naming_both_keys():
 
 
 def test_unknown_processor_parameter_is_refused():
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
 
     with pytest.raises(ConfigError, match="model.processor.max_pixels"):
@@ -96,7 +130,7 @@ def test_unknown_processor_parameter_is_refused():
     ("qwen2_vl", {"processor": {"min_pixels": 100}}, "model.processor.min_pixels"),
 ])
 def test_a_family_refuses_settings_it_cannot_honour(family, overrides, key):
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -104,7 +138,7 @@ def test_a_family_refuses_settings_it_cannot_honour(family, overrides, key):
 
 
 def test_an_unknown_family_is_refused_naming_the_key():
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
 
     with pytest.raises(ConfigError, match="model.family='clip'"):
@@ -114,7 +148,7 @@ def test_an_unknown_family_is_refused_naming_the_key():
 def test_processor_parameters_that_contradict_the_tower_are_refused_at_load():
     import torch
 
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
 
     family = load_family(ModelConfig(family="qwen2_vl", processor={"patch_size": 16}))

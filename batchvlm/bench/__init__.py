@@ -1,5 +1,6 @@
 """Measuring before and around a job: the benchmarks, measured side by side in one run (tasks.py: task=preprocess,
-task=loader; scale.py: task=scale; e2e.py: task=e2e), and estimate.py, a job sized from a sample of its input."""
+task=loader; scale.py: task=scale; e2e.py: task=e2e). Sizing a job from a sample of its input is
+batchvlm.sizing.estimate's."""
 
 import sys
 

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from batchvlm.bench.tasks import bench_device
-from batchvlm.config import DecodeConfig
+from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.demo import photographs
 from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.jpeg import EXIF_ORIENTATION, JpegBatchDecoder, deferred

@@ -39,18 +39,22 @@ from batchvlm.bench.decoding import REAL_SIZES, decode_both_ways, jpeg_of, photo
 from batchvlm.bench.host import without_device_work
 from batchvlm.bench.tasks import bench_device
 from batchvlm.bench.tower import tower_model
-from batchvlm.config import (DatasetConfig, DecodeConfig, JobConfig, ModelConfig, OutputConfig, RuntimeConfig,
-                             TextConfig)
+from batchvlm.executor.config import JobConfig, RuntimeConfig
+from batchvlm.families import ModelConfig
+from batchvlm.pipeline.chat import TextConfig
+from batchvlm.pipeline.decode import DecodeConfig
+from batchvlm.rundir.sink import OutputConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.executor.batching import TokenBudgetBatcher
+from batchvlm.executor.steps import Assembly, Batching, alone
 from batchvlm.executor.job import Parts, rank_job
 from batchvlm.executor.worker import plan_and_lay_out
 from batchvlm.format.schema import DATA_SCHEMA, EMBED_DTYPES
-from batchvlm.pipeline.assemble import data_row
 from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.encode import encode_batch
 from batchvlm.pipeline.preprocess import preprocess_batch
-from batchvlm.records import ImageRef, OutputRow, SourceRecord, Turn, WorkUnit
+from batchvlm.records import ImageRef, OutputRow, Outcomes, SourceRecord, Turn, WorkUnit
 from batchvlm.rundir.claims import Claims
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.rundir.sink import RunSink
@@ -79,8 +83,9 @@ def write_dataset(folder: Path, images: list[bytes]) -> Path:
 
 
 def job_config(path: Path, out: Path, model: ModelConfig, unit_records: int, workers: int, name: str = "e2e",
-               overlap: bool = True, jpeg: str = "safe") -> JobConfig:
-    return JobConfig(run_name=name, dataset=DatasetConfig(kind="parquet", path=str(path), unit_records=unit_records),
+               overlap: bool = True, jpeg: str = "safe", limit: int | None = None) -> JobConfig:
+    return JobConfig(run_name=name, dataset=dataset_config("parquet", path=str(path), unit_records=unit_records,
+                                                          limit=limit),
                      model=model, output=OutputConfig(root=str(out)), decode=DecodeConfig(jpeg=jpeg),
                      runtime=RuntimeConfig(progress=False, overlap=overlap, num_workers=workers))
 
@@ -231,8 +236,8 @@ def packed_batches_of(job: Parts, images: list[bytes]) -> list:
     records = bench_records(images)
     decoder = Decoder(job.job.decode)
     try:
-        prepared = [plan_and_lay_out(record, record.text, [decoder(record.images[0], 0)], job.family, job.job)
-                    for record in records]
+        prepared = [plan_and_lay_out(record, record.text, [decoder(record.images[0], 0)], job.family, job.job,
+                                     job.text) for record in records]
     finally:
         decoder.close()
     return [preprocess_batch(group, job.stage.preprocessor) for group in budget_groups(job, prepared)]
@@ -244,8 +249,9 @@ def bench_records(images: list[bytes]) -> list[SourceRecord]:
 
 
 def budget_groups(job: Parts, prepared: list) -> list[list]:
+    """The records batched by the job's patch budget, as its Batching step does."""
     batcher = TokenBudgetBatcher(job.job.preprocess.token_budget, job.job.preprocess.max_images_per_batch)
-    return [closed for record in prepared if (closed := batcher.add(record))] + [batcher.flush()]
+    return [group.records for group in alone(Batching(batcher), prepared)]
 
 
 def stage_rates(job: Parts, images: list[bytes]) -> tuple[dict, list, list]:
@@ -257,15 +263,16 @@ def stage_rates(job: Parts, images: list[bytes]) -> tuple[dict, list, list]:
         decode_s, decoded = timed(lambda: [decoder(record.images[0], 0) for record in records], job.device)
     finally:
         decoder.close()
-    layout_s, prepared = timed(lambda: [plan_and_lay_out(record, record.text, [image], job.family, job.job)
+    layout_s, prepared = timed(lambda: [plan_and_lay_out(record, record.text, [image], job.family, job.job, job.text)
                                         for record, image in zip(records, decoded)], job.device)
     groups = budget_groups(job, prepared)
     preprocess_s, batches = timed(lambda: [preprocess_batch(group, job.stage.preprocessor) for group in groups],
                                   job.device)
-    dtype, sizes = job.assembler.embed_dtype, job.assembler.hidden_sizes
+    dtype = job.assembler.embed_dtype
     encode_s, encoded = timed(lambda: [e for batch in batches for e in encode_batch(job.stage.encoder, batch, dtype)],
                               job.device)
-    assemble_s, rows = timed(lambda: [data_row(e, dtype, sizes) for e in encoded], job.device)
+    assemble_s, assembled = timed(lambda: alone(Assembly(job.assembler), [Outcomes(encoded)]), job.device)
+    rows = [row.values for item in assembled for row in item.rows]
     count = len(images)
     return ({"decode": count / decode_s, "plan+layout": count / layout_s,
              "preprocess": count / preprocess_s, "tower+checks": count / encode_s, "assemble": count / assemble_s},
@@ -298,7 +305,7 @@ def sink_against_bare_write(job: Parts, rows: list[dict], out: Path) -> tuple[fl
     """Seconds per row of each, over SINK_ROWS rows (the records' rows repeated with their own ids): a unit of
     a real size, so the commit's fixed cost (fsyncs, checksums, manifest) weighs as it does in a job."""
     rows = [{**rows[i % len(rows)], "id": f"row-{i:06d}", "row": i} for i in range(SINK_ROWS)]
-    metadata = job.run.schema_metadata(job.assembler.hidden_sizes)
+    metadata = job.shard_metadata()
     layout = RunLayout(out / "sink")
     claims = Claims(layout.claims, "rank00000-bench", 60)
     sink = RunSink(layout, metadata, job.job.output.compression, claims, dedup_buckets=1)

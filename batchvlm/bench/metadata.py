@@ -15,12 +15,6 @@ Each is put down to what the rank was doing: claiming (the frontier, the check t
 heartbeat), fencing (a holder's check before a commit), committing (the unit's own files and manifest), the tail
 (waiting on the board; rank 0's scan, with its gathering of the ids files) or the duplicate pass. The peak rate is
 that of the waiting ranks together, per virtual second (rank 0's scan is one process's sequential calls).
-
-"before" is the walk the job made until issue 23, kept as the baseline: every DataLoader worker of every rank walked
-the claim order unit by unit (a stat of the manifest, then the claim files and the holder's heartbeat of each unit
-it passed), a rank with nothing to claim listed manifest/ and looked at the claims of every unit left every
-poll, and each rank that took a bucket of the duplicate pass read every manifest. Its cost per unit grows with
-ranks x workers whatever the units, so where it would take too long it runs on fewer units (the table says how many).
 """
 
 from __future__ import annotations
@@ -37,16 +31,17 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchvlm.format.schema import DATA_SHARD
 from batchvlm.records import InputFile, OutputRow, SourceRecord, WorkUnit
 from batchvlm.rundir.claims import Claim, Claims, owner_name
-from batchvlm.rundir.dedup import BucketPass, UnitIds, bucket_task, commit_bucket, find_duplicates
+from batchvlm.rundir.dedup import BucketPass
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.rundir.manifest import committed_units
 from batchvlm.rundir.sink import RunSink
@@ -59,10 +54,6 @@ START_S = 60.0
 """Ranks start within this many virtual seconds of each other (model loading)."""
 POLL_S, LEASE_S = 2.0, 120.0
 """runtime.poll_s and runtime.lease_s, the job's defaults."""
-BASELINE_PROBES = 500_000
-"""The baseline runs on fewer units (64 at least) where its walks would pass more units than this: every worker of
-every rank walks every unit, so its cost per unit is the same on fewer units, and its time grows as ranks x workers x
-units."""
 THREAD_STACK = 1 << 20
 """Bytes of stack a simulated rank's thread reserves (thousands of them; the default is 8 MB)."""
 PHASES = ("claim", "fence", "wait", "scan", "dedup", "commit")
@@ -202,7 +193,7 @@ class VirtualClock:
             raise self.errors[0]
 
     def spawn(self, start: float, target: Callable[[], None]) -> threading.Thread:
-        """A thread that runs `target` from virtual time `start` (called from a running thread, or before `run`)."""
+        """A thread that runs `target` from virtual time `start` (before `run` lets the threads go)."""
         turn = self._queue(start)
         thread = threading.Thread(target=self._body, args=(turn, target), daemon=True)
         thread.start()
@@ -261,10 +252,10 @@ class SimulatedRank:
                 self.claims.beat()
         self.clock.sleep(end - self.clock.now)
 
-    def work(self, units: Iterable[tuple[WorkUnit, Claim]], share: int = 1) -> None:
-        """Each unit: its records' time on the rank's device (shared by `share` workers), then its commit."""
+    def work(self, units: Iterable[tuple[WorkUnit, Claim]]) -> None:
+        """Each unit: its records' time on the rank's device, then its commit."""
         for unit, claim in units:
-            self.sleep(share * UNIT_S * self.random.uniform(0.8, 1.2))
+            self.sleep(UNIT_S * self.random.uniform(0.8, 1.2))
             with self.ops.phase("commit"):
                 commit_unit(self.sink, unit, claim)
 
@@ -282,27 +273,26 @@ class _FencedClaims(Claims):
 def commit_unit(sink: RunSink, unit: WorkUnit, claim: Claim) -> None:
     """A unit of one record (a data row with no image) through the job's sink."""
     sink.start_unit(unit, claim)
-    values = {"id": unit.unit_id, "source": "input", "row": unit.start, "text": "", "input_ids": [1],
-              "image_spans": [], "token_tags": [0], "grid_thw": [], "original_size": [], "resized_size": [],
-              "image_sha256": [], "image_num_tokens": [], "num_image_tokens": 0, "image_embeds": b""}
+    values = {**dict.fromkeys(DATA_SHARD.names), "id": unit.unit_id, "source": "input", "row": unit.start, "text": "",
+              "input_ids": [1], "image_spans": [], "token_tags": [0], "num_tokens": 1, "grid_thw": [],
+              "original_size": [], "resized_size": [], "image_sha256": [], "image_num_tokens": [],
+              "num_image_tokens": 0, "image_embeds": b""}
     record = SourceRecord(unit.unit_id, unit.unit_id, "input", unit.start, "", [])
     sink.add(OutputRow(record, DATA, values, {"fallbacks": {}, "parity": {}}))
     sink.end_unit(unit, 1)
 
 
-def planned(folder: Path, units: int, world: int, block_units: int | None) -> tuple[RunLayout, Plan]:
-    """A run of `units` units of one record each, planned as the job plans it for `world` ranks (`block_units`
-    None: one unit a block, as before blocks)."""
+def planned(folder: Path, units: int, world: int, block_units: int) -> tuple[RunLayout, Plan]:
+    """A run of `units` units of one record each, planned as the job plans it for `world` ranks."""
     layout = RunLayout(folder)
     work = [WorkUnit(f"input-{i:08d}-{i + 1:08d}", "input", i, i + 1, nbytes=1000) for i in range(units)]
-    blocks = 1 if block_units is None else block_units_for(work, block_units, world)
-    plan = Plan([InputFile("input", "input")], {}, work, 1, blocks)
+    plan = Plan([InputFile("input", "input")], {}, work, 1, block_units_for(work, block_units, world))
     folder.mkdir(parents=True)
     write_plan(layout, plan)
     return layout, plan
 
 
-def simulate_after(layout: RunLayout, plan: Plan, ranks: int, clock: VirtualClock, ops: MetadataOps) -> None:
+def simulate(layout: RunLayout, plan: Plan, ranks: int, clock: VirtualClock, ops: MetadataOps) -> None:
     """The job's ranks with rundir.frontier: blocks claimed at the frontier, the tail waiting on the board."""
     blocks = {block.task: block for block in plan.blocks()}
     layout.attempt("bench").mkdir(parents=True)
@@ -325,64 +315,6 @@ def simulate_after(layout: RunLayout, plan: Plan, ranks: int, clock: VirtualCloc
     clock.run((starts.uniform(0, START_S), rank_of(number)) for number in range(ranks))
 
 
-def simulate_before(layout: RunLayout, plan: Plan, ranks: int, workers: int, clock: VirtualClock,
-                    ops: MetadataOps) -> None:
-    """The walk of the job before issue 23 (see the module), on the same claims, sink and duplicate pass."""
-
-    def rank_of(number: int) -> Callable[[], None]:
-        def run() -> None:
-            rank = SimulatedRank(layout, plan, number, clock, ops, seed=number)
-            with ops.phase("wait"):
-                committed = committed_units(layout)
-            todo = [unit for unit in plan.claim_order() if unit.unit_id not in committed]
-            while todo:
-                with ops.phase("wait"):
-                    claimable = any(rank.claims.claimable(unit.unit_id) for unit in todo)
-                if claimable:
-                    walkers = [clock.spawn(clock.now, lambda: rank.work(_walk(layout, rank.claims, todo),
-                                                                        max(1, workers)))
-                               for _ in range(max(1, workers))]
-                    while any(walker.is_alive() for walker in walkers):
-                        clock.sleep(1.0)
-                else:
-                    rank.sleep(POLL_S)
-                with ops.phase("wait"):
-                    committed = committed_units(layout)
-                todo = [unit for unit in todo if unit.unit_id not in committed]
-            with ops.phase("dedup"):
-                _dedup_before(layout, plan, rank)
-        return run
-
-    starts = random.Random(0)
-    clock.run((starts.uniform(0, START_S), rank_of(number)) for number in range(ranks))
-
-
-def _walk(layout: RunLayout, claims: Claims, units: list[WorkUnit]) -> Iterator[tuple[WorkUnit, Claim]]:
-    """A worker's walk before issue 23: each unit in the claim order, unless committed, if it wins the claim."""
-    for unit in units:
-        if layout.manifest(unit.unit_id).exists() or (claim := claims.try_claim(unit.unit_id)) is None:
-            continue
-        if layout.manifest(unit.unit_id).exists():
-            continue
-        yield unit, claim
-
-
-def _dedup_before(layout: RunLayout, plan: Plan, rank: SimulatedRank) -> None:
-    """The duplicate pass before issue 23: every bucket's result looked at each round, and every manifest read."""
-    manifests = None
-    while missing := [b for b in range(plan.dedup_buckets) if not layout.bucket_result(b).exists()]:
-        claim = next((c for bucket in missing if (c := rank.claims.try_claim(bucket_task(bucket)))), None)
-        if claim is None:
-            rank.sleep(POLL_S)
-            continue
-        if manifests is None:
-            manifests = [UnitIds.of(manifest) for manifest in plan.manifests(layout)]
-        bucket = int(claim.task.rsplit("-", 1)[1])
-        duplicates = find_duplicates(layout, manifests, bucket, {"input": "input"})
-        if rank.claims.holds(claim):
-            commit_bucket(layout, bucket, duplicates)
-
-
 def _in_phase(ops: MetadataOps, phase: str, call: Callable) -> Callable:
     def in_phase(*args):
         with ops.phase(phase):
@@ -390,29 +322,22 @@ def _in_phase(ops: MetadataOps, phase: str, call: Callable) -> Callable:
     return in_phase
 
 
-def measure(scheme: str, ranks: int, workers: int, units: int, block_units: int, folder: Path) -> dict:
+def measure(ranks: int, units: int, block_units: int, folder: Path) -> dict:
     """One simulated run: its operations per committed unit by phase, and the tail's peak operations a second."""
     clock, started = VirtualClock(), time.perf_counter()
-    layout, plan = planned(folder, units, ranks, block_units if scheme == "after" else None)
+    layout, plan = planned(folder, units, ranks, block_units)
     with MetadataOps(layout.root, keep_calls=False) as ops:
         ops.clock = clock
-        if scheme == "after":
-            simulate_after(layout, plan, ranks, clock, ops)
-        else:
-            simulate_before(layout, plan, ranks, workers, clock, ops)
+        simulate(layout, plan, ranks, clock, ops)
     committed = len(committed_units(layout))
-    assert committed == units, f"{scheme}: {committed} of {units} units committed"
+    assert committed == units, f"{committed} of {units} units committed"
     phases = ops.by_phase()
     per_second = Counter(int(t) for t in ops.wait_times)
-    return {"scheme": scheme, "ranks": ranks, "workers": workers, "units": units, "block_units": plan.block_units,
+    return {"ranks": ranks, "units": units, "block_units": plan.block_units,
             "per_unit": {phase: phases.get(phase, 0) / units for phase in PHASES},
             "target": sum(phases.get(phase, 0) for phase in PHASES if phase != "commit") / units,
             "wait_peak_per_s": max(per_second.values(), default=0), "virtual_s": clock.now,
             "seconds": time.perf_counter() - started}
-
-
-def baseline_units(units: int, ranks: int, workers: int) -> int:
-    return min(units, max(64, BASELINE_PROBES // (ranks * max(1, workers))))
 
 
 def bench_claims(config) -> dict:
@@ -421,18 +346,15 @@ def bench_claims(config) -> dict:
     rows = []
     try:
         for ranks in ladder:
-            for scheme in ("before", "after"):
-                units = config.units if scheme == "after" else baseline_units(config.units, ranks, config.workers)
-                rows.append(measure(scheme, ranks, config.workers, units, config.block_units,
-                                    root / f"{scheme}-{ranks}"))
-                print(format_row(rows[-1]), file=sys.stderr, flush=True)  # a long run's progress
+            rows.append(measure(ranks, config.units, config.block_units, root / f"ranks-{ranks}"))
+            print(format_row(rows[-1]), file=sys.stderr, flush=True)  # a long run's progress
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"rows": rows, "units": config.units, "workers": config.workers}
+    return {"rows": rows, "units": config.units}
 
 
 def format_row(row: dict) -> str:
-    return (f"{row['scheme']:<7} {row['ranks']:>5} {row['units']:>7} {row['block_units']:>5} "
+    return (f"{row['ranks']:>5} {row['units']:>7} {row['block_units']:>5} "
             + " ".join(f"{row['per_unit'][p]:>7.2f}" for p in PHASES)
             + f" {row['target']:>8.2f} {row['wait_peak_per_s']:>11} {row['virtual_s'] / 3600:>6.2f} "
               f"{row['seconds']:>7.1f}")
@@ -440,12 +362,12 @@ def format_row(row: dict) -> str:
 
 def format_claims(result: dict) -> str:
     lines = [f"claims bench: metadata operations per committed unit, {result['units']} units of one record, "
-             f"{result['workers']} workers a rank, unit {UNIT_S:.0f} s, poll {POLL_S:.0f} s, lease {LEASE_S:.0f} s",
-             f"{'scheme':<7} {'ranks':>5} {'units':>7} {'block':>5} " + " ".join(f"{p:>7}" for p in PHASES)
+             f"unit {UNIT_S:.0f} s, poll {POLL_S:.0f} s, lease {LEASE_S:.0f} s",
+             f"{'ranks':>5} {'units':>7} {'block':>5} " + " ".join(f"{p:>7}" for p in PHASES)
              + f" {'target':>8} {'wait peak/s':>11} {'sim h':>6} {'real s':>7}"]
-    lines += [format_row(row) for row in result["rows"]]
-    after = [row for row in result["rows"] if row["scheme"] == "after"]
-    if len(after) > 1:
-        lines.append(f"after, {after[-1]['ranks']} ranks vs {after[0]['ranks']}: "
-                     f"{after[-1]['target'] / after[0]['target']:.2f}x (target: claim + fence + tail + dedup)")
+    rows = result["rows"]
+    lines += [format_row(row) for row in rows]
+    if len(rows) > 1:
+        lines.append(f"{rows[-1]['ranks']} ranks vs {rows[0]['ranks']}: "
+                     f"{rows[-1]['target'] / rows[0]['target']:.2f}x (target: claim + fence + tail + dedup)")
     return "\n".join(lines)

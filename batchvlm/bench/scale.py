@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from batchvlm.bench import EMBED_JOB
-from batchvlm.config import DatasetConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.manifest import committed_units
 from batchvlm.sources import make_source
@@ -68,7 +68,7 @@ def read_bytes_so_far() -> int:
 
 def plan_cost(path: Path, limit: int | None) -> dict:
     started, before = time.perf_counter(), read_bytes_so_far()
-    units = make_source(DatasetConfig(kind="parquet", path=str(path), limit=limit)).plan()
+    units = make_source(dataset_config("parquet", path=str(path), limit=limit)).plan()
     return {"seconds": time.perf_counter() - started, "bytes_read": read_bytes_so_far() - before,
             "units": len(units), "records": sum(unit.num_rows for unit in units)}
 

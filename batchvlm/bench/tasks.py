@@ -1,4 +1,4 @@
-"""Benchmarks measured side by side in one run (DESIGN.md, Performance model).
+"""Benchmarks measured side by side in one run (their figures and commands: docs/measured.md).
 
 task=scale: bench/scale.py (start-up and memory as the dataset grows).
 task=e2e: bench/e2e.py (the job against its tower, the sink against a bare write, stage by stage).
@@ -32,9 +32,11 @@ import pyarrow.parquet as pq
 import torch
 
 from batchvlm.bench import EMBED_JOB
-from batchvlm.config import TINY, ConfigError, ModelConfig, RuntimeConfig, one_of, positive
+from batchvlm.config import Choice, Config, ConfigError, positive
 from batchvlm.demo import build_once, demo_rows, home, photographs
-from batchvlm.families import load_family
+from batchvlm.executor.config import RuntimeConfig
+from batchvlm.families import TINY, ModelConfig, load_family
+from batchvlm.format.schema import Dtype
 from batchvlm.pipeline.preprocess import TorchPreprocessor, TritonPreprocessor
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.manifest import listed_shards
@@ -42,9 +44,26 @@ from batchvlm.records import DecodedImage, PreparedRecord, SourceRecord, TokenLa
 from batchvlm.training import LoaderConfig, PackedLoader, packing_efficiency
 
 
+class Task(Choice):
+    preprocess = "preprocess"
+    scale = "scale"
+    loader = "loader"
+    e2e = "e2e"
+    host = "host"
+    tower = "tower"
+    jpeg = "jpeg"
+    claims = "claims"
+
+
+class Tower(Choice):
+    base = "base"
+    tiny = "tiny"
+    released = "released"
+
+
 @dataclass
-class BenchConfig:
-    task: str = "preprocess"
+class BenchConfig(Config):
+    task: Task = Task.preprocess
     model: ModelConfig = field(default_factory=ModelConfig)
     """The family whose plan, layout and HF processor are measured."""
     device: str = "auto"
@@ -67,14 +86,14 @@ class BenchConfig:
     max_tokens: int = 4096
     """task=loader: tokens per packed sequence."""
     workers: int = 0
-    """task=loader: DataLoader workers of the loader (0: in this process, like the scan); task=claims: DataLoader
-    workers of each simulated rank (each walked the claims before issue 23)."""
+    """task=loader: DataLoader workers of the loader (0: in this process, like the scan)."""
     records: int = 16
     """task=e2e|host|tower|jpeg: records (one real photo each, of the common sizes in decoding.REAL_SIZES) run through the
     job and each stage, through the tower, or encoded as each kind of JPEG."""
-    tower: str = "base"
-    """task=e2e|tower: base (a ViT-B-sized MoonViT, built once) | tiny (the demo tower)."""
-    dtype: str = "bfloat16"
+    tower: Tower = Tower.base
+    """task=e2e|tower: base (a ViT-B-sized MoonViT, built once) | tiny (the demo tower) | released (task=tower: the
+    family of `model=` at its released size)."""
+    dtype: Dtype = Dtype.bfloat16
     """task=e2e|tower: the tower's dtype (model.dtype), as checkpoints ship: bfloat16 | float16 | float32."""
     job_workers: int = 2
     """task=e2e|host: the job's runtime.num_workers; the records are cut into two work units per worker."""
@@ -95,9 +114,7 @@ class BenchConfig:
     rehearsal on a CPU)."""
 
     def __post_init__(self) -> None:
-        one_of("task", self.task, ("preprocess", "scale", "loader", "e2e", "host", "tower", "jpeg", "claims"))
-        one_of("tower", self.tower, ("base", "tiny", "released"))
-        one_of("dtype", self.dtype, ("bfloat16", "float16", "float32"))
+        super().__post_init__()
         for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens", "records",
                     "job_workers", "peak_tflops", "ranks", "units", "block_units"):
             positive(key, getattr(self, key))

@@ -17,9 +17,11 @@ import torch
 
 from batchvlm.bench.decoding import REAL_SIZES, photos
 from batchvlm.bench.tasks import bench_device, best_seconds, records_of
-from batchvlm.config import TINY, ModelConfig, PreprocessConfig
+from batchvlm.families import TINY, ModelConfig
+from batchvlm.pipeline.preprocess import PreprocessConfig
 from batchvlm.demo import DEMO_VERSION, build_once, home
 from batchvlm.executor.batching import TokenBudgetBatcher
+from batchvlm.executor.steps import Batching, alone
 from batchvlm.families import kimi_k25, load_family
 from batchvlm.format.schema import EMBED_DTYPES
 from batchvlm.pipeline.preprocess import make_preprocessor, preprocess_batch, resolve_backend
@@ -100,10 +102,9 @@ def packed_batches(family, device: torch.device, records: int) -> list[PixelBatc
     `device` as the job does it."""
     prepared = records_of([(f"photo-{i}", pixels) for i, pixels in enumerate(photos(records, REAL_SIZES))], family)
     defaults = PreprocessConfig()
-    batcher = TokenBudgetBatcher(defaults.token_budget, defaults.max_images_per_batch)
-    groups = [closed for record in prepared if (closed := batcher.add(record))] + [batcher.flush()]
+    batches = alone(Batching(TokenBudgetBatcher(defaults.token_budget, defaults.max_images_per_batch)), prepared)
     preprocessor = make_preprocessor(resolve_backend("auto", device), family, device, defaults.background)
-    return [preprocess_batch(group, preprocessor) for group in groups]
+    return [preprocess_batch(batch.records, preprocessor) for batch in batches]
 
 
 def bench_tower(config) -> dict:

@@ -1,11 +1,10 @@
-"""Token-budget batches: the worker stream's prepared records grouped until the next would pass the patch budget."""
+"""Token-budget batches: prepared records grouped until the next would pass the patch budget (steps.Batching)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from batchvlm.records import EncodedRecord, PreparedRecord, QuarantinedRecord
+from batchvlm.records import PreparedRecord
 
 
 @dataclass
@@ -38,19 +37,3 @@ class TokenBudgetBatcher:
         batch, self.records, self.patches, self.images = self.records, [], 0, 0
         return batch
 
-
-def batches(stream: Iterable, batcher: TokenBudgetBatcher) -> Iterator:
-    """The worker stream with its records with images grouped into `Batch`es. Everything else passes through in
-    place: unit markers as they are, a record already decided (quarantined in the worker, or with no image to encode)
-    as a list of its one outcome."""
-    for item in stream:
-        if isinstance(item, QuarantinedRecord):
-            yield [item]
-        elif not isinstance(item, PreparedRecord):
-            yield item
-        elif not item.plans:
-            yield [EncodedRecord(item, [])]
-        elif (closed := batcher.add(item)) is not None:
-            yield Batch(closed)
-    if batcher.records:
-        yield Batch(batcher.flush())

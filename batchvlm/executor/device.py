@@ -13,14 +13,12 @@ batch that fails anywhere on this path is redone on the checked path (`checked`)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from batchvlm.checks import CheckFailed, unexpected_failure
 from batchvlm.devices import Syncs
-from batchvlm.executor.batching import Batch
 from batchvlm.executor.overlap import Streams
 from batchvlm.executor.tally import FailureStreak, device_fault
 from batchvlm.faults import crash_point
@@ -158,15 +156,3 @@ class Device:
         left, right = self.checked(records[:middle]), self.checked(records[middle:])
         return left[0] + right[0], left[1] + right[1]
 
-
-def encoded(items: Iterable, device: Device) -> Iterator:
-    """Each `Batch` of the stream through the device, out as the list of its records' outcomes (encoded or
-    quarantined); with overlap, a batch's outcomes come out two batches later, the last ones' at the end. Everything
-    else passes through in place."""
-    for item in items:
-        if not isinstance(item, Batch):
-            yield item
-        elif outcomes := device.submit(item.records):
-            yield outcomes
-    if outcomes := device.drain():
-        yield outcomes

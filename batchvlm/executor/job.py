@@ -5,7 +5,7 @@
     embed:     until every unit is committed, by any rank:                                     (Job.embed)
                  claims thread: claim a block of units at the frontier (rundir.frontier)          (executor.worker)
                  workers:       a claimed unit -> source -> decode -> plan -> layout           (executor.worker)
-                 main process:  token-budget batches -> device -> rows                         (batching, device, rows)
+                 main process:  the typed steps: token-budget batches -> device -> rows -> sink (executor.steps)
                  writer thread: sink (atomic per-unit commit)                                  (rundir.sink)
                then wait on the launch's board for blocks that dead holders left, or the end
     dedup:     ranks claim the hash buckets of the ids and list the later occurrences          (Job.find_duplicates)
@@ -22,24 +22,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
-from batchvlm.config import JobConfig
-from batchvlm.executor.batching import TokenBudgetBatcher, batches
-from batchvlm.executor.device import Device, encoded
+from batchvlm.executor.config import JobConfig
+from batchvlm.executor.batching import TokenBudgetBatcher
+from batchvlm.executor.device import Device
 from batchvlm.executor.distributed import Coordinator, Ranks, init_ranks
+from batchvlm.executor.fingerprint import run_fingerprint
 from batchvlm.executor.overlap import Streams
 from batchvlm.executor.progress import Progress
-from batchvlm.executor.rows import Assembler, rows
+from batchvlm.executor.rows import Assembler
+from batchvlm.executor.steps import job_steps
 from batchvlm.executor.tally import JobAborted, QuarantineOverLimit, Tally, check_run_totals
 from batchvlm.executor.transport import Rings, job_rings
-from batchvlm.executor.worker import main_threads, prepared_units, worker_count
+from batchvlm.executor.worker import main_threads, prepared_units, text_side_of, worker_count
 from batchvlm.families import Family, load_family, resolve_checkpoint
 from batchvlm.towers.attention import resolve_attention
-from batchvlm.format.schema import EMBED_DTYPES
-from batchvlm.pipeline.chat import ChatRenderer
+from batchvlm.format.schema import EMBED_DTYPES, shard_metadata
 from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.jpeg import JpegBatchDecoder, resolve_jpeg_decode
 from batchvlm.pipeline.preprocess import PreprocessGuard, make_preprocessor, resolve_backend
+from batchvlm.pipeline.text import TextSide
 from batchvlm.records import WorkUnit
 from batchvlm.rundir.claims import Claim, Claims, Heartbeat
 from batchvlm.rundir.dedup import BucketPass
@@ -95,9 +98,14 @@ class Parts:
     stage: Device
     assembler: Assembler
     requeue: RequeueSource | None
-    chat: ChatRenderer | None  # a conversation format's chat template renderer
+    text: TextSide  # the text side of the dataset's format: plain text, or conversations and their chat template
     draft: Draft | None  # rank 0's
     rings: Rings | None  # the workers' pixel rings (executor.transport), page-locked once on CUDA
+
+    def shard_metadata(self) -> dict[str, str]:
+        """What every shard of the run says of itself in its schema metadata."""
+        return shard_metadata(self.family.name, self.assembler.hidden_sizes, self.job.output.embed_dtype,
+                              self.job.model.embedding, self.run.fingerprint_digest)
 
 
 def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device) -> Parts:
@@ -106,15 +114,16 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
     The plan comes before the run directory is written: a config that does not fit its inputs (a column that is not
     there, a glob that matches nothing, a changed input) is refused with nothing left behind."""
     family = load_family(job.model)
-    chat = ChatRenderer.of(family, job.text, job.dataset.format)
-    requeue = requeue_source(job, layout.root) if job.requeue_from else None
+    text = text_side_of(family, job)
+    requeue = requeue_source(job.dataset, job.requeue_from, job.check, layout.root) if job.requeue_from else None
     draft = None
     if ranks.is_main:
         source = requeue or make_source(job.dataset, max_bytes=job.decode.max_bytes)
-        plan, new = make_plan(layout, source, job, ranks.world)
+        plan, new = make_plan(layout, source, job.reading_settings(), ranks.world, job.runtime.dedup_buckets,
+                              job.runtime.block_units)
         draft = Draft(plan, source, new)
     encoder = family.load_encoder(device, EMBED_DTYPES[job.model.dtype])
-    run = RunDir(layout, job, family, encoder, ranks)
+    run = RunDir(layout, run_fingerprint(job, family, encoder), OmegaConf.to_yaml(OmegaConf.structured(job)), ranks)
     embed_dtype = EMBED_DTYPES[job.output.embed_dtype]
     overlap = job.runtime.overlap
     stage = Device(make_preprocessor(job.preprocess.backend, family, device, job.preprocess.background), encoder,
@@ -122,7 +131,7 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
                    overlap, Streams(device, overlap), _jpeg_decoder(job, device))
     assembler = Assembler(embed_dtype, encoder.hidden_sizes, job.output.quarantine_bytes_cap, run.fingerprint_digest,
                           job.text.trained(job.dataset.format), job.dataset.placeholder)
-    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue, chat, draft,
+    return Parts(job, ranks, device, layout, family, run, stage, assembler, requeue, text, draft,
                  job_rings(worker_count(job.runtime.num_workers), device))
 
 
@@ -165,7 +174,7 @@ class Job:
             if self.ranks.is_main:
                 self.tidy(plan, claims)
             self.ranks.barrier()  # units whose commit was withdrawn are claimable before any rank looks
-            sink = RunSink(self.layout, self.parts.run.schema_metadata(self.parts.assembler.hidden_sizes),
+            sink = RunSink(self.layout, self.parts.shard_metadata(),
                            self.job.output.compression, claims, plan.dedup_buckets, self.ranks.rank,
                            self.job.output.shard_bytes, self.units)
             self.embed(plan, source, claims, sink, coordinator)
@@ -249,22 +258,14 @@ class Job:
         claimed units to committed shards."""
         runtime, parts = self.job.runtime, self.parts
         # the workers fork before any thread of this pass starts
-        prepared, queued = prepared_units(source, claimed, parts.family, self.job, parts.chat, parts.rings)
+        prepared, queued = prepared_units(source, claimed, parts.family, self.job, parts.text, parts.rings)
         writer = SinkWriter(sink, runtime.writer_queue)
         batcher = TokenBudgetBatcher(self.job.preprocess.token_budget, self.job.preprocess.max_images_per_batch)
         if queued is not None:
             queued.start()
         try:
             with main_threads(worker_count(runtime.num_workers)):
-                for item in rows(encoded(batches(prepared, batcher), parts.stage), parts.assembler):
-                    if not isinstance(item, list):
-                        writer.submit(item)  # a unit opens or closes
-                        shown()  # a block claimed since the last report is reported before its first batch
-                        continue
-                    for row in item:
-                        writer.submit(row)
-                    self.tally.count(item)
-                    shown()
+                job_steps(parts.stage, parts.assembler, batcher, writer, self.tally, shown).run(prepared)
             writer.close()
             if queued is not None:
                 queued.check()

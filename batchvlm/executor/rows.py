@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +48,3 @@ class Assembler:
                                                                  self.placeholder),
                          item.preprocess.counts())
 
-
-def rows(items: Iterable, assembler: Assembler) -> Iterator:
-    """Each list of outcomes as the list of their rows; unit markers pass through in place."""
-    for item in items:
-        yield assembler.rows(item) if isinstance(item, list) else item

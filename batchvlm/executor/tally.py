@@ -4,11 +4,29 @@ that is the job's own and not its records'."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from batchvlm.config import ChecksConfig
+from batchvlm.config import Config, ConfigError, operational
 from batchvlm.devices import is_device_fault
 from batchvlm.records import OutputRow, QuarantinedRecord
 from batchvlm.rundir.layout import QUARANTINE
+
+
+@dataclass
+class ChecksConfig(Config):
+    KEY: ClassVar[str] = "checks"
+
+    max_quarantine_fraction: float = operational(0.5)
+    """Abort the job once this fraction of records is quarantined (after min_records)."""
+    min_records: int = operational(100)
+    """Records seen before the quarantine fraction can abort the job."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.max_quarantine_fraction <= 1.0:
+            raise ConfigError(f"checks.max_quarantine_fraction={self.max_quarantine_fraction} must be in [0, 1]")
+        if self.min_records < 0:
+            raise ConfigError("checks.min_records must be >= 0")
 
 
 class JobAborted(RuntimeError):

@@ -17,44 +17,41 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from batchvlm.checks import CheckFailed, failure
-from batchvlm.config import JobConfig
+from batchvlm.executor.config import JobConfig
 from batchvlm.executor.transport import ChunkedStream, Rings, unchunked
 from batchvlm.faults import crash_point
-from batchvlm.pipeline.chat import ChatRenderer
 from batchvlm.pipeline.decode import Decoder
-from batchvlm.pipeline.tokens import attach_positions, build_layout, place_images, require_fits
+from batchvlm.pipeline.text import TextSide, laid_out, text_side
+from batchvlm.pipeline.tokens import attach_positions
 from batchvlm.records import PreparedRecord, QuarantinedRecord, SourceRecord, Turn, UnitEnd, UnitStart, WorkUnit
 from batchvlm.rundir.claims import Claim
 from batchvlm.sources import Source
-from batchvlm.sources.conversations import place_conversation_images
+
+
+def text_side_of(family, job: JobConfig) -> TextSide:
+    """The text side of the job's dataset format (ConfigError before any work where it cannot be rendered)."""
+    dataset = job.dataset
+    return text_side(family, dataset.format, dataset.placeholder, dataset.missing_placeholder, job.text)
 
 
 def prepare(record: SourceRecord, family, job: JobConfig, decoder: Decoder,
-            chat: ChatRenderer | None = None) -> PreparedRecord | QuarantinedRecord:
+            text: TextSide) -> PreparedRecord | QuarantinedRecord:
     try:
-        if chat is None:
-            content = place_images(record.text, job.dataset.placeholder, len(record.images),
-                                   job.dataset.missing_placeholder)
-        else:
-            content = place_conversation_images(record.turns, len(record.images), job.dataset.missing_placeholder)
+        content = text.placed(record)
         images = [decoder(ref, index) for index, ref in enumerate(record.images)]
-        return plan_and_lay_out(record, content, images, family, job, chat)
+        return plan_and_lay_out(record, content, images, family, job, text)
     except CheckFailed as failed:
         return QuarantinedRecord(record, failed.to_failure())
 
 
 def plan_and_lay_out(record: SourceRecord, content: str | list[Turn], images: list, family, job: JobConfig,
-                     chat: ChatRenderer | None = None) -> PreparedRecord:
-    """The plan of each decoded image and the record's token layout: of a text, or of a conversation's turns rendered
-    with its chat template (raises CheckFailed)."""
+                     text: TextSide) -> PreparedRecord:
+    """The plan of each decoded image and the record's token layout, whatever its text's format (raises
+    CheckFailed)."""
     plans = [family.plan(image.height, image.width) for image in images]
-    if chat is None:
-        layout = build_layout(content, job.dataset.placeholder, plans, family, job.text.control_tokens)
-        require_fits(layout, job.text.max_tokens)
-    else:
-        layout = chat.lay_out(content, plans)
-        kept = len(layout.image_spans)  # the images of turns that text.overflow=drop_turns left out are not embedded
-        images, plans = images[:kept], plans[:kept]
+    layout = laid_out(text, content, plans, job.text)
+    kept = len(layout.image_spans)  # the images of turns that text.overflow=drop_turns left out are not embedded
+    images, plans = images[:kept], plans[:kept]
     attach_positions(layout, plans, family)
     return PreparedRecord(source=record, images=images, plans=plans, layout=layout)
 
@@ -81,8 +78,8 @@ class PreparedStream(IterableDataset):
     the queue they come through (QueuedUnits) in DataLoader workers."""
 
     def __init__(self, source: Source, units: Iterable[tuple[WorkUnit, Claim]], family, job: JobConfig,
-                 chat: ChatRenderer | None = None):
-        self.source, self.units, self.family, self.job, self.chat = source, units, family, job, chat
+                 text: TextSide):
+        self.source, self.units, self.family, self.job, self.text = source, units, family, job, text
         self.decoder = Decoder(job.decode)
 
     def __iter__(self):
@@ -98,7 +95,7 @@ class PreparedStream(IterableDataset):
             for record in self.source.unit_records(unit):
                 crash_point("decode")
                 count += 1
-                yield checked_id(record, unit, seen) or prepare(record, self.family, self.job, self.decoder, self.chat)
+                yield checked_id(record, unit, seen) or prepare(record, self.family, self.job, self.decoder, self.text)
             yield UnitEnd(unit, count)
 
 
@@ -166,8 +163,7 @@ def main_threads(workers: int) -> Iterator[None]:
 
 
 def prepared_units(source: Source, claimed: Iterator[tuple[WorkUnit, Claim]], family, job: JobConfig,
-                   chat: ChatRenderer | None = None,
-                   rings: Rings | None = None) -> tuple[Iterator, QueuedUnits | None]:
+                   text: TextSide, rings: Rings | None = None) -> tuple[Iterator, QueuedUnits | None]:
     """The rank's claimed units prepared in `runtime.num_workers` DataLoader worker processes (0: inline, for
     debugging; the decoder still forks its child on first use), and the queue that feeds the workers, to be started
     once the caller has nothing more to fork. The workers' items cross in chunks (transport.py), their pixels in
@@ -175,11 +171,11 @@ def prepared_units(source: Source, claimed: Iterator[tuple[WorkUnit, Claim]], fa
     ready."""
     workers = worker_count(job.runtime.num_workers)
     if workers == 0:
-        return iter(PreparedStream(source, claimed, family, job, chat)), None
+        return iter(PreparedStream(source, claimed, family, job, text)), None
     queued = QueuedUnits(claimed, workers)
     if rings is not None:
         rings.restart()
-    stream = ChunkedStream(PreparedStream(source, queued, family, job, chat), job.preprocess.token_budget,
+    stream = ChunkedStream(PreparedStream(source, queued, family, job, text), job.preprocess.token_budget,
                            job.runtime.prefetch, rings)
     loader = iter(DataLoader(stream, batch_size=None, num_workers=workers, collate_fn=_keep, prefetch_factor=2,
                              persistent_workers=False))  # the workers fork here, before any thread of the pass starts

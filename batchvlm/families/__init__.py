@@ -14,17 +14,94 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
 
-from batchvlm.config import TINY, ConfigError, ModelConfig
+from batchvlm.config import Choice, Config, ConfigError, operational, read_from, written
 from batchvlm.demo import DEMO_VERSION, build_once, home
 from batchvlm.format.layouts import PatchLayout
+from batchvlm.format.schema import Dtype
 from batchvlm.records import ImagePlan, TokenLayout
+
+class Attention(Choice):
+    auto = "auto"
+    varlen = "varlen"
+    sdpa = "sdpa"
+    eager = "eager"
+    flash_attention_2 = "flash_attention_2"
+
+
+FLASH_ATTENTION = Attention.flash_attention_2
+
+
+class Embedding(Choice):
+    auto = "auto"
+    projector = "projector"
+    tower = "tower"
+    both = "both"
+
+
+class Framing(Choice):
+    k3 = "k3"
+    plain = "plain"
+
+
+TINY = "tiny"
+"""model.path of the family's tiny checkpoint, built on first use: the demo's, never a real model."""
+
+
+@dataclass
+class ModelConfig(Config):
+    KEY: ClassVar[str] = "model"
+
+    family: str = written("kimi_k25")
+    """Encoder family module under batchvlm/families/, or the dotted path of a module of your own."""
+    path: str = read_from(TINY)
+    """Local checkpoint folder (safetensors), or `tiny`: the family's tiny demo checkpoint, built on first use. Required
+    in a job's config: only the *_tiny model configs name `tiny` (the Python default is the demo's). Its config and
+    weights digests are in the run's fingerprint."""
+    tokenizer_path: str | None = read_from(None)
+    """Tokenizer folder when it is not the checkpoint's own (its digest is in the fingerprint)."""
+    dtype: Dtype = written(Dtype.float32)
+    """Compute dtype of the tower: float32 | bfloat16 | float16 (flash_attention_2 needs one of the last two)."""
+    device: str = operational("auto")
+    """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
+    attn_implementation: Attention = written(Attention.auto)
+    """auto (varlen on CUDA in bfloat16/float16 where torch has it, sdpa otherwise; the fingerprint holds the choice
+    made) | varlen (one call per layer over the packed batch, torch's varlen flash attention) | sdpa | eager |
+    flash_attention_2 (the flash_attn package): the same math, but not the same bits in half precision."""
+    embedding: Embedding = written(Embedding.auto)
+    """Which output is stored as image_embeds: auto (the projector's LLM-ready tokens where the checkpoint has a
+    projector, the tower's tokens otherwise) | projector | tower | both (projector tokens, plus the tower's in
+    tower_embeds)."""
+    framing: Framing = written(Framing.k3)
+    """kimi_k25 prompt contract: k3 (begin/content/end frame around each image's tokens) | plain (bare repeats, K2.5).
+    Other families have one contract each and ignore it."""
+    trust_remote_code: bool = operational(False)
+    chat_template: str | None = read_from(None)
+    """A Jinja chat template file rendering conversations in place of the tokenizer's own (dataset.format other than
+    text); each image must render as the family's single image token. Its digest is in the fingerprint."""
+    processor: dict[str, Any] = written(factory=dict)
+    """Overrides of the checkpoint's processor parameters (family-specific keys, validated by the family)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.path:
+            raise ConfigError(f"model.path={self.path!r}: give a local checkpoint folder, or tiny for the demo's")
+        if self.attn_implementation == FLASH_ATTENTION and self.dtype == Dtype.float32:
+            raise ConfigError(f"model.attn_implementation={FLASH_ATTENTION} runs in float16 or bfloat16 only, and "
+                              "model.dtype=float32: set model.dtype=bfloat16 (or float16), or "
+                              "model.attn_implementation=sdpa")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"model.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ConfigError(f"model.chat_template={self.chat_template!r} is not a file")
+
 
 SHARED = ("common", "checkpoint")
 """The modules of this package that are no family: what the families share, and how they load checkpoints."""

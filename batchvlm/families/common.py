@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from batchvlm.config import FLASH_ATTENTION, ConfigError, ModelConfig
+from batchvlm.config import ConfigError
+from batchvlm.families import FLASH_ATTENTION, ModelConfig
 from batchvlm.demo import caption_corpus
 from batchvlm.devices import to_device
 from batchvlm.families import resolve_checkpoint
@@ -23,7 +24,8 @@ from batchvlm.records import ImagePlan, TokenLayout
 
 
 TEMPLATES = Path(__file__).parent / "templates"
-"""Published chat templates (shared/reference/conversations.md), which the tiny checkpoints' tokenizers carry."""
+"""Published chat templates (each checkpoint's tokenizer_config.json or chat_template.jinja on the Hugging Face Hub:
+Qwen/Qwen2-VL-7B-Instruct, moonshotai/Kimi-K2.5), which the tiny checkpoints' tokenizers carry."""
 
 
 class PatchFamily:

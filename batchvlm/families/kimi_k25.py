@@ -1,4 +1,5 @@
-"""Kimi-K2.5 / K3-style MoonViT (NaViT packing): shared/reference/families.md section 1.
+"""Kimi-K2.5 / K3-style MoonViT (NaViT packing): Kimi-VL (arXiv 2504.07491), moonshotai/Kimi-K2.5 on the Hugging Face
+Hub, transformers' Kimi_K25 model and image processor.
 
 Resize: scale down to a patch budget (never up), truncate, pad bottom/right to a multiple of
 merge*patch. Patches (N, C, p, p) in raster order; the tower merges 2x2 itself. Prompt: K3 framing
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.config import ConfigError
+from batchvlm.families import ModelConfig
 from batchvlm.devices import to_device
 from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_released
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, choose_projector, config_field,

@@ -1,4 +1,5 @@
-"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: shared/reference/families.md section 2.
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: Qwen2-VL (arXiv 2409.12191), Qwen2.5-VL (arXiv 2502.13923),
+github.com/QwenLM/Qwen2.5-VL and Qwen3-VL, transformers' qwen2_vl, qwen2_5_vl and qwen3_vl models and processors.
 
 The three generations differ only in parameters read from the checkpoint: patch size (14, 14, 16),
 normalization (CLIP, CLIP, 0.5), window attention (2.5, inside the tower) and deepstack features
@@ -20,7 +21,8 @@ import numpy as np
 import torch
 
 from batchvlm.checks import require
-from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.config import ConfigError
+from batchvlm.families import ModelConfig
 from batchvlm.devices import to_device
 from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_released
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, config_field, processor_params,

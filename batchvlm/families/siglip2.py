@@ -1,4 +1,5 @@
-"""SigLIP2 NaFlex: shared/reference/families.md section 3.
+"""SigLIP2 NaFlex: SigLIP 2 (arXiv 2502.14786), github.com/google-research/big_vision, transformers' Siglip2 model
+and Siglip2ImageProcessor.
 
 Resize: bisect a scale so that ceil-to-patch sides fit max_num_patches (may upscale); bilinear; no
 pixel padding. Rows are raster, channels last (layouts.RASTER_HWC). The tower runs packed: no
@@ -20,8 +21,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from batchvlm.config import ConfigError, ModelConfig
+from batchvlm.config import ConfigError
 from batchvlm.demo import caption_corpus
+from batchvlm.families import ModelConfig
 from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_released
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, processor_inputs,
                                       processor_params, read_config, token_id, tokenizer_digest,

@@ -17,14 +17,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-import pyarrow as pa
 import torch
 
 from batchvlm.format.schema import EMBED_DTYPES
 
 EMBED_ID_PREFIX = "batchvlm:embed:"
 SIZE_KEY = "batchvlm.hidden_size."
-"""The prefix of the schema-metadata keys that give each embedding column's hidden size (rundir.schema_metadata)."""
+"""The prefix of the schema-metadata keys that give each embedding column's hidden size (format.schema.shard_metadata)."""
 
 
 def features_key(hidden_sizes: dict[str, int], embed_dtype: str) -> str:
@@ -32,14 +31,6 @@ def features_key(hidden_sizes: dict[str, int], embed_dtype: str) -> str:
     features = {name: {"dtype": "large_binary", "id": f"{EMBED_ID_PREFIX}{embed_dtype}:{size}", "_type": "Value"}
                 for name, size in hidden_sizes.items()}
     return json.dumps({"info": {"features": features}})
-
-
-def features_key_of(schema: pa.Schema) -> str:
-    """The key for a shard written before the job wrote it, from the batchvlm keys that shard does have."""
-    meta = schema.metadata
-    sizes = {key.decode().removeprefix(SIZE_KEY): int(value) for key, value in meta.items()
-             if key.decode().startswith(SIZE_KEY)}
-    return features_key(sizes, meta[b"batchvlm.embed_dtype"].decode())
 
 
 def embedding_layouts(features: Mapping | None) -> dict[str, tuple[torch.dtype, int]]:

@@ -1,7 +1,8 @@
 """Patch layouts: how a normalized image becomes the rows a family's tower takes.
 
-Three layouts cover the families (shared/reference/families.md, s1.4, s2.4, s3.2). A layout is data,
-not code in the family, so every preprocessing backend (torch ops here, Triton kernels in kernels/)
+Three layouts cover the families, as their Hugging Face image processors lay the patches out (transformers'
+Kimi_K25ImageProcessor, Qwen2VLImageProcessor, Siglip2ImageProcessor: github.com/huggingface/transformers). A layout
+is data, not code in the family, so every preprocessing backend (torch ops here, Triton kernels in kernels/)
 writes the same rows from the same description.
 """
 

@@ -1,4 +1,4 @@
-"""Assemble: one output row per record, in the schema of the output contract (DESIGN.md)."""
+"""Assemble: one output row per record, in the columns the output contract declares (format.schema)."""
 
 from __future__ import annotations
 

@@ -27,15 +27,68 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from batchvlm.checks import CheckFailed, require
-from batchvlm.config import ConfigError, JobConfig, TextConfig
+from batchvlm.config import Choice, Config, ConfigError, positive, written
 from batchvlm.format.schema import FRAME, IMAGE, TEXT
 from batchvlm.pipeline.tokens import checked_spans, special_ids, specials_as_text
 from batchvlm.records import ROLES, ChatLayout, ImagePlan, TokenLayout, Turn, TurnSpan
+
+
+class TrainOn(Choice):
+    auto = "auto"
+    assistant = "assistant"
+    last_assistant = "last_assistant"
+    all = "all"
+
+
+class ControlTokens(Choice):
+    quarantine = "quarantine"
+    text = "text"
+
+
+class Overflow(Choice):
+    quarantine = "quarantine"
+    drop_turns = "drop_turns"
+
+
+@dataclass
+class TextConfig(Config):
+    KEY: ClassVar[str] = "text"
+
+    train_on: TrainOn = written(TrainOn.auto)
+    """Which tokens a trainer learns to predict (the stored loss_mask): assistant (the content and end-of-turn token of
+    every assistant turn) | last_assistant (of the last one only) | all (every token but image tokens) | auto
+    (assistant for a conversation; all for dataset.format=text, which has no turns)."""
+    max_tokens: int | None = written(None)
+    """Tokens per record at most (the trainer's context length); null: no limit. A longer record is quarantined under
+    text.too_long, or loses whole trailing turns (text.overflow)."""
+    overflow: Overflow = written(Overflow.quarantine)
+    """A record over text.max_tokens: quarantine (text.too_long) | drop_turns (a conversation keeps its longest prefix
+    of whole turns that ends with an assistant turn and fits; never part of an image; the row records how many
+    turns it lost)."""
+    control_tokens: ControlTokens = written(ControlTokens.quarantine)
+    """A text (any turn's content, a plain text) holding a string the tokenizer reads as one of its special tokens
+    (`<|im_end|>`, `<|image_pad|>`...): quarantine (text.control_token: it would forge turns or images) | text
+    (tokenized as plain text, as any other characters)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_tokens is not None:
+            positive("text.max_tokens", self.max_tokens)
+        if self.overflow == Overflow.drop_turns and self.max_tokens is None:
+            raise ConfigError("text.overflow=drop_turns needs text.max_tokens")
+
+    def trained(self, format: str) -> TrainOn:
+        """text.train_on resolved for a dataset format: auto trains assistant turns, or everything in plain text."""
+        if self.train_on != TrainOn.auto:
+            return self.train_on
+        return TrainOn.all if format == "text" else TrainOn.assistant
+
 
 FOLLOWS = {"system": (None,), "user": (None, "system", "assistant", "tool"), "assistant": ("user", "tool"),
            "tool": ("assistant", "tool")}
@@ -330,33 +383,27 @@ class ChatRenderer:
 
     # -- expand and mask ------------------------------------------------------------------------------
     def lay_out(self, turns: list[Turn], plans: list[ImagePlan]) -> TokenLayout:
-        """The conversation's token layout, with its loss mask and turns; over text.max_tokens, quarantined
-        (text.too_long) or cut to fewer whole turns (text.overflow=drop_turns)."""
+        """The conversation's token layout, with its loss mask and turns; over text.max_tokens with
+        text.overflow=drop_turns, cut to fewer whole turns where some prefix fits. Whether it is within the limit is
+        tokens.require_fits's to say, for every text (pipeline.text.laid_out)."""
         check_roles(turns)
         layout = self._expanded(turns, plans)
         limit = self.text.max_tokens
-        if limit is None or len(layout.input_ids) <= limit:
+        if limit is None or len(layout.input_ids) <= limit or self.text.overflow != Overflow.drop_turns:
             return layout
-        spans = layout.chat.turns
         # The turn where the limit falls; past the last turn's end (a template's last newline belongs to no turn),
         # the last turn.
-        over = next((i for i, span in enumerate(spans) if span.end > limit), len(spans) - 1)
-        if self.text.overflow == "drop_turns":
-            # The longest prefix of whole turns that ends with an assistant turn and fits. A template may render a
-            # turn differently by its position, so the prefix is rendered again, not cut out of this rendering.
-            for keep in range(over, 0, -1):
-                if turns[keep - 1].role != "assistant":
-                    continue
-                kept = self._expanded(turns[:keep], plans[:sum(t.num_images for t in turns[:keep])])
-                if len(kept.input_ids) <= limit:
-                    kept.chat.dropped_turns = len(turns) - keep
-                    return kept
-        raise CheckFailed("text.too_long", f"{len(layout.input_ids)} tokens, more than text.max_tokens={limit}; turn "
-                          f"{over} ({spans[over].role}) ends at token {spans[over].end}"
-                          + (": no prefix of whole turns ending with an assistant turn fits"
-                             if self.text.overflow == "drop_turns" else ""),
-                          expected=f"<= {limit} tokens", observed=f"{len(layout.input_ids)} tokens",
-                          turn_index=over)
+        over = next((i for i, span in enumerate(layout.chat.turns) if span.end > limit), len(layout.chat.turns) - 1)
+        # The longest prefix of whole turns that ends with an assistant turn and fits. A template may render a turn
+        # differently by its position, so the prefix is rendered again, not cut out of this rendering.
+        for keep in range(over, 0, -1):
+            if turns[keep - 1].role != "assistant":
+                continue
+            kept = self._expanded(turns[:keep], plans[:sum(t.num_images for t in turns[:keep])])
+            if len(kept.input_ids) <= limit:
+                kept.chat.dropped_turns = len(turns) - keep
+                return kept
+        return layout
 
     def _expanded(self, turns: list[Turn], plans: list[ImagePlan]) -> TokenLayout:
         rendered = self.tokenize(turns)
@@ -393,12 +440,8 @@ class ChatRenderer:
         return mask
 
 
-def text_fingerprint(job: JobConfig, family) -> dict:
-    """What the text side adds to a run's fingerprint: the format, the text settings and the chat template, where they
-    change the rows (nothing for plain text without a length limit, its control tokens quarantined)."""
-    if job.dataset.format == "text" and job.text.max_tokens is None and job.text.control_tokens == "quarantine":
-        return {}
-    template = family.tokenizer.chat_template if job.dataset.format != "text" else None
-    return {"text": {"format": job.dataset.format, **asdict(job.text), "chat_template_sha256":
-                     hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None}}
-
+def template_digest(family) -> str | None:
+    """The sha256 of the chat template a conversation is rendered with (the checkpoint's, or model.chat_template's
+    once loaded into the tokenizer): what the run's fingerprint holds of it, not the file's name."""
+    template = family.tokenizer.chat_template
+    return hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None

@@ -35,11 +35,56 @@ import fsspec
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from batchvlm.checks import CheckFailed, require
-from batchvlm.config import DecodeConfig
+from batchvlm.config import Choice, Config, ConfigError, positive, written
 from batchvlm.faults import fault
 from batchvlm.pipeline.jpeg import EXIF_ORIENTATION, deferred
 from batchvlm.records import DecodedImage, EncodedJpeg, ImageRef
+
+
+class Isolation(Choice):
+    process = "process"
+    none = "none"
+
+
+class JpegDecode(Choice):
+    safe = "safe"
+    device = "device"
+    auto = "auto"
+
+
+@dataclass
+class DecodeConfig(Config):
+    KEY: ClassVar[str] = "decode"
+
+    formats: list[str] = written(factory=lambda: ["JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"])
+    """Pillow format names allowed, detected from the content, not the file name."""
+    max_pixels: int = written(50_000_000)
+    """Width x height limit, checked from the header before any pixel is allocated."""
+    max_bytes: int = written(64 * 1024 * 1024)
+    """Encoded size limit, checked before Pillow sees the bytes."""
+    isolation: Isolation = written(Isolation.process)
+    """process: decode in a child process, so a decoder crash or hang costs one record (decode.crashed,
+    decode.timeout); none: in-process."""
+    timeout_s: float = written(30.0)
+    """Per-image decode time limit (isolation=process)."""
+    jpeg: JpegDecode = written(JpegDecode.safe)
+    """safe: every image decodes in the workers on the safe path | device: a JPEG that the batched decoder turns into
+    the safe path's pixels has its header checked in the workers and is decoded in the main process, a packed batch's
+    JPEGs in one torchvision call on the job's device (nvJPEG on CUDA, libjpeg-turbo on the CPU); every other image,
+    and any the batched call fails on, on the safe path | auto: device when the job runs on CUDA, safe otherwise."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive("decode.timeout_s", self.timeout_s)
+        positive("decode.max_pixels", self.max_pixels)
+        positive("decode.max_bytes", self.max_bytes)
+        if not self.formats:
+            raise ConfigError("decode.formats must name at least one format")
+
 
 # A truncated file must fail, never come back half black.
 ImageFile.LOAD_TRUNCATED_IMAGES = False

@@ -22,14 +22,17 @@ import hashlib
 import io
 import logging
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
 
 from batchvlm.checks import CheckFailed
-from batchvlm.config import DecodeConfig
 from batchvlm.devices import is_device_fault
 from batchvlm.records import DecodedImage, EncodedJpeg, ImageRef, PreparedRecord, QuarantinedRecord
+
+if TYPE_CHECKING:  # decode imports this module
+    from batchvlm.pipeline.decode import DecodeConfig
 
 log = logging.getLogger("batchvlm")
 

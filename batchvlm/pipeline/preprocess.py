@@ -14,6 +14,8 @@ images is compared with the HF processor (parity). An image that fails is redone
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
 import logging
 import os
 from collections import Counter
@@ -22,11 +24,62 @@ import torch
 import torch.nn.functional as F
 
 from batchvlm.checks import CheckFailed, require
-from batchvlm.config import ConfigError
+from batchvlm.config import Choice, Config, ConfigError, operational, positive, written
 from batchvlm.faults import fault
 from batchvlm.kernels.reference import composite, resize_image
 from batchvlm.devices import Syncs, images_on, to_device
 from batchvlm.records import DecodedImage, ImagePlan, PixelBatch, PreparedRecord, PreprocessStats
+
+
+class Backend(Choice):
+    auto = "auto"
+    triton = "triton"
+    torch = "torch"
+    reference = "reference"
+
+
+class Background(Choice):
+    black = "black"
+    white = "white"
+    gray = "gray"
+    chessboard = "chessboard"
+
+
+class Fallback(Choice):
+    cpu = "cpu"
+    quarantine = "quarantine"
+
+
+@dataclass
+class PreprocessConfig(Config):
+    KEY: ClassVar[str] = "preprocess"
+
+    backend: Backend = written(Backend.auto)
+    """auto (torch: measured faster than triton on an H200 for every family) | triton (kernels/, fused, GPU) | torch
+    (batchvlm's own ops, CPU or GPU) | reference (the family's Hugging Face processor). Their pixels differ by a
+    level."""
+    token_budget: int = operational(16384)
+    """Patches per packed batch; an image larger than the budget is encoded alone."""
+    max_images_per_batch: int = operational(256)
+    background: Background = written(Background.black)
+    """Background that transparent pixels are composited onto: black | white | gray | chessboard."""
+    fallback: Fallback = written(Fallback.cpu)
+    """An image whose backend result fails a preprocess check: cpu (redone on the CPU torch path, counted in the
+    run's totals) | quarantine (its record is quarantined under the check)."""
+    parity_sample_rate: float = written(0.001)
+    """Fraction of images (chosen by content hash, so reruns pick the same) also run through the family's HF
+    processor and compared with the backend (check preprocess.parity). The HF processor runs on the CPU."""
+    parity_max_levels: float = written(3.0)
+    """Largest pixel difference from the HF processor that parity accepts, in uint8 levels."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.parity_sample_rate <= 1.0:
+            raise ConfigError(f"preprocess.parity_sample_rate={self.parity_sample_rate} must be in [0, 1]")
+        positive("preprocess.parity_max_levels", self.parity_max_levels)
+        positive("preprocess.token_budget", self.token_budget)
+        positive("preprocess.max_images_per_batch", self.max_images_per_batch)
+
 
 log = logging.getLogger("batchvlm")
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from batchvlm.checks import CheckFailed, require
 from batchvlm.format.schema import TEXT
-from batchvlm.records import ImagePlan, TokenLayout
+from batchvlm.records import ImagePlan, TokenLayout, Turn
 
 
 def find_spans(input_ids: list[int] | np.ndarray, token_id: int) -> list[tuple[int, int]]:
@@ -74,6 +74,20 @@ def text_ids(family, text: str, control_tokens: str = "quarantine") -> list[int]
                       "(text.control_tokens=text reads it as plain text)", expected="plain text", observed=name)
 
 
+def place_conversation_images(turns: list[Turn], num_images: int, missing_policy: str) -> list[Turn]:
+    """The turns with one image slot per image: as read, or (none at all, missing_placeholder=prepend) the images at
+    the front of the first user turn; else a text.placeholder_count failure."""
+    found = sum(turn.num_images for turn in turns)
+    first_user = next((i for i, turn in enumerate(turns) if turn.role == "user"), None)
+    if found == 0 and num_images and missing_policy == "prepend" and first_user is not None:
+        turn = turns[first_user]
+        turns = [*turns[:first_user], Turn(turn.role, (None,) * num_images + turn.content), *turns[first_user + 1:]]
+        found = num_images
+    require(found == num_images, "text.placeholder_count", f"Expected {num_images} image placeholder(s) across the "
+            f"conversation's turns, found {found}.", expected=num_images, observed=found)
+    return turns
+
+
 def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family,
                  control_tokens: str = "quarantine") -> TokenLayout:
     """Tokenize text pieces with the checkpoint's tokenizer and expand each placeholder via the family."""
@@ -105,12 +119,23 @@ def checked_spans(input_ids: list[int] | np.ndarray, plans: list[ImagePlan], fam
     return spans
 
 
-def require_fits(layout: TokenLayout, max_tokens: int | None) -> None:
-    """text.too_long for a plain text: it has no turns to drop."""
-    if max_tokens is not None:
-        require(len(layout.input_ids) <= max_tokens, "text.too_long", f"{len(layout.input_ids)} tokens, more than "
-                f"text.max_tokens={max_tokens}", expected=f"<= {max_tokens} tokens",
-                observed=f"{len(layout.input_ids)} tokens")
+def require_fits(layout: TokenLayout, max_tokens: int | None, dropped: bool = False) -> None:
+    """text.too_long where the record is over text.max_tokens: the one place the limit is enforced, for a plain text
+    and a conversation alike (a conversation's message names the turn where the limit falls; `dropped`: it was
+    already cut to the longest prefix of whole turns that could be, text.overflow=drop_turns, and none fits)."""
+    length = len(layout.input_ids)
+    if max_tokens is None or length <= max_tokens:
+        return
+    message, over = f"{length} tokens, more than text.max_tokens={max_tokens}", None
+    if layout.chat is not None:
+        spans = layout.chat.turns
+        # past the last turn's end (a template's last newline belongs to no turn), the last turn
+        over = next((i for i, span in enumerate(spans) if span.end > max_tokens), len(spans) - 1)
+        message += f"; turn {over} ({spans[over].role}) ends at token {spans[over].end}"
+        if dropped:
+            message += ": no prefix of whole turns ending with an assistant turn fits"
+    raise CheckFailed("text.too_long", message, expected=f"<= {max_tokens} tokens", observed=f"{length} tokens",
+                      turn_index=over)
 
 
 def attach_positions(layout: TokenLayout, plans: list[ImagePlan], family) -> None:

@@ -102,13 +102,10 @@ def written_distributions(layout: RunLayout) -> list[Distribution]:
 
 def dropped_turns(layout: RunLayout) -> tuple[int, int]:
     """(records, turns): the conversations text.overflow=drop_turns cut to fewer whole turns, and the turns they lost,
-    over the committed data shards (none in a run of plain texts, or written before the column was)."""
+    over the committed data shards (none in a run of plain texts)."""
     records = turns = 0
     for _, shard in listed_shards(layout, DATA):
-        file = pq.ParquetFile(shard)
-        if "dropped_turns" not in file.schema_arrow.names:
-            continue
-        for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=["dropped_turns"]):
+        for batch in pq.ParquetFile(shard).iter_batches(batch_size=BATCH_ROWS, columns=["dropped_turns"]):
             counts = pc.fill_null(batch.column(0), 0)
             records += pc.sum(pc.greater(counts, 0).cast(pa.int64())).as_py() or 0
             turns += pc.sum(counts).as_py() or 0

@@ -22,7 +22,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
-from batchvlm.config import DecodeConfig, ModelConfig
+from batchvlm.families import ModelConfig
+from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.format.schema import QUARANTINE_SCHEMA
 from batchvlm.pipeline.preprocess import merged_stats
 from batchvlm.review.distributions import Distribution, dropped_turns, value_counts, written_distributions
@@ -31,8 +32,10 @@ from batchvlm.rundir.dedup import committed_results, duplicate_rows
 from batchvlm.rundir.durable import read_json
 from batchvlm.rundir.layout import DATA, IDS, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import Manifest, ManifestError, RunTotals, all_manifests, listed_shards
+from batchvlm.rundir.upgrade import check_run_format
 from batchvlm.rundir.workunits import read_plan
-from batchvlm.sources import KINDS, parent_of, source_class
+from batchvlm.sources import KINDS, source_class
+from batchvlm.sources.files import parent_of
 from batchvlm.sources.requeue import read_lineage
 
 log = logging.getLogger("batchvlm")
@@ -112,6 +115,7 @@ def read_manifests(layout: RunLayout) -> list[Manifest]:
 
 def build_report(run_dir: Path, max_cards_per_check: int = 50, thumbnails: bool = True) -> Report:
     layout = RunLayout(run_dir)
+    check_run_format(layout)
     manifests = read_manifests(layout)
     success = read_json(layout.success)
     totals = RunTotals.of(manifests, committed_results(layout))
@@ -187,9 +191,7 @@ def _run_config(layout: RunLayout) -> dict:
 def _scan_shard(report: Report, shard: Path) -> None:
     """Count one shard batch by batch, and keep the rows that still fit under their check's card cap."""
     offset, file = 0, pq.ParquetFile(shard)
-    # A run written before a column was added (a conversation's turns) reports without it.
-    columns = [name for name in ROW_COLUMNS if name in file.schema_arrow.names]
-    for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=columns):
+    for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=ROW_COLUMNS):
         report.quarantined += batch.num_rows
         for counter, column in ((report.by_check, "check"), (report.by_stage, "stage"), (report.by_source, "source")):
             counter.update(value_counts(batch.column(column)))

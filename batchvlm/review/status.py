@@ -25,11 +25,12 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from batchvlm.config import ConfigError, RuntimeConfig
-from batchvlm.rundir.claims import AHEAD_S, Beat, last_beats, rank_of_owner
+from batchvlm.config import ConfigError
+from batchvlm.rundir.claims import AHEAD_S, LEASE_S, Beat, last_beats, rank_of_owner
 from batchvlm.rundir.durable import DamagedMetadata, read_json
 from batchvlm.rundir.frontier import claimed_so_far
 from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.upgrade import check_run_format
 from batchvlm.rundir.rank_reports import AT, RECORDS_COMMITTED, UNITS_COMMITTED, RankReport, Sample, read_reports
 from batchvlm.rundir.workunits import read_plan
 
@@ -79,7 +80,7 @@ class RunStatus:
     unit_rate: float | None = None
     eta_s: float | None = None
     ranks: list[RankStatus] = field(default_factory=list)
-    lease_s: float = RuntimeConfig.lease_s
+    lease_s: float = LEASE_S
     seconds: float | None = None  # a complete run: how long it took
     blocks_claimed: int = 0  # how far the claim frontier got (its hint: one short after a crash between a claim and it)
     blocks_total: int = 0
@@ -100,6 +101,7 @@ def run_status(run_dir: Path, now: float | None = None, window_s: float = WINDOW
     if not layout.plan.exists():
         raise ConfigError(f"{run_dir} holds no batchvlm run (no plan): give run_dir=<output.root>/<run_name> of a run "
                           "that has started")
+    check_run_format(layout)
     now = time.time() if now is None else now
     plan = read_plan(layout)
     records_total = plan.rows()
@@ -138,7 +140,7 @@ def _lease_s(layout: RunLayout) -> float:
     try:
         return float(yaml.safe_load(layout.config.read_text())["runtime"]["lease_s"])
     except (FileNotFoundError, KeyError, TypeError, ValueError, yaml.YAMLError):
-        return RuntimeConfig.lease_s
+        return LEASE_S
 
 
 def _rank_status(report: RankReport, beat: Beat | None, now: float, lease_s: float, window_s: float) -> RankStatus:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from PIL import Image
 
 from batchvlm.checks import CheckFailed
-from batchvlm.config import DecodeConfig
+from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.pipeline.decode import Decoder
 from batchvlm.records import ImageRef
 

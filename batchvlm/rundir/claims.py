@@ -38,6 +38,8 @@ ALIVE = "alive"
 AHEAD_S = 1.0
 """A heartbeat further than this in the reader's future comes from a host whose clock is ahead (closer is another
 holder's beat between the reader's own and its stat)."""
+LEASE_S = 120.0
+"""runtime.lease_s's default: how old a heartbeat may be before its holder's claims are taken over."""
 
 
 @dataclass(frozen=True)

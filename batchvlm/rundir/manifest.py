@@ -2,8 +2,7 @@
 
 A unit is committed once its manifest exists; the manifest lists the unit's files (data, quarantine, ids) with
 their rows, bytes and sha256: one or more files of each kind (a kind's rows are cut into files of at most
-output.shard_bytes), in row order. A manifest written before units had several files names one file per kind; it
-reads the same way. Readers, resume and verify trust only listed files: `orphans` is the one rule for
+output.shard_bytes), in row order. Readers, resume and verify trust only listed files: `orphans` is the one rule for
 what no manifest lists, and `RunTotals` the one count of a run, with the later occurrences of an id that the
 duplicate pass found in data shards counted as quarantined (readers leave them out).
 """
@@ -58,8 +57,7 @@ class Manifest:
     @classmethod
     def from_json(cls, raw: object, path: Path) -> Manifest:
         try:
-            files = {kind: [Listing(**listing) for listing in _as_list(listings)]
-                     for kind, listings in raw["files"].items()}
+            files = {kind: [Listing(**listing) for listing in listings] for kind, listings in raw["files"].items()}
             return cls(**{**raw, "files": files})
         except (TypeError, KeyError, AttributeError) as error:
             raise ManifestError(f"{path}: not a batchvlm manifest ({type(error).__name__}: {error})") from None
@@ -84,11 +82,6 @@ class Manifest:
     def rows_of(self, kind: str) -> int:
         """The rows the files of `kind` hold together: one per record written, quarantined, or read (the ids file)."""
         return {DATA: self.written, QUARANTINE: self.quarantined, IDS: self.records_in}[kind]
-
-
-def _as_list(listings: dict | list) -> list:
-    """A kind's files as a manifest lists them: a list, or the one file a manifest of an older run names."""
-    return [listings] if isinstance(listings, dict) else listings
 
 
 def _without_none(listing: dict) -> dict:

@@ -1,4 +1,4 @@
-"""The run directory: resolved config, fingerprint, schema metadata, and the run's totals written last.
+"""The run directory: resolved config, fingerprint, and the run's totals written last.
 
 A run directory belongs to one fingerprint (family, processor, checkpoint digests, dtypes,
 versions). Reopening it with another is refused, naming what differs, so runs never mix.
@@ -10,45 +10,25 @@ import hashlib
 import json
 import platform
 
-from pathlib import Path
-
-import torch
-import transformers
-from omegaconf import OmegaConf
-
-import batchvlm
-from batchvlm.config import TINY, ConfigError, JobConfig, differences
+from batchvlm.config import ConfigError, differences
 from batchvlm.faults import crash_point
-from batchvlm.format.hf_features import SIZE_KEY, features_key
-from batchvlm.pipeline.chat import text_fingerprint
-from batchvlm.pipeline.jpeg import decoder_of
+from batchvlm.format.schema import FORMAT_VERSION, check_format
 from batchvlm.pipeline.preprocess import merged_stats
 from batchvlm.rundir.dedup import bucket_results
 from batchvlm.rundir.durable import durable_write, durable_write_json, read_json
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.manifest import RunTotals
-
-
-def weights_digest(module: torch.nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def config_digest(checkpoint: Path) -> str:
-    file = checkpoint / "config.json"
-    return hashlib.sha256(file.read_bytes()).hexdigest() if file.exists() else ""
+from batchvlm.rundir.upgrade import run_format, write_marker
 
 
 def check_ours(layout: RunLayout) -> None:
-    """The run directory is new or a batchvlm run's (its marker): the job never writes, nor cleans up, in a folder
-    of someone else's files."""
-    if not layout.root.exists() or layout.marker.exists():
+    """The run directory is new, or a batchvlm run's of the current output format: the job never writes, nor cleans
+    up, in a folder of someone else's files, nor adds to a run of another format."""
+    if not layout.root.exists():
         return
-    if layout.fingerprint.exists() and layout.plan.exists():
-        return  # a run written before the marker: reopening it writes one
+    if (version := run_format(layout)) is not None:
+        check_format(version, str(layout.root))
+        return
     if found := sorted(path.name for path in layout.root.iterdir()):
         raise ConfigError(f"{layout.root} is not empty and not a batchvlm run directory (it holds "
                           f"{', '.join(found[:5])}{', ...' if len(found) > 5 else ''}); give the run an empty or new "
@@ -56,49 +36,30 @@ def check_ours(layout: RunLayout) -> None:
 
 
 class RunDir:
-    def __init__(self, layout: RunLayout, job: JobConfig, family, encoder, ranks):
+    """A run directory opened for a job: `fingerprint` is what its outputs depend on (executor.fingerprint), and
+    `config_yaml` the job's resolved config, kept from the launch that started the run."""
+
+    def __init__(self, layout: RunLayout, fingerprint: dict, config_yaml: str, ranks):
         self.layout = layout
         self.path = layout.root
-        self.job = job
-        self.family = family
-        fingerprint = {
-            **family.fingerprint(),
-            "checkpoint": "tiny" if job.model.path == TINY else "local",  # the demo's tiny one is never a real model
-            "model_config_sha256": config_digest(family.checkpoint),
-            "weights_sha256": weights_digest(encoder),
-            "hidden_size": encoder.hidden_size,
-            "model_dtype": job.model.dtype,
-            "embed_dtype": job.output.embed_dtype,
-            "preprocess_backend": job.preprocess.backend,
-            "jpeg_decode": job.decode.jpeg,  # resolved: nvJPEG's pixels are not libjpeg-turbo's
-            "jpeg_decoder": decoder_of(job.decode.jpeg, next(encoder.parameters()).device),
-            "background": job.preprocess.background,
-            "placeholder": job.dataset.placeholder,
-            # made ids are the rows' identity; absent where none are made, so runs begun before the key still match
-            **({"missing_ids": job.dataset.missing_ids} if job.dataset.missing_ids != "quarantine" else {}),
-            **text_fingerprint(job, family),
-            "versions": {"batchvlm": batchvlm.__version__, "transformers": transformers.__version__,
-                         "torch": torch.__version__},
-        }
         # Round-trip through JSON so the comparison with a stored fingerprint sees the same types.
         self.fingerprint = json.loads(json.dumps(fingerprint, sort_keys=True))
         self.fingerprint_digest = hashlib.sha256(json.dumps(self.fingerprint, sort_keys=True).encode()).hexdigest()
         self.path.mkdir(parents=True, exist_ok=True)
         if ranks.is_main:
-            self._claim()
+            self._claim(config_yaml)
         ranks.barrier()
         self._check_fingerprint()
 
-    def _claim(self) -> None:
+    def _claim(self, config_yaml: str) -> None:
         """Rank 0 writes the marker, the fingerprint and the starting config of a new run directory."""
         self._check_fingerprint()
         if not self.layout.marker.exists():
-            durable_write_json(self.layout.marker, {"batchvlm": batchvlm.__version__, "run": self.path.name})
+            write_marker(self.layout)
         if not self.layout.fingerprint.exists():
             durable_write_json(self.layout.fingerprint, self.fingerprint)
         if not self.layout.config.exists():  # the config that started the run; restarts log theirs
-            resolved = OmegaConf.to_yaml(OmegaConf.structured(self.job))
-            durable_write(self.layout.config, lambda tmp: tmp.write_text(resolved))
+            durable_write(self.layout.config, lambda tmp: tmp.write_text(config_yaml))
 
     def _check_fingerprint(self) -> None:
         existing = self.layout.fingerprint
@@ -106,17 +67,6 @@ class RunDir:
             raise ConfigError(f"{self.path} was written with another fingerprint "
                               f"({differences(previous, self.fingerprint)}); "
                               "use another run_name=... for a new run, or delete the directory")
-
-    def schema_metadata(self, hidden_sizes: dict[str, int]) -> dict[str, str]:
-        """Every shard's schema metadata. The `huggingface` key repeats the embedding columns' dtype and hidden
-        sizes for `datasets`, which keeps no other key (hf_features); a quarantine shard has none of those
-        columns, and `datasets` ignores what the key says of columns a file lacks."""
-        sizes = {f"{SIZE_KEY}{name}": str(size) for name, size in hidden_sizes.items()}
-        embed_dtype = self.job.output.embed_dtype
-        return {**sizes, "batchvlm.family": self.family.name, "batchvlm.hidden_size": str(hidden_sizes["image_embeds"]),
-                "batchvlm.embed_dtype": embed_dtype, "batchvlm.embedding": self.job.model.embedding,
-                "batchvlm.fingerprint": self.fingerprint_digest, "batchvlm.version": batchvlm.__version__,
-                "huggingface": features_key(hidden_sizes, embed_dtype)}
 
     def completed(self) -> dict | None:
         """The totals of a finished run, or None."""
@@ -142,8 +92,9 @@ class RunDir:
             # images redone on the CPU path, by check, and the parity sample, from every unit's manifest
             **merged_stats([manifest.preprocess for manifest in manifests]),
             "host": platform.node(),
+            "format_version": FORMAT_VERSION,
             "checkpoint": self.fingerprint["checkpoint"],
-            "family": self.family.name,
+            "family": self.fingerprint["family"],
         }
         if summary["complete"] and not self.layout.success.exists():
             crash_point("finish.before_success")

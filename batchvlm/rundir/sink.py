@@ -18,13 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import ClassVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchvlm.config import OutputConfig
+from batchvlm.config import Choice, Config, ConfigError, operational, positive, written
 from batchvlm.faults import crash_point
-from batchvlm.format.schema import DATA_SCHEMA, QUARANTINE_SCHEMA
+from batchvlm.format.schema import DATA_SHARD, QUARANTINE_SHARD, Dtype, Shard
 from batchvlm.pipeline.preprocess import merged_stats
 from batchvlm.records import OutputRow, UnitEnd, UnitStart, WorkUnit
 from batchvlm.rundir.claims import Claim, Claims
@@ -34,9 +35,40 @@ from batchvlm.rundir.layout import DATA, IDS, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import Listing, Manifest
 from batchvlm.rundir.rank_reports import RankUnits
 
+
+class Compression(Choice):
+    zstd = "zstd"
+    snappy = "snappy"
+    none = "none"
+
+
+@dataclass
+class OutputConfig(Config):
+    KEY: ClassVar[str] = "output"
+
+    root: str = operational("outputs")
+    """Folder that holds run directories."""
+    embed_dtype: Dtype = written(Dtype.bfloat16)
+    """dtype of stored embeddings (raw little-endian bytes): bfloat16 | float16 | float32."""
+    compression: Compression = operational(Compression.zstd)
+    """Of the Parquet files: zstd | snappy | none (the rows are the same)."""
+    quarantine_bytes_cap: int = written(4 * 1024 * 1024)
+    """Original image bytes kept in a quarantine row up to this size; larger ones keep only their path."""
+    shard_bytes: int = operational(1024 * 1024 * 1024)
+    """Bytes of a data or quarantine file at most, its footer included: a unit writes as many files as its rows need,
+    all listed in its manifest, each a few row groups (of a quarter of this, 64 MB at most). A single record larger
+    than that gets a file of its own."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive("output.shard_bytes", self.shard_bytes)
+        if self.quarantine_bytes_cap < 0:
+            raise ConfigError("output.quarantine_bytes_cap must be >= 0")
+
+
 log = logging.getLogger("batchvlm")
 
-SCHEMAS = {DATA: DATA_SCHEMA, QUARANTINE: QUARANTINE_SCHEMA}
+SHARDS = {DATA: DATA_SHARD, QUARANTINE: QUARANTINE_SHARD}
 ROW_GROUP_ROWS = 256
 ROW_GROUP_BYTES = 64 * 1024 * 1024
 DEFAULT_SHARD_BYTES = OutputConfig.shard_bytes
@@ -59,15 +91,16 @@ FOOTER_BYTES_PER_GROUP = 4096
 class ShardWriter:
     """One kind of a unit's rows, written a row group at a time to temporary files of at most `shard_bytes` each,
     footer included (a row group larger than that alone gets a file of its own); the first opened on the first row.
-    `path_of(n)` names the n-th file."""
+    `path_of(n)` names the n-th file; every row is checked against the contract's declaration of `shard` first."""
 
-    def __init__(self, path_of: Callable[[int], Path], schema: pa.Schema, metadata: dict, compression: str | None,
+    def __init__(self, path_of: Callable[[int], Path], shard: Shard, metadata: dict, compression: str | None,
                  shard_bytes: int):
-        self.path_of, self.schema, self.metadata, self.compression = path_of, schema, metadata, compression
+        self.path_of, self.shard, self.metadata, self.compression = path_of, shard, metadata, compression
+        self.schema = shard.schema
         self.shard_bytes = shard_bytes
         self.group_bytes = group_byte_limit(shard_bytes)
         # the footer holds the schema twice (Parquet's, and Arrow's serialized), then each row group's columns
-        self.footer_bytes = 2 * schema.with_metadata(metadata).serialize().size
+        self.footer_bytes = 2 * self.schema.with_metadata(metadata).serialize().size
         self.parts: list[ShardPart] = []
         self.writer: pq.ParquetWriter | None = None
         self.file: pa.NativeFile | None = None
@@ -76,6 +109,7 @@ class ShardWriter:
         self.rows = 0
 
     def append(self, row: dict) -> None:
+        self.shard.check_row(row)
         self.buffer.append(row)
         self.buffered_bytes += sum(len(v) for v in row.values() if isinstance(v, (bytes, str)))
         self.rows += 1
@@ -177,18 +211,9 @@ class RunSink:
 
     # -- records --------------------------------------------------------------------------------
     def start_unit(self, unit: WorkUnit, claim: Claim) -> None:
-        shards = {kind: ShardWriter(partial(self.layout.shard, kind, unit.unit_id, claim.token), schema, self.metadata,
-                                    self.compression, self.shard_bytes) for kind, schema in SCHEMAS.items()}
+        shards = {kind: ShardWriter(partial(self.layout.shard, kind, unit.unit_id, claim.token), shard, self.metadata,
+                                    self.compression, self.shard_bytes) for kind, shard in SHARDS.items()}
         self.open[unit.unit_id] = OpenUnit(unit, claim, shards)
-
-    def take(self, item: UnitStart | OutputRow | UnitEnd) -> None:
-        """The next item of the job's stream: a unit opens, a record's row arrives, a unit's record count is known."""
-        if isinstance(item, UnitStart):
-            self.start_unit(item.unit, item.claim)
-        elif isinstance(item, UnitEnd):
-            self.end_unit(item.unit, item.num_records)
-        else:
-            self.add(item)
 
     def add(self, row: OutputRow) -> None:
         """A record's row, written once every row before it in the unit is."""
@@ -276,8 +301,8 @@ class RunSink:
 
 
 class SinkWriter:
-    """Runs the sink on a thread behind a bounded queue, so writing never stalls the device loop: `submit` hands it
-    the job's stream item by item (RunSink.take)."""
+    """Runs the sink on a thread behind a bounded queue, so writing never stalls the device loop: `start_unit`, `add`
+    and `end_unit` hand it the job's stream in order, as the sink's own methods of those names take it."""
 
     def __init__(self, sink: RunSink, maxsize: int):
         self.sink = sink
@@ -287,16 +312,25 @@ class SinkWriter:
         self.thread.start()
 
     def _run(self) -> None:
-        while (item := self.queue.get()) is not None:
+        while (call := self.queue.get()) is not None:
             if self.error is None:
                 try:
-                    self.sink.take(item)
-                except BaseException as error:  # surfaced to the main thread on the next submit/close
+                    call()
+                except BaseException as error:  # surfaced to the main thread on the next call or close
                     self.error = error
 
-    def submit(self, item: UnitStart | OutputRow | UnitEnd) -> None:
+    def start_unit(self, start: UnitStart) -> None:
+        self._submit(partial(self.sink.start_unit, start.unit, start.claim))
+
+    def add(self, row: OutputRow) -> None:
+        self._submit(partial(self.sink.add, row))
+
+    def end_unit(self, end: UnitEnd) -> None:
+        self._submit(partial(self.sink.end_unit, end.unit, end.num_records))
+
+    def _submit(self, call: Callable[[], None]) -> None:
         self._raise_if_failed()
-        self.queue.put(item)
+        self.queue.put(call)
 
     def close(self) -> None:
         if self.thread.is_alive():

@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from batchvlm.format.schema import FormatError
 from batchvlm.rundir.dedup import UnitIds, bucket_results, committed_results, duplicate_rows, find_duplicates
 from batchvlm.rundir.durable import TMP_MARK, DamagedMetadata, read_json, sha256_file
 from batchvlm.rundir.layout import DATA, IDS, QUARANTINE, SHARD_KINDS, RunLayout
 from batchvlm.rundir.manifest import Listing, Manifest, ManifestError, RunTotals, all_manifests, orphans, unit_manifest
 from batchvlm.rundir.workunits import read_plan
+from batchvlm.rundir.upgrade import check_run_format
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,10 @@ def verify_run(run_dir: Path) -> list[str]:
     if not layout.plan.exists():
         return [f"{run_dir}: no {layout.name_of(layout.plan)}; not a batchvlm run directory, or it never started"]
     try:
+        check_run_format(layout)
         return _verify(layout)
+    except FormatError as error:
+        return [str(error)]
     except DamagedMetadata as error:  # the plan, the totals or a bucket's commit: what is checked against is damaged
         return [str(error)]
 

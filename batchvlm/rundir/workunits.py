@@ -15,13 +15,12 @@ file holds the pattern, not a list; a resume checks the pattern.
 from __future__ import annotations
 
 import math
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from batchvlm.config import ConfigError, JobConfig, differences
+from batchvlm.config import ConfigError, differences
 from batchvlm.records import InputFile, WorkUnit
 from batchvlm.rundir.durable import DamagedMetadata, durable_write_json, read_json
 from batchvlm.rundir.layout import RunLayout
@@ -40,8 +39,7 @@ rather than a rank with nothing to do while another works through a long block."
 @dataclass(frozen=True)
 class Block:
     """Consecutive units of the claim order, claimed as one task and worked through by the rank that holds it. Its
-    task is its first unit's id, so a plan of one unit per block (every plan made before blocks) claims units by
-    their ids, as it always did."""
+    task is its first unit's id, so a plan of one unit per block claims units by their ids."""
 
     task: str
     units: tuple[WorkUnit, ...]
@@ -153,18 +151,6 @@ class Plan:
         return None if None in rows else sum(rows)
 
 
-READ_ELSEWHERE = {"dataset": ("path", "storage_options")}
-"""Settings that say where the inputs are, not what is read from them: the inputs' own identities stand for them."""
-
-
-def reading_settings(job: JobConfig) -> dict:
-    """Every setting that changes which rows a run reads or what they mean: the dataset's columns and rules, and the
-    decode limits. A resume under other values would give a run whose units read different records."""
-    dataset = {key: value for key, value in dataclasses.asdict(job.dataset).items()
-               if key not in READ_ELSEWHERE["dataset"]}
-    return {"dataset": dataset, "decode": dataclasses.asdict(job.decode)}
-
-
 def _buckets(units: Sequence[WorkUnit], configured: int | None) -> int:
     if configured is not None:
         return configured
@@ -180,11 +166,12 @@ def block_units_for(units: list[WorkUnit], configured: int, world: int) -> int:
     return max(1, min(configured, len(units) // (BLOCKS_PER_RANK * world)))
 
 
-def make_plan(layout: RunLayout, source: Plannable, job: JobConfig, world: int = 1) -> tuple[Plan, bool]:
-    """Rank 0: the run's plan, read back after checking that the inputs and the reading settings did not change, or
-    made from the inputs' metadata (True: new, to be written once the run directory is the job's, `write_plan`);
-    `world`, the launch's ranks, sizes its blocks."""
-    settings = reading_settings(job)
+def make_plan(layout: RunLayout, source: Plannable, settings: dict, world: int = 1, dedup_buckets: int | None = None,
+              block_units: int = 8) -> tuple[Plan, bool]:
+    """Rank 0: the run's plan, read back after checking that the inputs and the reading `settings` (every setting that
+    changes which rows a run reads or what they mean) did not change, or made from the inputs' metadata (True: new, to
+    be written once the run directory is the job's, `write_plan`); `world`, the launch's ranks, sizes its blocks of at
+    most `block_units` units (runtime.block_units); `dedup_buckets` (runtime.dedup_buckets) the duplicate pass."""
     inputs = source.pattern if source.pattern is not None else list(source.inputs.values())
     if layout.plan.exists():
         plan = read_plan(layout)
@@ -192,9 +179,10 @@ def make_plan(layout: RunLayout, source: Plannable, job: JobConfig, world: int =
         return plan, False
     units = source.plan()
     if not units:
-        raise ConfigError(f"dataset.path={job.dataset.path!r}: the inputs hold no rows")
-    return Plan(inputs, settings, units, _buckets(units, job.runtime.dedup_buckets),
-                block_units_for(units, job.runtime.block_units, world)), True
+        raise ConfigError(f"dataset.path: the inputs hold no rows ({', '.join(i.location for i in inputs[:3])}"
+                          f"{', ...' if len(inputs) > 3 else ''})")
+    blocks = block_units_for(units, block_units, world)
+    return Plan(inputs, settings, units, _buckets(units, dedup_buckets), blocks), True
 
 
 PATTERN = "pattern"
@@ -247,6 +235,6 @@ def read_plan(layout: RunLayout) -> Plan:
             inputs = PatternInputs(**raw["inputs"][PATTERN])
             return Plan(inputs, raw["params"], PatternUnits(inputs), raw["dedup_buckets"], raw["block_units"])
         return Plan([InputFile(**i) for i in raw["inputs"]], raw["params"], [WorkUnit(**u) for u in raw["units"]],
-                    raw["dedup_buckets"], raw.get("block_units", 1))  # a plan made before blocks: one unit each
+                    raw["dedup_buckets"], raw["block_units"])
     except (KeyError, TypeError, ConfigError) as error:
         raise DamagedMetadata.of(layout.plan, "a batchvlm plan", error) from None

@@ -1,4 +1,6 @@
-"""Conversation formats users bring, read into turns (records.Turn): shared/reference/conversations.md section 1.
+"""Conversation formats users bring, read into turns (records.Turn), as their projects define them: LLaVA's
+(github.com/haotian-liu/LLaVA, docs/Finetune_Custom_Data.md), HF / TRL's conversational `messages`
+(huggingface.co/docs/trl, dataset formats), The Cauldron's (huggingface.co/datasets/HuggingFaceM4/the_cauldron).
 
 - llava (LLaVA, ShareGPT4V, OneVision, Cambrian): `conversations` of {from: human | gpt | system, value}, the
   images in `image` (a path or a list of paths). The k-th placeholder of the conversation takes the k-th image and
@@ -139,20 +141,6 @@ def read_turns(format: str, value, placeholder: str, num_images: int, image_firs
     if format == "messages":
         return messages_turns(value, placeholder, column)
     return cauldron_turns(value, num_images, column)
-
-
-def place_conversation_images(turns: list[Turn], num_images: int, missing_policy: str) -> list[Turn]:
-    """The turns with one image slot per image: as read, or (none at all, missing_placeholder=prepend) the images at
-    the front of the first user turn; else a text.placeholder_count failure."""
-    found = sum(turn.num_images for turn in turns)
-    first_user = next((i for i, turn in enumerate(turns) if turn.role == "user"), None)
-    if found == 0 and num_images and missing_policy == "prepend" and first_user is not None:
-        turn = turns[first_user]
-        turns = [*turns[:first_user], Turn(turn.role, (None,) * num_images + turn.content), *turns[first_user + 1:]]
-        found = num_images
-    require(found == num_images, "text.placeholder_count", f"Expected {num_images} image placeholder(s) across the "
-            f"conversation's turns, found {found}.", expected=num_images, observed=found)
-    return turns
 
 
 def turns_text(turns: list[Turn], placeholder: str) -> str:

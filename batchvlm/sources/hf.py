@@ -13,7 +13,10 @@ import datasets
 
 from batchvlm.config import ConfigError
 from batchvlm.records import InputFile, SourceRecord, WorkUnit
-from batchvlm.sources import Source, check_column_types, cut_units, record_from_row, stable_name
+from batchvlm.sources import Source
+from batchvlm.sources.columns import check_column_types
+from batchvlm.sources.files import stable_name
+from batchvlm.sources.rows import cut_units, record_from_row
 
 datasets.disable_progress_bars()  # the job's own progress covers the reading
 

@@ -26,7 +26,9 @@ from collections.abc import Iterator, Sequence
 from batchvlm.checks import failure
 from batchvlm.config import ConfigError
 from batchvlm.records import InputFile, SourceRecord, WorkUnit
-from batchvlm.sources import Source, list_files, open_input, parent_of, record_from_row, record_id
+from batchvlm.sources import Source
+from batchvlm.sources.files import list_files, open_input, parent_of
+from batchvlm.sources.rows import record_from_row, record_id
 
 UNDECODED = "surrogateescape"
 """How a byte that is not UTF-8 is read: as a surrogate that gives the byte back (the record then fails

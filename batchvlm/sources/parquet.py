@@ -15,8 +15,10 @@ import pyarrow.parquet as pq
 
 from batchvlm.config import ConfigError
 from batchvlm.records import InputFile, SourceRecord, WorkUnit
-from batchvlm.sources import (Source, check_column_types, cut_units, list_files, open_input, parent_of,
-                              record_from_row, record_id)
+from batchvlm.sources import Source
+from batchvlm.sources.columns import check_column_types
+from batchvlm.sources.files import list_files, open_input, parent_of
+from batchvlm.sources.rows import cut_units, record_from_row, record_id
 
 FOOTER_BLOCK = 1 << 16
 """Read size for footers of remote files: fsspec's default blocks (MBs) would fetch data pages too."""

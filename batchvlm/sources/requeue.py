@@ -20,12 +20,15 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from batchvlm.config import ConfigError, DatasetConfig, JobConfig
+from batchvlm.config import ConfigError
+from batchvlm.sources.config import DatasetConfig
 from batchvlm.records import WorkUnit
 from batchvlm.rundir.durable import durable_write_json, read_json
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import listed_shards
-from batchvlm.sources import CONTENT_ID, Source, make_source
+from batchvlm.rundir.upgrade import check_run_format
+from batchvlm.sources import Source, make_source
+from batchvlm.sources.rows import CONTENT_ID
 
 log = logging.getLogger("batchvlm")
 
@@ -143,6 +146,7 @@ class RequeueSource(Source):
     """
 
     def __init__(self, cfg: DatasetConfig, run_dir: Path, checks: list[str] | None):
+        check_run_format(RunLayout(run_dir))
         self.base = make_source(cfg)
         super().__init__(cfg, self.base.pattern if self.base.pattern is not None else list(self.base.inputs.values()))
         self.from_run, self.checks = run_dir.resolve(), checks
@@ -159,7 +163,7 @@ class RequeueSource(Source):
         self.found, self.not_found = locate(self.base, wanted)
         if not self.found:
             raise ConfigError(f"none of the {len(wanted)} quarantined records of {run_dir} is in the current dataset "
-                              f"(dataset.kind={cfg.kind}, dataset.path={cfg.path}); requeue with the dataset "
+                              f"({cfg.described()}); requeue with the dataset "
                               f"overrides of the original run (see {RunLayout(run_dir).config})")
         self.rows: dict[str, list[int]] = {}
         for located in self.found:
@@ -195,13 +199,15 @@ class RequeueSource(Source):
         }
 
 
-def requeue_source(job: JobConfig, run_dir: Path) -> RequeueSource:
-    """The source of a requeue run; refuses to write the new run into the run it reads."""
-    from_run = Path(job.requeue_from)
+def requeue_source(dataset: DatasetConfig, requeue_from: str, checks: list[str] | None,
+                   run_dir: Path) -> RequeueSource:
+    """The source of a requeue run (of the records of `requeue_from` quarantined under `checks`, or all); refuses to
+    write the new run into the run it reads."""
+    from_run = Path(requeue_from)
     if from_run.resolve() == run_dir.resolve():
-        raise ConfigError(f"requeue_from={job.requeue_from!r} is the run directory of this job; "
+        raise ConfigError(f"requeue_from={requeue_from!r} is the run directory of this job; "
                           "give the requeue another run_name=...")
-    source = RequeueSource(job.dataset, from_run, job.check)
+    source = RequeueSource(dataset, from_run, checks)
     log.info("requeue of %s: %d quarantined records found in the current dataset, %d not found", from_run,
              len(source.found), len(source.not_found))
     for record in source.not_found:

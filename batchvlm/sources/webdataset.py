@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 from batchvlm.checks import CheckFailed, failure
 from batchvlm.records import InputFile, SourceRecord, WorkUnit
-from batchvlm.sources import Source, list_files, open_input, parent_of, record_from_row
+from batchvlm.sources import Source
+from batchvlm.sources.files import list_files, open_input, parent_of
+from batchvlm.sources.rows import record_from_row
 
 KEY = "__key__"
 

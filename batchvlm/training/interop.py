@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import pyarrow.parquet as pq
 import torch
 
 from batchvlm.format.schema import EXTRA_OUTPUTS
-from batchvlm.format.hf_features import EMBED_ID_PREFIX, embedding_layouts, features_key_of
+from batchvlm.format.hf_features import EMBED_ID_PREFIX, embedding_layouts
 from batchvlm.rundir.dedup import duplicate_rows
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.training.reader import RecordTensors, Runs, trusted_shards
@@ -37,12 +36,6 @@ def load_run_dataset(runs: Runs, allow_unfinished: bool = False, checksums: bool
     shards = trusted_shards(runs, allow_unfinished, checksums)
     if not shards:
         raise ValueError(f"{runs} has no committed shards")
-    schema = pq.read_schema(shards[0].path)
-    if b"huggingface" not in schema.metadata and "features" not in kwargs:
-        # Shards written before the job wrote datasets' key (`datasets` takes the features from the first file):
-        # the same features, from batchvlm's own keys.
-        kwargs["features"] = datasets.Features.from_arrow_schema(
-            schema.with_metadata({**schema.metadata, b"huggingface": features_key_of(schema)}))
     parts = []
     for run in dict.fromkeys(shard.run for shard in shards):
         mine = [shard for shard in shards if shard.run == run]

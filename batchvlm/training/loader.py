@@ -18,13 +18,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from batchvlm.training.reader import RecordArrays, Runs, ShardColumns, read_tensor_group, trusted_shards
+from batchvlm.training.reader import (RecordArrays, Runs, ShardColumns, checked_file, read_tensor_group,
+                                      trusted_shards)
 from batchvlm.training.packing import PackedBatch, PackingError, first_fit_decreasing, pack_arrays
 
 RecordRef = tuple[int, int]  # (shard index, row)
@@ -69,8 +67,8 @@ class RunIndex:
     def of(cls, runs: Runs, allow_unfinished: bool = False, checksums: bool = False) -> RunIndex:
         """The index of a run, or of a run and its requeue runs (reader.Runs)."""
         shards = trusted_shards(runs, allow_unfinished, checksums)
-        files = [pq.ParquetFile(shard.path) for shard in shards]
-        tables = [_token_counts(file) for file in files]
+        files = [checked_file(shard.path) for shard in shards]
+        tables = [file.read(columns=["num_tokens", "row"]) for file in files]  # a few bytes a row
         lengths = [table.column("num_tokens").to_numpy().astype(np.int64) for table in tables]
         kept = [np.flatnonzero(~np.isin(table.column("row").to_numpy(), list(shard.skipped)))
                 for shard, table in zip(shards, tables)]
@@ -82,15 +80,6 @@ class RunIndex:
         """Names and row counts of the shards: a resumed loader must see the same data."""
         text = "\n".join(f"{path.name}:{len(rows)}" for path, rows in zip(self.shards, self.kept))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _token_counts(file: pq.ParquetFile) -> pa.Table:
-    """Each row's token count and input row: the num_tokens column, a few bytes a row; shards written before it was
-    stored give the lengths of their input_ids lists instead."""
-    if "num_tokens" in file.schema_arrow.names:
-        return file.read(columns=["num_tokens", "row"])
-    table = file.read(columns=["input_ids", "row"])
-    return pa.table({"num_tokens": pc.list_value_length(table.column("input_ids")), "row": table.column("row")})
 
 
 def epoch_order(index: RunIndex, seed: int, epoch: int, buffer: int) -> list[RecordRef]:

@@ -13,13 +13,13 @@ import pyarrow.parquet as pq
 import torch
 
 from batchvlm.config import differences
-from batchvlm.format.schema import EMBED_DTYPES
+from batchvlm.format.hf_features import SIZE_KEY
+from batchvlm.format.schema import EMBED_DTYPES, EXTRA_OUTPUTS, TENSOR_COLUMNS, check_format, format_of
 from batchvlm.rundir.dedup import excluded_rows
 from batchvlm.rundir.durable import read_json
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.rundir.manifest import checked_shards
-from batchvlm.format.schema import EXTRA_OUTPUTS
-from batchvlm.format.hf_features import SIZE_KEY
+from batchvlm.rundir.upgrade import check_run_format
 
 
 @dataclass
@@ -164,15 +164,14 @@ class ShardColumns:
         self.image_spans, self.images = _flat_values(column("image_spans"))
         self.grid_thw, grid_bounds = _flat_values(column("grid_thw"))
         self.grid_thw, self.grids = self.grid_thw.reshape(-1, 3), grid_bounds // 3
-        self.positions = _flat_values(column("position_ids")) if "position_ids" in table.column_names else None
-        self.has_positions = column("position_ids").is_valid().to_pylist() if self.positions is not None else None
-        self.rope = column("rope_delta").to_pylist() if "rope_delta" in table.column_names else [None] * len(self.ids)
-        # Shards written before conversations have no loss_mask column; a plain text's row holds a null.
-        self.masks = _flat_values(column("loss_mask")) if "loss_mask" in table.column_names else None
-        self.has_mask = column("loss_mask").is_valid().to_pylist() if self.masks is not None else None
+        self.positions = _flat_values(column("position_ids"))
+        self.has_positions = column("position_ids").is_valid().to_pylist()
+        self.rope = column("rope_delta").to_pylist()
+        self.masks = _flat_values(column("loss_mask"))  # a plain text's row holds a null
+        self.has_mask = column("loss_mask").is_valid().to_pylist()
         self.embeds = {"image_embeds": (*_flat_embeddings(column("image_embeds"), element_size, hidden), None)}
-        for name in EXTRA_OUTPUTS:
-            if name in table.column_names and (size := _hidden_size(table.schema, name)) is not None:
+        for name in EXTRA_OUTPUTS:  # the columns of the outputs the family has: their hidden size is in the metadata
+            if (size := _hidden_size(table.schema, name)) is not None:
                 self.embeds[name] = (*_flat_embeddings(column(name), element_size, size),
                                      column(name).is_valid().to_pylist())
 
@@ -182,11 +181,11 @@ class ShardColumns:
     def record(self, i: int) -> RecordArrays:
         tokens, images, grids = slice(*self.tokens[i:i + 2]), slice(*self.images[i:i + 2]), slice(*self.grids[i:i + 2])
         positions = None
-        if self.positions is not None and self.has_positions[i]:
+        if self.has_positions[i]:
             values, bounds = self.positions
             positions = values[bounds[i]:bounds[i + 1]].reshape(3, -1)
         mask = None
-        if self.masks is not None and self.has_mask[i]:
+        if self.has_mask[i]:
             values, bounds = self.masks
             mask = values[bounds[i]:bounds[i + 1]]
         return RecordArrays(
@@ -195,11 +194,6 @@ class ShardColumns:
             embeds={name: rows[bounds[i]:bounds[i + 1]] for name, (rows, bounds, valid) in self.embeds.items()
                     if valid is None or valid[i]},
             embed_dtype=self.embed_dtype, rope_delta=self.rope[i], loss_mask=mask)
-
-
-TENSOR_COLUMNS = ("id", "input_ids", "image_embeds", "grid_thw", "image_spans", "token_tags", "position_ids",
-                  "rope_delta", "loss_mask", *EXTRA_OUTPUTS)
-"""The columns ShardColumns reads; a reader that only wants tensors need not read the others."""
 
 
 def table_tensors(table: pa.Table) -> list[RecordTensors]:
@@ -211,9 +205,15 @@ def table_tensors(table: pa.Table) -> list[RecordTensors]:
 def read_tensor_group(path: str | Path, group: int) -> pa.Table:
     """The columns ShardColumns reads, of one row group of a shard: a reader's memory is a row group, whatever the
     shard's size. (`pq.read_table` would first discover a dataset at the path.)"""
+    file = checked_file(path)
+    return file.read_row_group(group, columns=list(TENSOR_COLUMNS))
+
+
+def checked_file(path: str | Path) -> pq.ParquetFile:
+    """A shard opened, FormatError unless it is written in the format this batchvlm reads."""
     file = pq.ParquetFile(path)
-    present = set(file.schema_arrow.names)
-    return file.read_row_group(group, columns=[name for name in TENSOR_COLUMNS if name in present])
+    check_format(format_of(file.schema_arrow.metadata), str(path))
+    return file
 
 
 def tensors_of(table: pa.Table, index: int) -> RecordTensors:
@@ -223,7 +223,7 @@ def tensors_of(table: pa.Table, index: int) -> RecordTensors:
 
 def read_shard(path: str | Path, skip_rows: set[int] = frozenset()) -> Iterator[RecordTensors]:
     """A shard's rows as tensors, a row group at a time; `skip_rows` are input rows to leave out."""
-    file = pq.ParquetFile(path)
+    file = checked_file(path)
     for group in range(file.num_row_groups):
         table = file.read_row_group(group)
         rows = table.column("row").to_pylist()
@@ -246,6 +246,8 @@ def run_layouts(runs: Runs) -> list[RunLayout]:
     layouts = [RunLayout(Path(run)) for run in ([runs] if isinstance(runs, (str, Path)) else runs)]
     if not layouts:
         raise ValueError("no run directory to read")
+    for layout in layouts:
+        check_run_format(layout)
     first = read_json(layouts[0].fingerprint) if len(layouts) > 1 else None
     for position, layout in enumerate(layouts[1:], 1):
         _check_requeue_of(layout, layouts[:position])

@@ -12,7 +12,7 @@ from photos import photo_of_size, preprocessed
 from batchvlm.bench import tower as tower_bench
 from batchvlm.bench.tasks import BenchConfig
 from batchvlm.bench.tower import bench_tower, format_tower, model_flops, released_encoder
-from batchvlm.config import ModelConfig
+from batchvlm.families import ModelConfig
 from batchvlm.families import load_family
 from batchvlm.records import PixelBatch
 

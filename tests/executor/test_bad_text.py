@@ -13,7 +13,12 @@ import pytest
 from PIL import Image
 
 from batchvlm.checks import CATALOGUE
-from batchvlm.config import ChecksConfig, DatasetConfig, JobConfig, ModelConfig, OutputConfig, RuntimeConfig, TextConfig
+from batchvlm.executor.config import JobConfig, RuntimeConfig
+from batchvlm.executor.tally import ChecksConfig
+from batchvlm.families import ModelConfig
+from batchvlm.pipeline.chat import TextConfig
+from batchvlm.rundir.sink import OutputConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.executor.job import run_job
 
 VALUES = {"null": None, "bool": True, "int": 3, "float": 2.5, "surrogate": "a \ud800 b", "list": ["a"],
@@ -113,7 +118,7 @@ def job_for(folder: Path, path: Path, format: str) -> JobConfig:
     image, text = COLUMNS[format]
     return JobConfig(run_name=f"bad-{format}", output=OutputConfig(root=str(folder / "out")),
                      runtime=RuntimeConfig(num_workers=0, progress=False), model=ModelConfig(family="qwen2_vl"),
-                     dataset=DatasetConfig(kind="json", path=str(path), format=format, id_column="id",
+                     dataset=dataset_config("json", path=str(path), format=format, id_column="id",
                                            images_column=image, text_column=text),
                      checks=ChecksConfig(max_quarantine_fraction=1), text=TextConfig())
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from batchvlm.checks import failure
-from batchvlm.executor.batching import Batch, TokenBudgetBatcher, batches
-from batchvlm.records import EncodedRecord, ImagePlan, PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd
+from batchvlm.executor.batching import TokenBudgetBatcher
+from batchvlm.records import ImagePlan, PreparedRecord, SourceRecord
 
 
 def record(record_id: str, *patches: int) -> PreparedRecord:
@@ -46,13 +45,3 @@ def test_flush_hands_over_the_open_batch_and_starts_an_empty_one():
     assert batcher.flush() == []
     assert batcher.add(record("b", 90)) is None  # the budget counts from zero again
 
-
-def test_the_stream_keeps_markers_and_decided_records_in_place_and_batches_the_rest():
-    quarantined = QuarantinedRecord(record("bad").source, failure("decode.unreadable", "not an image"))
-    text_only, end = record("text"), UnitEnd(None, 4)
-    stream = [record("a", 60), quarantined, text_only, record("b", 60), end]
-    out = list(batches(stream, TokenBudgetBatcher(token_budget=100, max_images=10)))
-    assert out[0] == [quarantined]
-    assert isinstance(out[1][0], EncodedRecord) and out[1][0].prepared is text_only
-    assert isinstance(out[2], Batch) and ids(out[2].records) == ["a"]  # closed by b
-    assert out[3] is end and ids(out[4].records) == ["b"]  # the open batch at the end of the stream

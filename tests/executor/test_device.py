@@ -12,8 +12,12 @@ import torch
 from conftest import all_families
 
 from batchvlm.checks import CheckFailed
-from batchvlm.config import (ChecksConfig, DecodeConfig, JobConfig, ModelConfig, OutputConfig, PreprocessConfig,
-                             RuntimeConfig)
+from batchvlm.executor.config import JobConfig, RuntimeConfig
+from batchvlm.executor.tally import ChecksConfig
+from batchvlm.families import ModelConfig
+from batchvlm.pipeline.decode import DecodeConfig
+from batchvlm.pipeline.preprocess import PreprocessConfig
+from batchvlm.rundir.sink import OutputConfig
 from batchvlm.executor import device as stage
 from batchvlm.devices import Syncs
 from batchvlm.executor.device import Device

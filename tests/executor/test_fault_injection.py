@@ -13,7 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from batchvlm.config import ChecksConfig, JobConfig, ModelConfig, OutputConfig, PreprocessConfig, RuntimeConfig
+from batchvlm.executor.config import JobConfig, RuntimeConfig
+from batchvlm.executor.tally import ChecksConfig
+from batchvlm.families import ModelConfig
+from batchvlm.pipeline.preprocess import PreprocessConfig
+from batchvlm.rundir.sink import OutputConfig
 from batchvlm.executor.job import JobAborted, rank_job
 from batchvlm.records import EncodedRecord
 

@@ -10,7 +10,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from batchvlm.config import ChecksConfig, JobConfig, ModelConfig, OutputConfig, PreprocessConfig, RuntimeConfig
+from batchvlm.executor.config import JobConfig, RuntimeConfig
+from batchvlm.executor.tally import ChecksConfig
+from batchvlm.families import ModelConfig
+from batchvlm.pipeline.preprocess import PreprocessConfig
+from batchvlm.rundir.sink import OutputConfig
 from batchvlm.demo import demo_rows
 from batchvlm.executor.job import rank_job
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from batchvlm.checks import failure
-from batchvlm.executor.rows import Assembler, rows
-from batchvlm.records import (EncodedRecord, ImagePlan, PreparedRecord, PreprocessStats, QuarantinedRecord,
-                              SourceRecord, TokenLayout, UnitEnd)
+from batchvlm.executor.rows import Assembler
+from batchvlm.records import EncodedRecord, ImagePlan, PreparedRecord, PreprocessStats, SourceRecord, TokenLayout
 from batchvlm.rundir.layout import DATA, QUARANTINE
 
 ASSEMBLER = Assembler(torch.float32, {"image_embeds": 2}, quarantine_bytes_cap=1024, fingerprint="f")
@@ -33,10 +31,3 @@ def test_a_row_that_breaks_an_invariant_is_quarantined_and_keeps_its_counts():
     assert (row.kind, row.values["check"]) == (QUARANTINE, "assemble.token_tags")
     assert row.preprocess["fallbacks"] == {"preprocess.parity": 1}
 
-
-def test_markers_pass_through_and_outcomes_become_rows_in_place():
-    quarantined = QuarantinedRecord(SourceRecord("bad", "u", "a.parquet", 1, "", []),
-                                    failure("decode.unreadable", "not an image"))
-    end = UnitEnd(None, 2)
-    out = list(rows([[encoded("ok"), quarantined], end], ASSEMBLER))
-    assert [[(row.kind, row.values["id"]) for row in out[0]], out[1]] == [[(DATA, "ok"), (QUARANTINE, "bad")], end]

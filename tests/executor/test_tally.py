@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchvlm.config import ChecksConfig
+from batchvlm.executor.tally import ChecksConfig
 from batchvlm.executor.tally import (JobAborted, QuarantineOverLimit, SystematicFailure, Tally, check_run_totals,
                                      device_fault)
 from batchvlm.records import OutputRow, SourceRecord

@@ -4,6 +4,7 @@ claimed only as the workers need units."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
@@ -12,10 +13,12 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from batchvlm.config import DatasetConfig, DecodeConfig, JobConfig, RuntimeConfig
+from batchvlm.executor.config import JobConfig, RuntimeConfig
 from batchvlm.executor.transport import Rings, ring_address
 from batchvlm.executor.worker import (PreparedStream, QueuedUnits, checked_id, main_threads, prepared_units, rank_cores,
-                                     worker_count)
+                                      text_side_of, worker_count)
+from batchvlm.pipeline.decode import DecodeConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.records import PreparedRecord, QuarantinedRecord, SourceRecord, UnitEnd, UnitStart, WorkUnit
 from batchvlm.rundir.claims import Claims
 from batchvlm.rundir.layout import RunLayout
@@ -49,7 +52,7 @@ def test_a_worker_claims_each_unit_not_yet_committed_and_prepares_its_records(tm
     pq.write_table(pa.table({"id": ["a", "b", "c", "d"], "images": [[png()], [png()], [b"not an image"], []],
                              "text": ["<image> one", "<image> two", "<image> three", "no image"]}),
                    tmp_path / "in.parquet", row_group_size=2)
-    job = JobConfig(dataset=DatasetConfig(kind="parquet", path=str(tmp_path / "in.parquet"), unit_records=2),
+    job = JobConfig(dataset=dataset_config("parquet", path=str(tmp_path / "in.parquet"), unit_records=2),
                     decode=DecodeConfig(isolation="none"))
     source = make_source(job.dataset)
     units = source.plan()
@@ -59,7 +62,7 @@ def test_a_worker_claims_each_unit_not_yet_committed_and_prepares_its_records(tm
     claims = Claims(tmp_path / "claims", "rank00000-a", 60)
     block = Block(units[0].unit_id, tuple(units))  # one block of both units
     claimed = claimed_units(layout, {block.task: block}, [claims.claim_first(block.task)])
-    items = list(PreparedStream(source, claimed, kimi_family, job))
+    items = list(PreparedStream(source, claimed, kimi_family, job, text_side_of(kimi_family, job)))
     assert isinstance(items[0], UnitStart) and items[0].unit == units[1] and isinstance(items[-1], UnitEnd)
     bad, text_only = items[1:3]
     assert isinstance(bad, QuarantinedRecord) and bad.failure.check == "decode.unreadable"
@@ -91,7 +94,7 @@ def test_the_ranks_claimed_units_reach_its_workers_each_once_claimed_only_as_the
 def test_a_workers_decoded_pixels_reach_the_main_process_in_its_shared_ring_in_order(tmp_path, kimi_family):
     pq.write_table(pa.table({"id": ["a", "b", "c"], "images": [[png()], [png(), png()], [png()]],
                              "text": ["<image> one", "<image> <image> two", "<image> three"]}), tmp_path / "in.parquet")
-    job = JobConfig(dataset=DatasetConfig(kind="parquet", path=str(tmp_path / "in.parquet")),
+    job = JobConfig(dataset=dataset_config("parquet", path=str(tmp_path / "in.parquet")),
                     runtime=RuntimeConfig(num_workers=1))
     source = make_source(job.dataset)
     layout = RunLayout(tmp_path / "run")
@@ -100,7 +103,7 @@ def test_a_workers_decoded_pixels_reach_the_main_process_in_its_shared_ring_in_o
     block = Block(source.plan()[0].unit_id, tuple(source.plan()))
     claimed = claimed_units(layout, {block.task: block}, [claims.claim_first(block.task)])
     rings = Rings(1)
-    prepared, queued = prepared_units(source, claimed, kimi_family, job, rings=rings)
+    prepared, queued = prepared_units(source, claimed, kimi_family, job, text_side_of(kimi_family, job), rings)
     queued.start()
     records = [item for item in prepared if isinstance(item, PreparedRecord)]
     queued.check()
@@ -123,3 +126,24 @@ def test_a_rank_has_a_worker_per_core_but_the_main_process_and_its_main_process_
     with main_threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == threads
+
+
+def test_a_plain_text_and_a_conversation_take_one_path_through_the_worker(kimi_family):
+    """The worker lays out every record through its dataset's text side: a conversation rendered with the chat
+    template (its loss mask and turns), a plain text tokenized piece by piece; the length limit is the same rule."""
+    from batchvlm.pipeline.decode import Decoder
+    from batchvlm.records import ImageRef, Turn
+    from batchvlm.executor.worker import prepare
+
+    image = ImageRef(data=png())
+    turns = [Turn("user", (None, " What is it?")), Turn("assistant", ("A grey square.",))]
+    decoder = Decoder(DecodeConfig(isolation="none"))
+    for format, record in (("text", SourceRecord("t", "u", "s", 0, "<image> a grey square", [image])),
+                           ("llava", SourceRecord("c", "u", "s", 1, "[...]", [image], turns=turns))):
+        job = JobConfig(dataset=dataset_config("parquet", path="/x.parquet", format=format))
+        prepared = prepare(record, kimi_family, job, decoder, text_side_of(kimi_family, job))
+        assert isinstance(prepared, PreparedRecord) and (prepared.layout.chat is None) == (format == "text")
+        limited = dataclasses.replace(job, text=dataclasses.replace(job.text, max_tokens=3))
+        too_long = prepare(record, kimi_family, limited, decoder, text_side_of(kimi_family, limited))
+        assert too_long.failure.check == "text.too_long"
+        assert (too_long.failure.turn_index is None) == (format == "text")

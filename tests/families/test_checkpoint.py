@@ -15,7 +15,7 @@ from conftest import all_families
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from batchvlm.config import ModelConfig
+from batchvlm.families import ModelConfig
 from batchvlm.families import family_module, load_family, tiny_checkpoint
 from batchvlm.families.checkpoint import CheckpointError, load_weights, write_weights
 from batchvlm.families.common import read_config
@@ -242,9 +242,10 @@ def test_the_header_check_says_what_it_found_and_builds_nothing_but_shapes(kimi_
 @pytest.mark.slow  # the estimate samples the demo's records
 def test_the_estimate_refuses_a_broken_checkpoint_and_says_what_a_sound_one_holds(tmp_path):
     from batchvlm.bench.estimate import estimate, format_estimate
-    from batchvlm.config import DatasetConfig, EstimateConfig
+    from batchvlm.sizing.estimate import EstimateConfig
+    from batchvlm.sources.config import dataset_config
 
-    dataset = DatasetConfig(kind="demo", unit_records=6)
+    dataset = dataset_config("demo", unit_records=6)
     report = format_estimate(estimate(EstimateConfig(dataset=dataset, records=3)))
     assert "\ncheckpoint: 35 vision tensors in 1 file(s)" in report
     name = TENSOR_CLASSES["kimi_k25"]["qkv"]

@@ -40,7 +40,7 @@ def reference_or_rejection(family, pixels):
 def test_families_are_found_by_module_name_and_a_users_own_by_its_path():
     from conftest import PLUGIN_FAMILY
 
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import family_names, load_family
 
     assert family_names() == ["kimi_k25", "qwen2_vl", "siglip2"]  # every module of batchvlm/families but the shared

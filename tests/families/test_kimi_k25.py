@@ -58,7 +58,9 @@ def test_a_sharded_moe_checkpoint_saved_by_transformers_yields_its_own_tower_and
     own, shards and an index): the vision weights are found in it exactly; the packed output equals the model's."""
     import json
 
-    from batchvlm.config import ModelConfig
+    from transformers import AutoConfig
+
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
     from batchvlm.families.common import read_config
     from batchvlm.families.kimi_k25 import hf_config
@@ -96,7 +98,7 @@ def config_copy(source, target, edit):
 
 
 def load_from(folder):
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
 
     family = load_family(ModelConfig(path=str(folder)))

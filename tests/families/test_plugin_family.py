@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import PLUGIN_FAMILY, PLUGIN_SEARCHPATH, run_embed
 
-from batchvlm.config import ModelConfig
+from batchvlm.families import ModelConfig
 from batchvlm.families import load_family
 from batchvlm.training.reader import read_run
 

@@ -11,7 +11,7 @@ from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, 
 
 from photos import demo_images, photo_of_size, preprocessed
 
-from batchvlm.config import ModelConfig
+from batchvlm.families import ModelConfig
 from batchvlm.families import load_family
 from batchvlm.families.qwen2_vl import QwenProcessorParams, mrope_positions, qwen_plan
 from batchvlm.records import ImagePlan
@@ -157,7 +157,7 @@ def test_stored_qwen3_outputs_with_deepstack_give_the_full_models_logits(tmp_pat
     from conftest import run_embed
     from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-    from batchvlm.config import DecodeConfig
+    from batchvlm.pipeline.decode import DecodeConfig
     from batchvlm.pipeline.decode import decode_image
     from batchvlm.demo import demo_rows
     from batchvlm.training.reader import read_run

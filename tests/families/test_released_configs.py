@@ -70,7 +70,7 @@ def test_a_tiny_copy_of_each_released_config_loads_and_embeds(tmp_path_factory, 
     which the job ignores (it reads no tensor of that model); its image token is the release's."""
     from photos import photo_of_size, preprocessed
 
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
 
     folder = tiny_copy(tmp_path_factory.mktemp(name), name, tmp_path_factory.getbasetemp() / "tokenizers")

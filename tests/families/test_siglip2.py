@@ -14,7 +14,7 @@ from transformers import Siglip2Model
 
 from photos import demo_images, photo_of_size, preprocessed
 
-from batchvlm.config import ModelConfig
+from batchvlm.families import ModelConfig
 from batchvlm.families import load_family
 from batchvlm.families.siglip2 import PackedImages, naflex_size
 

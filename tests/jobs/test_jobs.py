@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from batchvlm.config import register_schemas
+from batchvlm.executor.config import register_schemas
 from conftest import REPO, run_embed
 
 SCRIPTS = {"batchvlm-embed": "batchvlm.jobs.embed:main", "batchvlm-report": "batchvlm.jobs.report:main",

@@ -1,5 +1,5 @@
 """kernels/ installs as batchvlm.kernels and never passes for the PyPI `kernels` distribution, which
-transformers imports by that name (DESIGN.md, Layout)."""
+transformers imports by that name (docs/design.md, Architecture)."""
 
 from __future__ import annotations
 

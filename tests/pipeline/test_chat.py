@@ -14,18 +14,20 @@ import pytest
 from PIL import Image
 
 from batchvlm.checks import CheckFailed
-from batchvlm.config import ModelConfig, TextConfig
+from batchvlm.families import ModelConfig
+from batchvlm.pipeline.chat import TextConfig
 from batchvlm.families import load_family
 from batchvlm.format.schema import FRAME, IMAGE, TEXT
 from batchvlm.pipeline.chat import ChatRenderer, check_roles
-from batchvlm.records import Turn
+from batchvlm.pipeline.text import Conversation, PlainText, laid_out
+from batchvlm.records import TokenLayout, Turn
 from photos import demo_images
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "families" / "templates"
 
 CAT_AND_DOG = [Turn("user", (None, "What is this?")), Turn("assistant", ("A cat.",)),
                Turn("user", ("And this?", None)), Turn("assistant", ("A dog.",))]
-"""conversations.md section 2.6's conversation."""
+"""Two images in two user turns, a short answer after each."""
 RENDERED_26 = {
     "qwen2_vl": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
                 "<|image_pad|><|vision_end|>What is this?<|im_end|>\n<|im_start|>assistant\nA cat.<|im_end|>\n"
@@ -39,7 +41,7 @@ RENDERED_26 = {
                 "<|im_middle|>And this?<|media_begin|>image<|media_content|><|media_pad|><|media_end|>\n<|im_end|>"
                 "<|im_assistant|>assistant<|im_middle|><think></think>A dog.<|im_end|>",
 }
-"""What the templates render for it (conversations.md section 2.6, rendered with HF's Jinja settings)."""
+"""What the published templates render for it (transformers' apply_chat_template, HF's Jinja settings)."""
 
 
 def renderer(family, **text) -> ChatRenderer:
@@ -202,13 +204,28 @@ def long_conversation(pairs: int) -> list[Turn]:
             for role in ("user", "assistant")]
 
 
+def within_limit(family, turns, plans, **text) -> TokenLayout:
+    """A conversation laid out as the job lays it out, text.max_tokens enforced where it is for every format."""
+    return laid_out(Conversation(renderer(family, **text), "prepend"), turns, plans, TextConfig(**text))
+
+
 def test_a_record_over_max_tokens_is_quarantined_naming_the_turn_where_it_overflows(qwen):
     turns, plans = long_conversation(3), [qwen.plan(112, 112)] * 3
     full = renderer(qwen).lay_out(turns, plans)
     limit = full.chat.turns[3].end  # up to the second answer
     with pytest.raises(CheckFailed) as caught:
-        renderer(qwen, max_tokens=limit).lay_out(turns, plans)
+        within_limit(qwen, turns, plans, max_tokens=limit)
     assert caught.value.check == "text.too_long" and caught.value.turn_index == 4
+    assert f"more than text.max_tokens={limit}; turn 4 (user) ends at token" in str(caught.value)
+
+
+def test_a_plain_text_over_max_tokens_is_quarantined_by_the_same_rule(qwen):
+    """One place enforces text.max_tokens, whatever the format: a plain text has no turn to name."""
+    side = PlainText(qwen, "<image>", "prepend")
+    layout = side.lay_out("<image> a photograph of something", [qwen.plan(112, 112)])
+    with pytest.raises(CheckFailed, match=rf"{len(layout.input_ids)} tokens, more than text.max_tokens=5$") as caught:
+        laid_out(side, "<image> a photograph of something", [qwen.plan(112, 112)], TextConfig(max_tokens=5))
+    assert caught.value.turn_index is None
 
 
 def test_drop_turns_keeps_whole_turns_up_to_an_answer_and_never_part_of_an_image(qwen):
@@ -216,13 +233,13 @@ def test_drop_turns_keeps_whole_turns_up_to_an_answer_and_never_part_of_an_image
     full = renderer(qwen).lay_out(turns, plans)
     image_start = full.image_spans[2][0]
     # A limit inside the third image's span: its turn and the answer after it go, whole.
-    cut = renderer(qwen, max_tokens=image_start + 3, overflow="drop_turns").lay_out(turns, plans)
+    cut = within_limit(qwen, turns, plans, max_tokens=image_start + 3, overflow="drop_turns")
     assert cut.chat.dropped_turns == 2 and [s.role for s in cut.chat.turns] == ["user", "assistant"] * 2
     assert len(cut.image_spans) == 2 and len(cut.input_ids) <= image_start + 3
     assert cut.input_ids == renderer(qwen).lay_out(turns[:4], plans[:2]).input_ids  # rendered again, not cut
     with pytest.raises(CheckFailed) as caught:  # not even the first answer fits
-        renderer(qwen, max_tokens=full.chat.turns[1].end - 1, overflow="drop_turns").lay_out(turns, plans)
-    assert caught.value.check == "text.too_long"
+        within_limit(qwen, turns, plans, max_tokens=full.chat.turns[1].end - 1, overflow="drop_turns")
+    assert caught.value.check == "text.too_long" and "no prefix of whole turns" in str(caught.value)
 
 
 # -- oracles on the real Qwen2 vocabulary ------------------------------------------------------------------------------

@@ -18,7 +18,9 @@ import pytest
 from PIL import Image
 
 from batchvlm.checks import CheckFailed
-from batchvlm.config import ConfigError, ModelConfig, TextConfig
+from batchvlm.config import ConfigError
+from batchvlm.families import ModelConfig
+from batchvlm.pipeline.chat import TextConfig
 from batchvlm.families import load_family, tiny_checkpoint
 from batchvlm.families.common import TEMPLATES as SHIPPED
 from batchvlm.pipeline.chat import ChatRenderer
@@ -344,13 +346,14 @@ def test_every_answer_that_is_a_piece_of_the_template_gets_the_processors_ids_an
 
 
 @pytest.mark.parametrize("format", ["text", "llava"])
-def test_reading_control_tokens_as_text_is_another_run_than_quarantining_them(qwen, format):
+def test_reading_control_tokens_as_text_is_another_run_than_quarantining_them(format):
     """The rows differ, so the fingerprints do: a run cannot be resumed with the other setting."""
-    from batchvlm.config import DatasetConfig, JobConfig
-    from batchvlm.pipeline.chat import text_fingerprint
+    from batchvlm.config import fingerprinted
+    from batchvlm.executor.config import JobConfig
+    from batchvlm.sources.config import dataset_config
 
     def fingerprint(control_tokens: str) -> dict:
-        return text_fingerprint(JobConfig(dataset=DatasetConfig(format=format),
-                                          text=TextConfig(control_tokens=control_tokens)), qwen)
+        return fingerprinted(JobConfig(dataset=dataset_config("demo", format=format),
+                                       text=TextConfig(control_tokens=control_tokens)))
 
     assert fingerprint("text") != fingerprint("quarantine")

@@ -13,9 +13,8 @@ import pytest
 from PIL import Image
 
 from batchvlm.checks import CheckFailed
-from batchvlm.config import DecodeConfig
 from batchvlm.pipeline import decode
-from batchvlm.pipeline.decode import Decoder, decode_image, read_bytes
+from batchvlm.pipeline.decode import DecodeConfig, Decoder, decode_image, read_bytes
 from batchvlm.records import ImageRef
 
 

@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 from batchvlm.pipeline import jpeg as jpeg_module
-from batchvlm.config import ConfigError, DecodeConfig
+from batchvlm.config import ConfigError
+from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.pipeline.decode import Decoder, decode_image, decode_or_defer
 from batchvlm.demo import demo_rows
 from batchvlm.pipeline.jpeg import JpegBatchDecoder, deferred

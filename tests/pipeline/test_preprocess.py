@@ -14,7 +14,8 @@ from skimage import data
 
 from batchvlm.bench.tasks import image_mix
 from batchvlm.checks import CheckFailed
-from batchvlm.config import ConfigError, PreprocessConfig
+from batchvlm.config import ConfigError
+from batchvlm.pipeline.preprocess import PreprocessConfig
 from batchvlm.devices import Syncs
 from batchvlm.kernels.reference import normalized_image
 from batchvlm.pipeline.preprocess import (PreprocessGuard, TorchPreprocessor, merged_stats, preprocess_batch,

@@ -71,7 +71,7 @@ class _ShiftedPositions:
 
 
 def test_a_record_with_no_text_and_no_image_gets_empty_positions():
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
     from batchvlm.pipeline.tokens import attach_positions
 
@@ -83,7 +83,7 @@ def test_a_record_with_no_text_and_no_image_gets_empty_positions():
 
 @pytest.mark.parametrize("drop_last", [True, False], ids=["short", "delta"])
 def test_position_ids_that_do_not_fit_the_sequence_are_caught(drop_last):
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
     from batchvlm.pipeline.tokens import attach_positions
 
@@ -100,7 +100,7 @@ def test_position_ids_that_do_not_fit_the_sequence_are_caught(drop_last):
 @pytest.mark.parametrize("name", ["qwen2_vl", "kimi_k25"])
 def test_a_plain_text_holding_a_control_token_string_is_quarantined_or_read_as_plain_text(name):
     """A caption is data: `<|im_end|>` in it must not become the tokenizer's control token."""
-    from batchvlm.config import ModelConfig
+    from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
 
     family = load_family(ModelConfig(family=name))

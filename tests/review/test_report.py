@@ -178,8 +178,6 @@ def _synthetic_run(run_dir: Path, shards: int, rows_per_shard: int, checks: list
             "image_paths": [[None]] * rows_per_shard, "text": [f"<image> caption {i}" for i in rows],
             "turns": [None] * rows_per_shard, "turn_index": [None] * rows_per_shard,
             "fingerprint": ["f"] * rows_per_shard}, schema=QUARANTINE_SCHEMA)
-        if shard % 2:  # written before conversations: no turns columns
-            table = table.drop_columns(["turns", "turn_index"])
         pq.write_table(table, run_dir / "quarantine" / f"{unit}.parquet")
         listing = Listing(f"quarantine/{unit}.parquet", rows_per_shard, 0, "")
         manifest = Manifest(unit, "input", rows.start, rows.stop, rows_per_shard, 0, rows_per_shard, {},
@@ -218,7 +216,11 @@ def test_the_report_of_a_conversation_run_shows_roles_and_counts_the_cut_convers
 
 @pytest.mark.slow
 def test_a_json_lines_record_is_named_by_its_number_in_the_file_and_its_byte_not_a_row(tmp_path):
-    from batchvlm.config import ChecksConfig, DatasetConfig, DecodeConfig, JobConfig, OutputConfig, RuntimeConfig
+    from batchvlm.executor.config import JobConfig, RuntimeConfig
+    from batchvlm.executor.tally import ChecksConfig
+    from batchvlm.pipeline.decode import DecodeConfig
+    from batchvlm.rundir.sink import OutputConfig
+    from batchvlm.sources.config import dataset_config
     from batchvlm.executor.job import run_job
 
     Image.fromarray(np.zeros((28, 42, 3), np.uint8)).save(tmp_path / "black.png")
@@ -229,7 +231,7 @@ def test_a_json_lines_record_is_named_by_its_number_in_the_file_and_its_byte_not
     lines.insert(10, "\n")  # a blank line is no record
     (tmp_path / "captions.jsonl").write_text("".join(lines))
     job = JobConfig(run_name="captions", output=OutputConfig(root=str(tmp_path)),
-                    dataset=DatasetConfig(kind="json", path=str(tmp_path / "captions.jsonl"), unit_bytes=400),
+                    dataset=dataset_config("json", path=str(tmp_path / "captions.jsonl"), unit_bytes=400),
                     decode=DecodeConfig(isolation="none"), checks=ChecksConfig(max_quarantine_fraction=1),
                     runtime=RuntimeConfig(num_workers=0, progress=False))
     run_job(job, tmp_path / "captions")

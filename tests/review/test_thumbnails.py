@@ -7,7 +7,7 @@ import io
 import numpy as np
 from PIL import Image
 
-from batchvlm.config import DecodeConfig
+from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.review.thumbnails import Thumbnailer
 
 FAILED_ELSEWHERE = {"image_index": 1, "check": "decode.truncated"}

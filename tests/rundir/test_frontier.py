@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from rows import data_row
 
 from batchvlm.records import InputFile, OutputRow, SourceRecord, WorkUnit
 from batchvlm.rundir.claims import Claim, Claims, owner_name
@@ -42,9 +43,8 @@ def planned_run(run_dir: Path, units: int, block_units: int, rows_per_unit: int 
 
 
 def row(index: int) -> dict:
-    return {"id": f"r{index % REPEATS}", "source": "input.parquet", "row": index, "text": "t", "input_ids": [1, 2],
-            "image_spans": [], "token_tags": [0, 0], "grid_thw": [], "original_size": [], "resized_size": [],
-            "image_sha256": [], "image_num_tokens": [], "num_image_tokens": 0, "image_embeds": b""}
+    return data_row(id=f"r{index % REPEATS}", source="input.parquet", row=index, text="t", input_ids=[1, 2],
+                    token_tags=[0, 0], num_tokens=2)
 
 
 def commit_unit(sink: RunSink, unit: WorkUnit, claim: Claim) -> None:
@@ -115,7 +115,7 @@ def test_sixteen_ranks_racing_over_200_units_commit_each_exactly_once(tmp_path):
 HOLD_A_BLOCK = """
 import sys, time
 from pathlib import Path
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = [sys.argv[2], str(Path(sys.argv[2]).parent)]
 from test_frontier import META, QUICK, commit_unit
 from batchvlm.rundir.claims import Claims, Heartbeat
 from batchvlm.rundir.layout import RunLayout

@@ -1,4 +1,4 @@
-"""The run layout names the paths of the output contract (DESIGN.md), and a manifest's names round-trip."""
+"""The run layout names the paths of the output contract (docs/output.md), and a manifest's names round-trip."""
 
 from __future__ import annotations
 

@@ -65,16 +65,3 @@ def test_totals_move_the_later_occurrences_in_data_to_the_quarantined():
     assert totals.by_check == {"decode.truncated": 1, "source.duplicate_id": 2}
     assert (totals.later_occurrences, totals.duplicates_in_data, totals.units_committed) == (3, 2, 2)
     assert totals.records_in == totals.written + totals.quarantined
-
-
-def test_a_manifest_of_a_run_written_with_one_file_a_kind_reads_as_one_listing_each(tmp_path):
-    layout = RunLayout(tmp_path)
-    older = manifest("u", 3, 1).to_json()
-    older["files"] = {kind: listings[0] for kind, listings in older["files"].items()}  # as runs before issue 23
-    layout.manifests.mkdir()
-    layout.manifest("u").write_text(json.dumps(older))
-    assert read_manifest(layout.manifest("u")) == manifest("u", 3, 1)
-    for listing in manifest("u", 3, 1).listings():
-        layout.listed(listing.path).parent.mkdir(exist_ok=True)
-        layout.listed(listing.path).write_bytes(b"x" * 10)
-    assert listed_shards(layout, DATA) == [("u", tmp_path / "data/u.a0.parquet")]

@@ -10,7 +10,9 @@ import tracemalloc
 
 import pytest
 
-from batchvlm.config import ConfigError, DatasetConfig, JobConfig
+from batchvlm.config import ConfigError
+from batchvlm.executor.config import JobConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.patterns import BracePattern
 from batchvlm.rundir.workunits import make_plan, read_plan, write_plan
@@ -48,12 +50,12 @@ def write_tar(path, key: str) -> None:
 def test_a_pattern_too_large_to_list_is_planned_from_the_pattern_alone(tmp_path):
     for index in (0, 1):
         write_tar(tmp_path / f"{index:09d}.tar", f"{index:09d}")
-    job = JobConfig(dataset=DatasetConfig(kind="webdataset", path=str(tmp_path / f"{BILLION}.tar")))
+    job = JobConfig(dataset=dataset_config("webdataset", path=str(tmp_path / f"{BILLION}.tar")))
     layout = RunLayout(tmp_path / "run")
     layout.root.mkdir()
     tracemalloc.start()
     try:
-        plan, new = make_plan(layout, make_source(job.dataset), job, world=64)
+        plan, new = make_plan(layout, make_source(job.dataset), job.reading_settings(), world=64)
         write_plan(layout, plan)
         blocks = plan.blocks()
         second = blocks[1]
@@ -71,8 +73,8 @@ def test_a_pattern_too_large_to_list_is_planned_from_the_pattern_alone(tmp_path)
     assert layout.plan.stat().st_size < 4096  # the pattern and the settings, not a billion units
     again = read_plan(layout)
     assert again.units[123_456_789] == plan.units[123_456_789] and again.block_units == 8
-    assert make_plan(layout, make_source(job.dataset), job)[1] is False  # a resume checks the pattern
-    other = JobConfig(dataset=DatasetConfig(kind="webdataset", path=str(tmp_path / "{000000000..999999998}.tar")))
+    assert make_plan(layout, make_source(job.dataset), job.reading_settings())[1] is False  # a resume checks the pattern
+    other = JobConfig(dataset=dataset_config("webdataset", path=str(tmp_path / "{000000000..999999998}.tar")))
     with pytest.raises(ConfigError, match="was planned from other inputs .*the pattern"):
         make_plan(layout, make_source(other.dataset), other)
     assert json.loads(layout.plan.read_text())["units"] == {"pattern": "one unit per input"}
@@ -80,12 +82,12 @@ def test_a_pattern_too_large_to_list_is_planned_from_the_pattern_alone(tmp_path)
 
 def test_a_pattern_too_large_to_list_whose_first_file_is_missing_is_refused_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="its first file .*000000000.tar does not exist"):
-        make_source(DatasetConfig(kind="webdataset", path=str(tmp_path / f"{BILLION}.tar")))
+        make_source(dataset_config("webdataset", path=str(tmp_path / f"{BILLION}.tar")))
 
 
 def test_a_unit_of_a_file_a_pattern_names_that_is_missing_is_one_quarantined_record(tmp_path):
     write_tar(tmp_path / f"{0:09d}.tar", "a")
-    source = make_source(DatasetConfig(kind="webdataset", path=str(tmp_path / f"{BILLION}.tar")))
+    source = make_source(dataset_config("webdataset", path=str(tmp_path / f"{BILLION}.tar")))
     present, missing = source.plan()[0], source.plan()[1]
     assert [record.failure for record in source.unit_records(present)] == [None]
     (record,) = source.unit_records(missing)
@@ -96,7 +98,10 @@ def test_a_unit_of_a_file_a_pattern_names_that_is_missing_is_one_quarantined_rec
 @pytest.mark.slow
 def test_the_job_runs_a_pattern_too_large_to_list_unit_by_unit_and_quarantines_a_gap(tmp_path, monkeypatch):
     import batchvlm.sources
-    from batchvlm.config import ChecksConfig, DecodeConfig, OutputConfig, RuntimeConfig
+    from batchvlm.executor.config import RuntimeConfig
+    from batchvlm.executor.tally import ChecksConfig
+    from batchvlm.pipeline.decode import DecodeConfig
+    from batchvlm.rundir.sink import OutputConfig
     from batchvlm.executor.job import run_job
     from batchvlm.review.status import run_status
     from batchvlm.rundir.verify import verify_run
@@ -106,7 +111,7 @@ def test_the_job_runs_a_pattern_too_large_to_list_unit_by_unit_and_quarantines_a
     for index in (0, 1, 3):  # 00002 is a gap in the shard list
         write_tar(tmp_path / f"{index:05d}.tar", f"key{index}")
     job = JobConfig(run_name="gaps", output=OutputConfig(root=str(tmp_path)),
-                    dataset=DatasetConfig(kind="webdataset", path=str(tmp_path / "{00000..00003}.tar"),
+                    dataset=dataset_config("webdataset", path=str(tmp_path / "{00000..00003}.tar"),
                                           id_column="__key__"),
                     decode=DecodeConfig(isolation="none"), checks=ChecksConfig(max_quarantine_fraction=1),
                     runtime=RuntimeConfig(num_workers=0, progress=False))
@@ -134,6 +139,6 @@ def test_a_pattern_unit_is_its_whole_file_up_to_the_limit(tmp_path, kind, monkey
             pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=2)
     pattern = str(tmp_path / f"{{0..1}}.{'jsonl' if kind == 'json' else 'parquet'}")
     for limit, expected in ((None, 5), (3, 3)):
-        source = make_source(DatasetConfig(kind=kind, path=pattern, limit=limit))
+        source = make_source(dataset_config(kind, path=pattern, limit=limit))
         units = source.plan()
         assert len(units) == 2 and [len(list(source.records(unit))) for unit in units] == [expected, expected]

@@ -8,8 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from batchvlm.config import ConfigError, DatasetConfig, DecodeConfig, JobConfig, OutputConfig
+from batchvlm.config import ConfigError
+from batchvlm.executor.config import JobConfig
+from batchvlm.executor.fingerprint import run_fingerprint
+from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.pipeline.jpeg import decoder_of
+from batchvlm.rundir.sink import OutputConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.records import WorkUnit
 from batchvlm.rundir.dedup import commit_bucket
 from batchvlm.rundir.durable import durable_write_json
@@ -25,35 +30,39 @@ def encoder(kimi_family):
     return kimi_family.load_encoder(torch.device("cpu"), torch.float32)
 
 
+def open_run(path, job: JobConfig, family, encoder) -> RunDir:
+    return RunDir(RunLayout(path), run_fingerprint(job, family, encoder), "run_name: test\n", ONE_RANK)
+
+
 def test_a_run_directory_refuses_another_fingerprint_naming_what_differs(tmp_path, kimi_family, encoder):
-    RunDir(RunLayout(tmp_path), JobConfig(), kimi_family, encoder, ONE_RANK)
-    RunDir(RunLayout(tmp_path), JobConfig(), kimi_family, encoder, ONE_RANK)  # the same job reopens it
+    open_run(tmp_path, JobConfig(), kimi_family, encoder)
+    open_run(tmp_path, JobConfig(), kimi_family, encoder)  # the same job reopens it
     other = JobConfig(output=OutputConfig(embed_dtype="float16"))
     with pytest.raises(ConfigError, match="embed_dtype: 'bfloat16' -> 'float16'.*run_name="):
-        RunDir(RunLayout(tmp_path), other, kimi_family, encoder, ONE_RANK)
+        open_run(tmp_path, other, kimi_family, encoder)
 
 
 def test_how_missing_ids_are_made_is_part_of_the_fingerprint(tmp_path, kimi_family, encoder):
-    RunDir(RunLayout(tmp_path), JobConfig(), kimi_family, encoder, ONE_RANK)
-    content = JobConfig(dataset=DatasetConfig(missing_ids="content"))
-    with pytest.raises(ConfigError, match="another fingerprint.*missing_ids: None -> 'content'"):
-        RunDir(RunLayout(tmp_path), content, kimi_family, encoder, ONE_RANK)
-    RunDir(RunLayout(tmp_path / "content"), content, kimi_family, encoder, ONE_RANK)
+    open_run(tmp_path, JobConfig(), kimi_family, encoder)
+    content = JobConfig(dataset=dataset_config("demo", missing_ids="content"))
+    with pytest.raises(ConfigError, match="another fingerprint.*missing_ids: 'quarantine' -> 'content'"):
+        open_run(tmp_path, content, kimi_family, encoder)
+    open_run(tmp_path / "content", content, kimi_family, encoder)
     with pytest.raises(ConfigError, match="missing_ids: 'content' -> 'position'"):
-        RunDir(RunLayout(tmp_path / "content"), JobConfig(dataset=DatasetConfig(missing_ids="position")), kimi_family,
-               encoder, ONE_RANK)
+        open_run(tmp_path / "content", JobConfig(dataset=dataset_config("demo", missing_ids="position")), kimi_family,
+                 encoder)
 
 
 def test_which_decoder_made_a_runs_jpeg_pixels_is_in_its_fingerprint_the_reference_or_not(tmp_path, kimi_family,
                                                                                          encoder):
-    safe = RunDir(RunLayout(tmp_path / "safe"), JobConfig(), kimi_family, encoder, ONE_RANK).fingerprint
+    safe = open_run(tmp_path / "safe", JobConfig(), kimi_family, encoder).fingerprint
     assert safe["jpeg_decoder"].startswith("pillow ") and safe["jpeg_decoder"].endswith("the reference")
     device = JobConfig(decode=DecodeConfig(jpeg="device"))
-    fingerprint = RunDir(RunLayout(tmp_path / "device"), device, kimi_family, encoder, ONE_RANK).fingerprint
+    fingerprint = open_run(tmp_path / "device", device, kimi_family, encoder).fingerprint
     assert fingerprint["jpeg_decoder"].startswith("torchvision ") and "libjpeg-turbo" in fingerprint["jpeg_decoder"]
     assert decoder_of("device", torch.device("cuda")).endswith(f"nvjpeg (CUDA {torch.version.cuda})")
     with pytest.raises(ConfigError, match="jpeg_decoder: 'pillow"):
-        RunDir(RunLayout(tmp_path / "safe"), device, kimi_family, encoder, ONE_RANK)
+        open_run(tmp_path / "safe", device, kimi_family, encoder)
 
 
 def _manifest(run_dir, unit: WorkUnit, written: int, quarantined: dict[str, int]) -> None:
@@ -67,7 +76,7 @@ def _manifest(run_dir, unit: WorkUnit, written: int, quarantined: dict[str, int]
 def test_success_comes_once_every_unit_and_bucket_is_committed_with_duplicates_counted(tmp_path, kimi_family,
                                                                                        encoder):
     layout = RunLayout(tmp_path)
-    run = RunDir(layout, JobConfig(), kimi_family, encoder, ONE_RANK)
+    run = open_run(tmp_path, JobConfig(), kimi_family, encoder)
     (tmp_path / "manifest").mkdir()
     units = [WorkUnit("a-00000000-00000004", "a", 0, 4), WorkUnit("b-00000000-00000004", "b", 0, 4)]
     plan = Plan([], {}, units, dedup_buckets=2)

@@ -7,6 +7,7 @@ import json
 import random
 
 import pyarrow.parquet as pq
+import rows
 
 from batchvlm.records import OutputRow, SourceRecord, WorkUnit
 from batchvlm.rundir.claims import Claims
@@ -19,16 +20,15 @@ NO_EVENTS = {"fallbacks": {}, "parity": {"checked_images": 0, "failed_images": 0
 
 
 def data_row(row: int) -> dict:
-    return {"id": f"r{row}", "source": "input.parquet", "row": row, "text": "t", "input_ids": [1, 2],
-            "image_spans": [], "token_tags": [0, 0], "grid_thw": [], "original_size": [], "resized_size": [],
-            "image_sha256": [], "image_num_tokens": [], "num_image_tokens": 0, "image_embeds": b""}
+    return rows.data_row(id=f"r{row}", source="input.parquet", row=row, text="t", input_ids=[1, 2],
+                         token_tags=[0, 0], num_tokens=2)
 
 
 def quarantine_row(row: int) -> dict:
-    return {"id": f"r{row}", "source": "input.parquet", "row": row, "unit": UNIT.unit_id, "stage": "decode",
-            "check": "decode.unreadable", "message": "m", "expected": "e", "observed": "o",
-            "exception_type": "CheckFailed", "image_index": 0, "image_bytes": [None], "image_paths": [None],
-            "text": "t", "fingerprint": "f"}
+    return rows.quarantine_row(id=f"r{row}", source="input.parquet", row=row, unit=UNIT.unit_id, stage="decode",
+                               check="decode.unreadable", message="m", expected="e", observed="o",
+                               exception_type="CheckFailed", image_index=0, image_bytes=[None], image_paths=[None],
+                               text="t", fingerprint="f")
 
 
 def sink_with_claim(run_dir, owner: str):

@@ -12,7 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchvlm.config import ConfigError, DatasetConfig, DecodeConfig, JobConfig
+from batchvlm.config import ConfigError
+from batchvlm.executor.config import JobConfig
+from batchvlm.pipeline.decode import DecodeConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.records import WorkUnit
 from batchvlm.rundir.workunits import Plan, block_units_for, make_plan, read_plan, write_plan
@@ -27,9 +30,9 @@ def write_rows(path, count: int, group: int) -> None:
 
 def plan_of(folder, run_dir, **dataset):
     """The plan of a run over the folder's Parquet files, written where it is new, as the job does."""
-    job = JobConfig(dataset=DatasetConfig(kind="parquet", path=str(folder / "*.parquet"), **dataset))
+    job = JobConfig(dataset=dataset_config("parquet", path=str(folder / "*.parquet"), **dataset))
     run_dir.mkdir(exist_ok=True)
-    plan, new = make_plan(RunLayout(run_dir), make_source(job.dataset), job)
+    plan, new = make_plan(RunLayout(run_dir), make_source(job.dataset), job.reading_settings())
     if new:
         write_plan(RunLayout(run_dir), plan)
     return plan
@@ -82,25 +85,25 @@ def test_a_resume_with_other_reading_settings_is_refused_naming_them(tmp_path, s
 
 def test_a_resume_with_other_decode_limits_is_refused_naming_them(tmp_path):
     write_rows(tmp_path / "a.parquet", 10, 5)
-    cfg = DatasetConfig(kind="parquet", path=str(tmp_path / "*.parquet"))
+    cfg = dataset_config("parquet", path=str(tmp_path / "*.parquet"))
     layout = RunLayout(tmp_path)
-    write_plan(layout, make_plan(layout, make_source(cfg), JobConfig(dataset=cfg))[0])
+    write_plan(layout, make_plan(layout, make_source(cfg), JobConfig(dataset=cfg).reading_settings())[0])
     with pytest.raises(ConfigError, match=r"decode\.max_pixels: 50000000 -> 1000"):
-        make_plan(layout, make_source(cfg), JobConfig(dataset=cfg, decode=DecodeConfig(max_pixels=1000)))
+        make_plan(layout, make_source(cfg), JobConfig(dataset=cfg, decode=DecodeConfig(max_pixels=1000)).reading_settings())
 
 
 def test_a_saved_dataset_with_rows_appended_is_refused(tmp_path):
     rows = {"id": ["a", "b"], "images": [[b"x"], [b"y"]], "text": ["t", "t"]}
     datasets.Dataset.from_dict(rows).save_to_disk(tmp_path / "ds")
-    job = JobConfig(dataset=DatasetConfig(kind="disk", path=str(tmp_path / "ds")))
+    job = JobConfig(dataset=dataset_config("disk", path=str(tmp_path / "ds")))
     layout = RunLayout(tmp_path)
-    write_plan(layout, make_plan(layout, make_source(job.dataset), job)[0])
+    write_plan(layout, make_plan(layout, make_source(job.dataset), job.reading_settings())[0])
     more = {key: values * 2 for key, values in rows.items()}
     datasets.Dataset.from_dict(more).save_to_disk(tmp_path / "ds2")
     shutil.rmtree(tmp_path / "ds")
     (tmp_path / "ds2").rename(tmp_path / "ds")
     with pytest.raises(ConfigError, match=r"rows: 2 -> 4"):
-        make_plan(layout, make_source(job.dataset), job)
+        make_plan(layout, make_source(job.dataset), job.reading_settings())
 
 
 def test_blocks_cut_the_claim_order_and_are_sized_for_the_launch_that_plans_the_run(tmp_path):
@@ -113,13 +116,13 @@ def test_blocks_cut_the_claim_order_and_are_sized_for_the_launch_that_plans_the_
     assert plan.block_of()["u010"] == "u008"
 
 
-def test_a_plan_written_before_blocks_claims_each_unit_under_its_own_id(tmp_path):
+def test_a_plan_of_one_unit_per_block_claims_each_unit_under_its_own_id(tmp_path):
     write_rows(tmp_path / "a.parquet", 10, 5)
     layout = RunLayout(tmp_path / "run")
     plan = plan_of(tmp_path, tmp_path / "run", unit_records=5)
     raw = json.loads(layout.plan.read_text())
-    del raw["block_units"]  # as a plan of an earlier release
+    raw["block_units"] = 1
     layout.plan.write_text(json.dumps(raw))
-    older = read_plan(layout)
-    assert older.block_units == 1 and [block.task for block in older.blocks()] == [u.unit_id for u in
-                                                                                 plan.claim_order()]
+    single = read_plan(layout)
+    assert single.block_units == 1 and [block.task for block in single.blocks()] == [u.unit_id for u in
+                                                                                   plan.claim_order()]

@@ -12,11 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchvlm.checks import CheckFailed
-from batchvlm.config import DatasetConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.records import Turn
 from batchvlm.sources import make_source
-from batchvlm.sources.conversations import (cauldron_turns, llava_turns, messages_turns, place_conversation_images,
-                                            read_turns, split_placeholders)
+from batchvlm.pipeline.tokens import place_conversation_images
+from batchvlm.sources.conversations import cauldron_turns, llava_turns, messages_turns, read_turns, split_placeholders
 
 LLAVA = [{"from": "system", "value": "Answer briefly."},
          {"from": "human", "value": "Render a clear summary of the photo.\n<image>"},
@@ -133,8 +133,8 @@ def write_webdataset(folder, records):
 @pytest.mark.parametrize("write", [write_parquet, write_jsonl, write_json_array, write_disk, write_webdataset])
 def test_llava_records_read_the_same_from_every_source(tmp_path, write):
     options = write(tmp_path, RECORDS)
-    cfg = DatasetConfig(**{"id_column": "id", **options}, format="llava", images_column="image",
-                        text_column="conversations", image_root="/images")
+    cfg = dataset_config(**{"id_column": "id", **options}, format="llava", images_column="image",
+                         text_column="conversations", image_root="/images")
     source = make_source(cfg)
     records = [record for unit in source.plan() for record in source.records(unit)]
     assert [r.id for r in records] == ["a", "b"] and all(r.failure is None for r in records)

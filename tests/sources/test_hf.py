@@ -8,14 +8,15 @@ import datasets
 from PIL import Image
 from test_sources import FEATURES, PHOTOS, _columns, _table
 
-from batchvlm.config import DatasetConfig, DecodeConfig
+from batchvlm.pipeline.decode import DecodeConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.pipeline.decode import read_bytes
 from batchvlm.sources import make_source
 
 
 def test_save_to_disk_folder_keeps_ids_and_raw_bytes(tmp_path):
     datasets.Dataset.from_dict(_table(["cat", "cup", "coins"]), features=FEATURES).save_to_disk(tmp_path / "ds")
-    source = make_source(DatasetConfig(kind="disk", path=str(tmp_path / "ds"), unit_records=2, **_columns()))
+    source = make_source(dataset_config("disk", path=str(tmp_path / "ds"), unit_records=2, **_columns()))
     units = source.plan()
     assert [u.num_rows for u in units] == [2, 1]
     records = [r for unit in units for r in source.records(unit)]
@@ -32,7 +33,7 @@ def test_imagefolder_with_metadata_reads_captions_and_ids(tmp_path):
         Image.fromarray(pixels).save(folder / f"{key}.png")
         lines.append(json.dumps({"file_name": f"{key}.png", "id": f"img-{key}", "text": f"<image> {key}"}))
     (folder / "metadata.jsonl").write_text("\n".join(lines))
-    source = make_source(DatasetConfig(kind="imagefolder", path=str(folder), images_column="image"))
+    source = make_source(dataset_config("imagefolder", path=str(folder), images_column="image"))
     records = [r for unit in source.plan() for r in source.records(unit)]
     assert sorted(r.id for r in records) == ["img-cat", "img-coins", "img-cup"]
     assert all(len(r.images) == 1 and read_bytes(r.images[0], DecodeConfig(), 0)[:4] == b"\x89PNG" for r in records)
@@ -44,7 +45,7 @@ def test_a_streamed_dataset_is_one_unit_per_shard_and_copies_nothing(tmp_path, m
     folder.mkdir(parents=True)
     for index, keys in enumerate([["cat", "cup"], ["coins"]]):
         datasets.Dataset.from_dict(_table(keys), features=FEATURES).to_parquet(str(folder / f"train-{index}.parquet"))
-    source = make_source(DatasetConfig(kind="hub", path=str(tmp_path / "repo"), **_columns()))
+    source = make_source(dataset_config("hub", path=str(tmp_path / "repo"), **_columns()))
     units = source.plan()
     assert [(u.start, u.stop) for u in units] == [(0, None), (1, None)]
     records = [r for unit in units for r in source.records(unit)]

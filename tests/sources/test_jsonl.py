@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from batchvlm.config import ConfigError, DatasetConfig
+from batchvlm.config import ConfigError
+from batchvlm.sources.config import dataset_config
 from batchvlm.sources import make_source
 
 
@@ -17,7 +18,7 @@ def record(i: int) -> dict:
 
 
 def source_of(path, **options):
-    return make_source(DatasetConfig(kind="json", path=str(path), **options))
+    return make_source(dataset_config("json", path=str(path), **options))
 
 
 def read_all(source):
@@ -119,7 +120,7 @@ def test_a_dataset_without_ids_gets_none_unless_missing_ids_makes_them(tmp_path)
 
 def test_missing_ids_takes_one_of_its_choices_naming_the_key():
     with pytest.raises(ConfigError, match="dataset.missing_ids='hash' is not one of quarantine, content, position"):
-        DatasetConfig(missing_ids="hash")
+        dataset_config("json", missing_ids="hash")
 
 
 def test_requeue_scans_the_made_ids_as_the_job_made_them(tmp_path):

@@ -10,7 +10,7 @@ import tarfile
 
 import pytest
 
-from batchvlm.config import DatasetConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.format.strings import escaped
 from batchvlm.sources import make_source
 
@@ -22,7 +22,7 @@ def turns(question: str = "<image>\nWhat is it?") -> list[dict]:
 
 
 def read(path, **options):
-    source = make_source(DatasetConfig(kind=options.pop("kind", "json"), path=str(path), **options))
+    source = make_source(dataset_config(options.pop("kind", "json"), path=str(path), **options))
     return [record for unit in source.plan() for record in source.records(unit)]
 
 

@@ -13,8 +13,12 @@ import pytest
 from conftest import data_ids, quarantine_rows, run_embed
 from PIL import Image
 
-from batchvlm.config import (ChecksConfig, ConfigError, DatasetConfig, DecodeConfig, JobConfig, OutputConfig,
-                             RuntimeConfig)
+from batchvlm.config import ConfigError
+from batchvlm.executor.config import JobConfig, RuntimeConfig
+from batchvlm.executor.tally import ChecksConfig
+from batchvlm.pipeline.decode import DecodeConfig
+from batchvlm.rundir.sink import OutputConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.executor.job import run_job
 from batchvlm.review.html import render
 from batchvlm.review.report import build_report, summary_text
@@ -64,7 +68,8 @@ def test_requeue_after_raising_the_pixel_limit_moves_those_records_into_data_wit
 @pytest.mark.slow
 def test_requeue_into_the_run_it_reads_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="requeue_from=.*is the run directory of this job"):
-        requeue_source(_job(tmp_path, "same", requeue_from=str(tmp_path / "same")), tmp_path / "same")
+        job = _job(tmp_path, "same", requeue_from=str(tmp_path / "same"))
+        requeue_source(job.dataset, job.requeue_from, job.check, tmp_path / "same")
 
 
 def _png(seed: int) -> bytes:
@@ -86,7 +91,7 @@ def test_requeue_reads_the_fixed_text_from_the_dataset_and_reports_records_gone_
     dataset = tmp_path / "captions.parquet"
     _write_parquet(dataset, [("cat", "<image> a cat"), ("twice", "<image> and again <image>"),
                              ("gone", "<image><image>"), ("cup", "<image> a cup")])
-    run_job(_job(tmp_path / "out", "captions", dataset=DatasetConfig(kind="parquet", path=str(dataset))),
+    run_job(_job(tmp_path / "out", "captions", dataset=dataset_config("parquet", path=str(dataset))),
             tmp_path / "out" / "captions")
     assert {row["id"]: row["check"] for row in quarantine_rows(tmp_path / "out" / "captions")} == {
         "twice": "text.placeholder_count", "gone": "text.placeholder_count"}
@@ -133,17 +138,17 @@ def test_a_record_of_a_json_file_edited_in_place_is_found_again_by_its_id(tmp_pa
                         "".join(json.dumps(record) + "\n" for record in records))
 
     write()
-    source = make_source(DatasetConfig(kind="json", path=str(path)))
+    source = make_source(dataset_config("json", path=str(path)))
     (unit,) = source.plan()
     wanted = _quarantined([r for r in source.records(unit) if r.id in ("r5", "r9")])
     records[2]["text"] += "!!"  # two bytes more: the old offsets of r5 and r9 now point inside the record before
     records[5]["text"] = "fixed"
     write()
-    found, missing = locate(make_source(DatasetConfig(kind="json", path=str(path))), wanted)
+    found, missing = locate(make_source(dataset_config("json", path=str(path))), wanted)
     assert missing == [] and [(f.was.id, f.matched_by) for f in found] == [("r5", "id"), ("r9", "id")]
     rows = [f.row for f in found]
     assert [path.read_bytes()[row:row + 1] for row in rows] == [b"{", b"{"]
-    again = make_source(DatasetConfig(kind="json", path=str(path)))
+    again = make_source(dataset_config("json", path=str(path)))
     assert [(r.id, r.text) for r in again.records_at(next(iter(again.inputs)), rows)] == [("r5", "fixed"),
                                                                                          ("r9", "caption 9")]
 
@@ -154,7 +159,7 @@ def test_a_record_with_a_made_id_fixed_in_place_is_found_by_its_position(tmp_pat
     records = [{"messages": [{"role": "user", "content": f"<image> {i}"}, {"role": "assistant", "content": "ok"}],
                 "images": [f"{i}.jpg"]} for i in range(6)]
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
-    cfg = DatasetConfig(kind="json", path=str(path), format="messages", text_column="messages", missing_ids="content")
+    cfg = dataset_config("json", path=str(path), format="messages", text_column="messages", missing_ids="content")
     source = make_source(cfg)
     (unit,) = source.plan()
     read = list(source.records(unit))
@@ -180,7 +185,7 @@ def test_a_json_array_edited_in_place_requeues_and_reads_back_with_its_run_as_on
         {"from": "gpt", "value": "noise"}]} for n in range(6)]
     path = tmp_path / "llava.json"
     path.write_text(json.dumps(records, indent=1))
-    dataset = DatasetConfig(kind="json", path=str(path), format="llava", images_column="image",
+    dataset = dataset_config("json", path=str(path), format="llava", images_column="image",
                             text_column="conversations")
     run = tmp_path / "out" / "llava"
     run_job(_job(tmp_path / "out", "llava", dataset=dataset, decode=DecodeConfig(isolation="none")), run)

@@ -14,7 +14,9 @@ import pytest
 from PIL import Image
 from skimage import data
 
-from batchvlm.config import ConfigError, DatasetConfig, DecodeConfig
+from batchvlm.config import ConfigError
+from batchvlm.pipeline.decode import DecodeConfig
+from batchvlm.sources.config import dataset_config
 from batchvlm.pipeline.decode import read_bytes
 from batchvlm.sources import make_source
 from batchvlm.training.reader import read_run
@@ -44,7 +46,7 @@ def _columns(**extra) -> dict:
 def test_a_missing_column_is_a_config_error_naming_the_key(tmp_path):
     datasets.Dataset.from_dict(_table(["cat"]), features=FEATURES).save_to_disk(tmp_path / "ds")
     with pytest.raises(ConfigError, match="dataset.images_column='images'"):
-        make_source(DatasetConfig(kind="disk", path=str(tmp_path / "ds"), id_column="key",
+        make_source(dataset_config("disk", path=str(tmp_path / "ds"), id_column="key",
                                   text_column="caption")).plan()
 
 
@@ -66,18 +68,18 @@ def test_embed_job_reads_a_parquet_glob_with_overridden_columns(tmp_path):
 
 def test_an_image_given_as_a_url_is_refused_by_name_unless_fetching_is_allowed(tmp_path):
     from batchvlm.checks import CheckFailed
-    from batchvlm.sources import image_ref
+    from batchvlm.sources.rows import image_ref
 
     photo = tmp_path / "cat.jpg"
     photo.write_bytes(jpeg(PHOTOS["cat"]))
     url = photo.as_uri()  # file:///...: fsspec reads it like any remote URL, with no network
-    refused = image_ref(url, str(tmp_path), DatasetConfig(kind="parquet", path="x"))
+    refused = image_ref(url, str(tmp_path), dataset_config("parquet", path="x"))
     with pytest.raises(CheckFailed, match="given as a URL .*dataset.fetch_urls=true") as caught:
         read_bytes(refused, DecodeConfig(), 0)
     assert caught.value.check == "decode.missing_file"
-    allowed = image_ref(url, str(tmp_path), DatasetConfig(kind="parquet", path="x", fetch_urls=True))
+    allowed = image_ref(url, str(tmp_path), dataset_config("parquet", path="x", fetch_urls=True))
     assert read_bytes(allowed, DecodeConfig(), 0) == photo.read_bytes()
-    relative = image_ref("cat.jpg", str(tmp_path), DatasetConfig(kind="parquet", path="x"))
+    relative = image_ref("cat.jpg", str(tmp_path), dataset_config("parquet", path="x"))
     assert relative.path == str(photo)  # resolved against the input's folder, not mangled
 
 
@@ -106,7 +108,7 @@ def test_a_dataset_naming_files_outside_its_folder_gets_them_quarantined_unread_
 
 
 def test_brace_patterns_expand_as_shard_lists_are_written():
-    from batchvlm.sources import expand_braces
+    from batchvlm.sources.files import expand_braces
 
     assert list(expand_braces("s3://b/{00008..00011}.tar")) == [f"s3://b/{i:05d}.tar" for i in range(8, 12)]
     assert list(expand_braces("x/{a,b}/{1..2}.parquet")) == ["x/a/1.parquet", "x/a/2.parquet", "x/b/1.parquet",
@@ -119,7 +121,7 @@ def test_brace_patterns_expand_as_shard_lists_are_written():
 
 
 def test_a_list_of_paths_and_brace_patterns_name_the_inputs_and_a_missing_one_is_named(tmp_path):
-    from batchvlm.sources import list_files
+    from batchvlm.sources.files import list_files
 
     for index in range(4):
         (tmp_path / f"part-{index:03d}.parquet").write_bytes(b"PAR1")

@@ -137,11 +137,11 @@ def _malformed_shard(path) -> None:
 
 
 def test_a_malformed_shard_quarantines_each_bad_sample_and_its_lost_tail_and_reads_the_rest(tmp_path):
-    from batchvlm.config import DatasetConfig
+    from batchvlm.sources.config import dataset_config
     from batchvlm.sources import make_source
 
     _malformed_shard(tmp_path / "bad.tar")
-    cfg = DatasetConfig(kind="webdataset", path=str(tmp_path / "bad.tar"), id_column="__key__", images_column="jpg",
+    cfg = dataset_config("webdataset", path=str(tmp_path / "bad.tar"), id_column="__key__", images_column="jpg",
                         text_column="txt")
     source = make_source(cfg, max_bytes=len(_jpeg(PHOTOS["000000"])) * 10)
     (unit,) = source.plan()

@@ -15,7 +15,7 @@ import torch
 from conftest import LLAVA_MAX_TOKENS, committed_shards, quarantine_rows
 from PIL import Image
 
-from batchvlm.config import DecodeConfig
+from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.format.schema import IMAGE
 from batchvlm.pipeline.decode import decode_image
 from batchvlm.training import LoaderConfig, PackedLoader

@@ -9,10 +9,10 @@ import datasets
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import committed_shards, relist
+from conftest import committed_shards
 from transformers import Qwen2VLForConditionalGeneration
 
-from batchvlm.config import ModelConfig
+from batchvlm.families import ModelConfig
 from batchvlm.families import load_family
 from batchvlm.training import DatasetRows, load_run_dataset, mm_token_type_ids, vllm_qwen2_vl_image_input
 from batchvlm.training.reader import read_run
@@ -110,24 +110,6 @@ def test_a_dataset_whose_features_lost_an_embedding_layout_is_refused_naming_the
     rows = DatasetRows.from_dataset(cast)
     with pytest.raises(ValueError, match="column 'pooled_embeds'"):
         rows.tensors(next(row for row in cast if row["pooled_embeds"] is not None))
-
-
-@pytest.mark.slow
-def test_a_run_written_before_the_datasets_key_loads_with_its_layouts_from_batchvlms_keys(siglip_run, tmp_path):
-    legacy = tmp_path / "legacy-run"
-    shutil.copytree(siglip_run, legacy)
-    for shard in committed_shards(legacy):
-        table = pq.read_table(shard)
-        pq.write_table(table.replace_schema_metadata(without_datasets_key(table.schema.metadata)), shard)
-        relist(legacy, shard)  # the job of then listed its files as it wrote them
-    dataset = load_run_dataset(legacy, cache_dir=str(tmp_path / "cache"))
-    rows = DatasetRows.from_dataset(dataset)
-    expected = {record.id: record for record in read_run(siglip_run)}
-    for row in dataset:
-        record, read = rows.tensors(row), expected[row["id"]]
-        assert torch.equal(record.image_embeds, read.image_embeds)
-        assert record.extras.keys() == read.extras.keys()
-        assert all(torch.equal(record.extras[k], v) for k, v in read.extras.items())
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import committed_shards
+from rows import CURRENT_FORMAT, data_row
 
 from batchvlm.format.schema import DATA_SCHEMA
 from batchvlm.pipeline.assemble import embed_bytes
@@ -23,13 +24,13 @@ def test_reader_round_trips_embeddings_bit_for_bit(tmp_path, dtype, name):
     generator = torch.Generator().manual_seed(0)
     embeds = [torch.randn(5, 24, generator=generator).to(dtype), torch.randn(3, 24, generator=generator).to(dtype)]
     embeds[0][0, 0] = -0.0
-    row = {"id": "r", "source": "s", "row": 0, "text": "t", "input_ids": list(range(10)),
-           "image_spans": [{"start": 1, "length": 5}, {"start": 7, "length": 3}], "token_tags": [0] * 10,
-           "grid_thw": [[1, 2, 10], [1, 2, 6]], "original_size": [[1, 1], [1, 1]], "resized_size": [[1, 1], [1, 1]],
-           "image_sha256": ["a", "b"], "image_num_tokens": [5, 3], "num_image_tokens": 8,
-           "image_embeds": embed_bytes(embeds, dtype, 24)}
+    row = data_row(id="r", source="s", row=0, text="t", input_ids=list(range(10)),
+                   image_spans=[{"start": 1, "length": 5}, {"start": 7, "length": 3}], token_tags=[0] * 10,
+                   num_tokens=10, grid_thw=[[1, 2, 10], [1, 2, 6]], original_size=[[1, 1], [1, 1]],
+                   resized_size=[[1, 1], [1, 1]], image_sha256=["a", "b"], image_num_tokens=[5, 3],
+                   num_image_tokens=8, image_embeds=embed_bytes(embeds, dtype, 24))
     table = pa.Table.from_pylist([row], schema=DATA_SCHEMA).replace_schema_metadata(
-        {b"batchvlm.embed_dtype": name.encode(), b"batchvlm.hidden_size": b"24"})
+        {b"batchvlm.embed_dtype": name.encode(), b"batchvlm.hidden_size": b"24", **CURRENT_FORMAT})
     pq.write_table(table, tmp_path / "shard.parquet")
     (record,) = read_shard(tmp_path / "shard.parquet")
     stored = torch.cat(embeds)

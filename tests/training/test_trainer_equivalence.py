@@ -12,7 +12,8 @@ from hf_models import pretrained
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-from batchvlm.config import DecodeConfig, ModelConfig
+from batchvlm.families import ModelConfig
+from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.pipeline.decode import decode_image
 from batchvlm.demo import demo_rows
 from batchvlm.families import load_family

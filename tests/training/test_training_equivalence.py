@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-from batchvlm.config import ModelConfig
+from batchvlm.families import ModelConfig
 from batchvlm.families import load_family, tiny_checkpoint
 from batchvlm.training import PackedBatch, pack
 from batchvlm.training.reader import read_run

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from batchvlm.config import ModelConfig
+from batchvlm.families import ModelConfig
 from batchvlm.families import kimi_k25
 from batchvlm.format.schema import FRAME, IMAGE
 from batchvlm.records import ImagePlan

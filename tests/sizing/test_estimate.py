@@ -14,8 +14,9 @@ import pytest
 from conftest import REPO, run_embed
 from PIL import Image
 
-from batchvlm.config import DatasetConfig, EstimateConfig
-from batchvlm.bench.estimate import estimate, format_estimate
+from batchvlm.sizing.estimate import EstimateConfig
+from batchvlm.sources.config import dataset_config
+from batchvlm.sizing.estimate import estimate, format_estimate
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import all_manifests
 
@@ -30,7 +31,7 @@ def written_bytes(run_dir) -> int:
 
 
 def test_the_estimate_of_the_demo_is_within_ten_percent_of_the_bytes_the_job_writes(demo_run):
-    result = estimate(EstimateConfig(dataset=DatasetConfig(kind="demo", unit_records=6)))
+    result = estimate(EstimateConfig(dataset=dataset_config("demo", unit_records=6)))
     assert result.records == 21 and result.sampled == 21 and result.units == 4
     assert abs(result.total_bytes / written_bytes(demo_run) - 1) <= 0.10
 
@@ -57,7 +58,7 @@ def test_the_estimate_of_mixed_image_sizes_from_a_sample_is_within_ten_percent(t
     assert sampled.returncode == 0, sampled.stderr[-3000:]
     report = sampled.stdout
     assert "sample: 24 records" in report and "records: 48 in 6 units" in report and " h, writing " in report
-    estimated = estimate(EstimateConfig(dataset=DatasetConfig(kind="parquet", path=str(tmp_path / "mixed.parquet"),
+    estimated = estimate(EstimateConfig(dataset=dataset_config("parquet", path=str(tmp_path / "mixed.parquet"),
                                                               unit_records=8), records=24))
     assert abs(estimated.total_bytes / written_bytes(tmp_path / "mixed") - 1) <= 0.10
     assert "tokens per image: p50 " in format_estimate(estimated)
@@ -85,14 +86,14 @@ def test_json_records_are_counted_from_their_own_bytes_not_as_tar_members(tmp_pa
     text = llava_lines(tmp_path, 20_000)
     path = tmp_path / ("llava.json" if array else "llava.jsonl")
     path.write_text("[" + ",".join(text.splitlines()) + "]" if array else text)
-    result = estimate(EstimateConfig(dataset=DatasetConfig(path=str(path), unit_bytes=200_000, **LLAVA), records=100))
+    result = estimate(EstimateConfig(dataset=dataset_config(path=str(path), unit_bytes=200_000, **LLAVA), records=100))
     assert result.units > 5 and abs(result.records / 20_000 - 1) < 0.05
 
 
 def test_a_small_dataset_read_whole_by_the_sample_is_counted_exactly_and_its_totals_agree(tmp_path):
     path = tmp_path / "llava.json"
     path.write_text("[" + ",".join(llava_lines(tmp_path, 6).splitlines()) + "]")
-    result = estimate(EstimateConfig(dataset=DatasetConfig(path=str(path), **LLAVA), records=32))
+    result = estimate(EstimateConfig(dataset=dataset_config(path=str(path), **LLAVA), records=32))
     assert result.records == result.sampled == 6 and result.units == 1
     assert result.unit_bytes <= result.total_bytes and result.quarantine_bytes_per_record >= 0
     shown = format_estimate(result)
@@ -102,14 +103,14 @@ def test_a_small_dataset_read_whole_by_the_sample_is_counted_exactly_and_its_tot
 def test_a_dataset_with_quarantined_records_sizes_its_quarantine_rows_at_no_negative_bytes(tmp_path):
     text = llava_lines(tmp_path, 40).replace("<image> what is 000003", "<image><image> what is 000003")
     (tmp_path / "llava.jsonl").write_text(text)
-    result = estimate(EstimateConfig(dataset=DatasetConfig(path=str(tmp_path / "llava.jsonl"), **LLAVA), records=40))
+    result = estimate(EstimateConfig(dataset=dataset_config(path=str(tmp_path / "llava.jsonl"), **LLAVA), records=40))
     assert (result.sampled, result.quarantined, result.records) == (40, 1, 40)
     assert result.quarantine_bytes_per_record > 0 and result.total_bytes > 0
 
 
 def test_a_text_only_dataset_is_estimated_without_dividing_by_zero(tmp_path):
     (tmp_path / "text.jsonl").write_text(llava_lines(tmp_path, 50, images=False))
-    result = estimate(EstimateConfig(dataset=DatasetConfig(path=str(tmp_path / "text.jsonl"), **LLAVA), records=50,
+    result = estimate(EstimateConfig(dataset=dataset_config(path=str(tmp_path / "text.jsonl"), **LLAVA), records=50,
                                      images_per_s=100.0))
     assert result.records == 50 and result.images_per_record == 0 and result.tokens_per_image == []
     shown = format_estimate(result)

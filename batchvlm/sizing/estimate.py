@@ -25,9 +25,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from batchvlm.config import ConfigError, EstimateConfig
+from batchvlm.config import ConfigError, operational, positive
+from batchvlm.executor.config import JobConfig
 from batchvlm.executor.rows import Assembler
-from batchvlm.executor.worker import checked_id, prepare
+from batchvlm.executor.worker import checked_id, prepare, text_side_of
 from batchvlm.families import check_checkpoint, load_family
 from batchvlm.format.schema import DATA_SCHEMA, EMBED_DTYPES, QUARANTINE_SCHEMA
 from batchvlm.pipeline.decode import read_bytes, upright_size
@@ -39,6 +40,26 @@ from batchvlm.review.status import readable_bytes
 from batchvlm.rundir.sink import row_group_bytes
 from batchvlm.sources import Source, make_source
 from batchvlm.training.loader import resident_bytes
+
+
+@dataclass
+class EstimateConfig(JobConfig):
+    """`batchvlm-estimate`: the embed job's config, and how to size it."""
+
+    records: int = operational(1000)
+    """Records sampled from the inputs, spread over the work units; their images' headers are read, not decoded."""
+    images_per_s: float | None = operational(None)
+    """Images per second one device embeds (measured with `batchvlm-bench task=e2e`, or a sample run): with it, the
+    hours and the write bandwidth the job needs."""
+    devices: int = operational(1)
+    """Devices the job runs on (GPUs over every node)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive("records", self.records)
+        positive("devices", self.devices)
+        if self.images_per_s is not None:
+            positive("images_per_s", self.images_per_s)
 
 
 @dataclass(frozen=True)
@@ -143,10 +164,12 @@ def estimate(config: EstimateConfig) -> Estimate:
     per_unit = math.ceil(config.records / len(picked))
     outcomes, samples = [], {}
     reader = HeaderReader(config.decode)
+    text = text_side_of(family, config)
     for unit in picked:
         read, samples[unit.unit_id] = _sample(source, unit, per_unit)
         seen = set()
-        outcomes += [checked_id(record, unit, seen) or prepare(record, family, config, reader) for record in read]
+        outcomes += [checked_id(record, unit, seen) or prepare(record, family, config, reader, text)
+                     for record in read]
     rows = Assembler(EMBED_DTYPES[config.output.embed_dtype], hidden_sizes, config.output.quarantine_bytes_cap,
                      "estimate").rows([_encoded(outcome, hidden_sizes) for outcome in outcomes])
     data = [row.values for row in rows if row.kind == DATA]

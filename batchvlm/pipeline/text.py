@@ -1,0 +1,62 @@
+"""The text side of a record, whatever the dataset's format: its images placed in its text, then its token layout.
+
+A plain text (dataset.format=text) is one string with a placeholder per image, tokenized piece by piece with each
+placeholder expanded (pipeline.tokens); a conversation is rendered with its chat template (pipeline.chat). Both
+answer the same two calls, so the job has one path for both, and text.max_tokens is enforced in one place
+(`laid_out`, through tokens.require_fits) for both: a conversation with text.overflow=drop_turns is cut to fewer
+whole turns first, where some prefix fits.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from batchvlm.pipeline.chat import ChatRenderer, Overflow, TextConfig
+from batchvlm.pipeline.tokens import build_layout, place_conversation_images, place_images, require_fits
+from batchvlm.records import ImagePlan, SourceRecord, TokenLayout, Turn
+
+
+class TextSide(Protocol):
+    def placed(self, record: SourceRecord) -> str | list[Turn]:
+        """The record's text with one image slot per image (text.placeholder_count otherwise)."""
+
+    def lay_out(self, content: str | list[Turn], plans: list[ImagePlan]) -> TokenLayout:
+        """The token layout of the placed text, each image expanded to its plan's tokens."""
+
+
+class PlainText:
+    def __init__(self, family, placeholder: str, missing_placeholder: str, control_tokens: str):
+        self.family, self.placeholder, self.missing = family, placeholder, missing_placeholder
+        self.control_tokens = control_tokens
+
+    def placed(self, record: SourceRecord) -> str:
+        return place_images(record.text, self.placeholder, len(record.images), self.missing)
+
+    def lay_out(self, text: str, plans: list[ImagePlan]) -> TokenLayout:
+        return build_layout(text, self.placeholder, plans, self.family, self.control_tokens)
+
+
+class Conversation:
+    def __init__(self, renderer: ChatRenderer, missing_placeholder: str):
+        self.renderer, self.missing = renderer, missing_placeholder
+
+    def placed(self, record: SourceRecord) -> list[Turn]:
+        return place_conversation_images(record.turns, len(record.images), self.missing)
+
+    def lay_out(self, turns: list[Turn], plans: list[ImagePlan]) -> TokenLayout:
+        return self.renderer.lay_out(turns, plans)
+
+
+def text_side(family, format: str, placeholder: str, missing_placeholder: str, text: TextConfig) -> TextSide:
+    """The text side of a dataset format (ConfigError before any work where a conversation format's checkpoint has
+    no chat template)."""
+    renderer = ChatRenderer.of(family, text, format)
+    return PlainText(family, placeholder, missing_placeholder, text.control_tokens) if renderer is None else Conversation(
+        renderer, missing_placeholder)
+
+
+def laid_out(side: TextSide, content: str | list[Turn], plans: list[ImagePlan], text: TextConfig) -> TokenLayout:
+    """The layout of a placed text, within text.max_tokens (text.too_long otherwise)."""
+    layout = side.lay_out(content, plans)
+    require_fits(layout, text.max_tokens, text.overflow == Overflow.drop_turns)
+    return layout
