@@ -115,6 +115,9 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
     there, a glob that matches nothing, a changed input) is refused with nothing left behind."""
     family = load_family(job.model)
     text = text_side_of(family, job)
+    # the checkpoint's strict check (every vision tensor by name and shape) before the inputs are listed: a wrong
+    # checkpoint is refused in seconds, whatever the inputs cost to plan
+    encoder = family.load_encoder(device, EMBED_DTYPES[job.model.dtype])
     requeue = requeue_source(job.dataset, job.requeue_from, job.check, layout.root) if job.requeue_from else None
     draft = None
     if ranks.is_main:
@@ -122,7 +125,6 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
         plan, new = make_plan(layout, source, job.reading_settings(), ranks.world, job.runtime.dedup_buckets,
                               job.runtime.block_units)
         draft = Draft(plan, source, new)
-    encoder = family.load_encoder(device, EMBED_DTYPES[job.model.dtype])
     run = RunDir(layout, run_fingerprint(job, family, encoder), OmegaConf.to_yaml(OmegaConf.structured(job)), ranks)
     embed_dtype = EMBED_DTYPES[job.output.embed_dtype]
     overlap = job.runtime.overlap

@@ -256,12 +256,14 @@ def test_the_estimate_refuses_a_broken_checkpoint_and_says_what_a_sound_one_hold
 
 @pytest.mark.slow  # the job, as a user runs it
 def test_the_job_refuses_a_checkpoint_missing_a_tensor_before_any_work_leaving_nothing(tmp_path):
-    """The issue's case: a Kimi copy without one block's wqkv ran, exited 0 and wrote 18 rows of random weights."""
+    """The issue's case: a Kimi copy without one block's wqkv ran, exited 0 and wrote 18 rows of random weights. The
+    checkpoint is checked before the inputs are listed: here they match nothing, and the checkpoint is what is named."""
     from conftest import run_embed
 
     name = TENSOR_CLASSES["kimi_k25"]["qkv"]
     broken = edited_copy(tiny_checkpoint("kimi_k25"), tmp_path / "ckpt", lambda tensors: tensors.pop(name))
-    result = run_embed(f"output.root={tmp_path / 'out'}", "run_name=broken", f"model.path={broken}")
+    result = run_embed(f"output.root={tmp_path / 'out'}", "run_name=broken", f"model.path={broken}", "dataset=parquet",
+                       f"dataset.path={tmp_path / 'nothing' / '*.parquet'}")
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"missing: {name}" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out" / "broken").exists() or not any((tmp_path / "out" / "broken").iterdir())

@@ -221,7 +221,7 @@ def test_a_record_over_max_tokens_is_quarantined_naming_the_turn_where_it_overfl
 
 def test_a_plain_text_over_max_tokens_is_quarantined_by_the_same_rule(qwen):
     """One place enforces text.max_tokens, whatever the format: a plain text has no turn to name."""
-    side = PlainText(qwen, "<image>", "prepend")
+    side = PlainText(qwen, "<image>", "prepend", "quarantine")
     layout = side.lay_out("<image> a photograph of something", [qwen.plan(112, 112)])
     with pytest.raises(CheckFailed, match=rf"{len(layout.input_ids)} tokens, more than text.max_tokens=5$") as caught:
         laid_out(side, "<image> a photograph of something", [qwen.plan(112, 112)], TextConfig(max_tokens=5))

@@ -76,7 +76,7 @@ def test_a_pattern_too_large_to_list_is_planned_from_the_pattern_alone(tmp_path)
     assert make_plan(layout, make_source(job.dataset), job.reading_settings())[1] is False  # a resume checks the pattern
     other = JobConfig(dataset=dataset_config("webdataset", path=str(tmp_path / "{000000000..999999998}.tar")))
     with pytest.raises(ConfigError, match="was planned from other inputs .*the pattern"):
-        make_plan(layout, make_source(other.dataset), other)
+        make_plan(layout, make_source(other.dataset), other.reading_settings())
     assert json.loads(layout.plan.read_text())["units"] == {"pattern": "one unit per input"}
 
 
@@ -97,7 +97,7 @@ def test_a_unit_of_a_file_a_pattern_names_that_is_missing_is_one_quarantined_rec
 
 @pytest.mark.slow
 def test_the_job_runs_a_pattern_too_large_to_list_unit_by_unit_and_quarantines_a_gap(tmp_path, monkeypatch):
-    import batchvlm.sources
+    import batchvlm.sources.files
     from batchvlm.executor.config import RuntimeConfig
     from batchvlm.executor.tally import ChecksConfig
     from batchvlm.pipeline.decode import DecodeConfig
@@ -107,7 +107,7 @@ def test_the_job_runs_a_pattern_too_large_to_list_unit_by_unit_and_quarantines_a
     from batchvlm.rundir.verify import verify_run
     from batchvlm.training.reader import read_run
 
-    monkeypatch.setattr(batchvlm.sources, "LISTED_NAMES", 2)  # four names are "too many" here: not listed
+    monkeypatch.setattr(batchvlm.sources.files, "LISTED_NAMES", 2)  # four names are "too many" here: not listed
     for index in (0, 1, 3):  # 00002 is a gap in the shard list
         write_tar(tmp_path / f"{index:05d}.tar", f"key{index}")
     job = JobConfig(run_name="gaps", output=OutputConfig(root=str(tmp_path)),
@@ -127,9 +127,9 @@ def test_a_pattern_unit_is_its_whole_file_up_to_the_limit(tmp_path, kind, monkey
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import batchvlm.sources
+    import batchvlm.sources.files
 
-    monkeypatch.setattr(batchvlm.sources, "LISTED_NAMES", 1)
+    monkeypatch.setattr(batchvlm.sources.files, "LISTED_NAMES", 1)
     rows = [{"id": f"r{n}", "images": [], "text": f"caption {n}"} for n in range(5)]
     for index in range(2):
         path = tmp_path / f"{index}.{'jsonl' if kind == 'json' else 'parquet'}"
