@@ -216,11 +216,34 @@ def job_main(config_name: str) -> Callable:
         def main() -> None:
             with exit_on_config_error():
                 check_command_line(sys.argv[1:])
+                check_overrides_compose(config_name, sys.argv[1:])
             run()
 
         return main
 
     return decorate
+
+
+def check_overrides_compose(config_name: str, arguments: list[str]) -> None:
+    """Compose the config with the command line's overrides before Hydra's own run does: a value its schema refuses
+    (a choice not among an Enum's, a string for an int) becomes a ConfigError naming the key, so the job ends with
+    exit 2 like every other refusal, before Hydra makes the run folder. A sweep (-m) is composed job by job by Hydra."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if any(argument in ("-m", "--multirun") for argument in arguments):
+        return
+    overrides = [argument for argument in arguments if not argument.startswith("-") and "=" in argument]
+    with initialize_config_module("batchvlm.conf", version_base=None):
+        try:
+            compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+        except (HydraException, OmegaConfBaseException) as error:
+            cause = error.__cause__ if isinstance(error.__cause__, OmegaConfBaseException) else error
+            key = getattr(cause, "full_key", None)
+            if not key:
+                raise ConfigError(str(error).strip()) from None
+            raise ConfigError(f"{key}: {str(cause).strip().splitlines()[0]}") from None
 
 
 def required_path(cfg: DictConfig, key: str, usage: str) -> Path:

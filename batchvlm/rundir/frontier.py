@@ -78,6 +78,10 @@ class Hint:
         return position if written == version else 0
 
     def write(self, position: int, version: int = 0) -> None:
+        """Move the hint on to `position`; a claimer of an earlier task that writes last leaves the hint where it is
+        (read just before, so only a write in that instant can still take it back)."""
+        if self.read(version) >= position:
+            return
         self.tmp.write_text(f"{version} {position}")
         os.replace(self.tmp, self.path)
 

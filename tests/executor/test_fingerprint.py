@@ -25,7 +25,7 @@ OTHER = {
     "dataset.status_column": "status", "dataset.require_images": True, "dataset.image_root": "/images",
     "dataset.fetch_urls": True, "dataset.placeholder": "<img>", "dataset.missing_placeholder": "quarantine",
     "dataset.unit_records": 5, "dataset.limit": 10, "dataset.unit_bytes": 1000, "dataset.path": "/elsewhere.json",
-    "dataset.split": "validation",
+    "dataset.split": "validation", "dataset.missing_ids": "content",
     "model.family": "qwen2_vl", "model.path": "/checkpoints/b", "model.tokenizer_path": "/tokenizer",
     "model.dtype": "bfloat16", "model.device": "cpu", "model.attn_implementation": "eager", "model.embedding": "tower",
     "model.framing": "plain", "model.trust_remote_code": True, "model.chat_template": None,
@@ -42,6 +42,7 @@ OTHER = {
     "runtime.progress_interval_s": 5.0, "runtime.lease_s": 60.0, "runtime.poll_s": 1.0, "runtime.overlap": False,
     "runtime.dedup_buckets": 4, "runtime.block_units": 2,
     "text.train_on": "last_assistant", "text.max_tokens": 2048, "text.overflow": "drop_turns",
+    "text.control_tokens": "text",
 }
 """Another valid value of every key of a run's config (the kind of input is the schema's: see below)."""
 

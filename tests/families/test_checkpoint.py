@@ -241,7 +241,7 @@ def test_the_header_check_says_what_it_found_and_builds_nothing_but_shapes(kimi_
 
 @pytest.mark.slow  # the estimate samples the demo's records
 def test_the_estimate_refuses_a_broken_checkpoint_and_says_what_a_sound_one_holds(tmp_path):
-    from batchvlm.bench.estimate import estimate, format_estimate
+    from batchvlm.sizing.estimate import estimate, format_estimate
     from batchvlm.sizing.estimate import EstimateConfig
     from batchvlm.sources.config import dataset_config
 

@@ -230,8 +230,8 @@ def test_status_follows_a_running_job_a_killed_rank_and_the_finished_run(tmp_pat
     assert int(committed) >= 2
     # no manifest nor shard is read, nor their folders listed
     assert not [path for path in touched if path.startswith((f"{run_dir}/manifest", f"{run_dir}/data"))]
-    # plan, config, the claim frontier, the launch's folders, a report, a heartbeat
-    assert len([path for path in touched if path]) <= 9
+    # the format marker, plan, totals, config, the claim frontier, the launch's folders, a report, a heartbeat
+    assert len([path for path in touched if path]) <= 10, "\n".join(touched)
 
     result = run_embed(*overrides)
     assert result.returncode == 0, result.stderr[-3000:]
