@@ -166,6 +166,7 @@ def test_a_conversation_format_on_a_checkpoint_without_a_chat_template_fails_bef
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # a process of its own
 def test_the_library_below_the_jobs_imports_without_hydra_omegaconf_or_datasets():
     """The schemas need neither; only the jobs load configs with them. So the kernels, the families and the stages
     import on an image that lacks them (the GPU check's kernel tests run even when its wheels failed to install)."""

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from batchvlm.faults import crash_point, fault
 
 HIT_THREE_TIMES = """
@@ -27,6 +29,7 @@ def test_a_fault_reads_its_value_from_the_variable(monkeypatch):
     assert (fault("decode.hang"), fault("crash.decode"), fault("decode.crash")) == ("ab12", "3", None)
 
 
+@pytest.mark.slow  # a process of its own
 def test_a_crash_point_exits_with_137_on_its_nth_hit():
     env = {**os.environ, "BATCHVLM_FAULTS": "crash.commit.before_manifest=2"}
     result = subprocess.run([sys.executable, "-c", HIT_THREE_TIMES], env=env, capture_output=True, text=True,

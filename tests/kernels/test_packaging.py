@@ -8,6 +8,8 @@ import subprocess
 import sys
 from importlib import metadata
 
+import pytest
+
 from conftest import REPO
 
 PROBE = """
@@ -30,6 +32,7 @@ def distribution_installed(name: str) -> bool:
     return True
 
 
+@pytest.mark.slow  # a process of its own
 def test_batchvlm_kernels_does_not_shadow_the_kernels_distribution(tmp_path):
     # From a neutral folder, as an installed package is used: the repository root is not on sys.path.
     result = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -55,6 +58,7 @@ print(json.dumps({"kernels": kernels.__file__, "reference": batchvlm.kernels.ref
 """
 
 
+@pytest.mark.slow  # a process of its own
 def test_python_run_in_the_checkouts_root_imports_the_kernels_distribution_not_the_folder():
     # `python -c` (or a notebook) started in the root puts the root first on sys.path, beside the kernels/ folder.
     result = subprocess.run([sys.executable, "-c", FROM_THE_ROOT], cwd=REPO, capture_output=True, text=True,

@@ -7,6 +7,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from batchvlm.rundir.claims import Claim, Claims, Heartbeat
 
 HOLD_AND_WAIT = """
@@ -21,6 +23,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow  # a process of its own
 def test_a_claim_held_by_a_killed_rank_is_taken_over(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLD_AND_WAIT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
