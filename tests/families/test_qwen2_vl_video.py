@@ -14,11 +14,13 @@ from transformers.video_utils import VideoMetadata
 
 from batchvlm.checks import CheckFailed
 from batchvlm.config import ConfigError
+from batchvlm.families import ModelConfig, load_family
 from batchvlm.families.qwen2_vl import QwenProcessorParams, QwenVideoParams, qwen_sample_frames, qwen_video_plan
 from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
 from batchvlm.pipeline.preprocess import frame_rows
 from batchvlm.pipeline.video import VideoLimits, decode_frames, probe
 from clips import frame_pixels, make_clip
+from photos import preprocessed, photo_of_size
 
 PARAMS = QwenProcessorParams()
 LAYOUT = PatchLayout(MERGE_WINDOW, PARAMS.patch_size, PARAMS.merge_size, PARAMS.temporal_patch_size)
@@ -127,3 +129,40 @@ def test_second_per_grid_ts_comes_from_the_sampled_rate_as_qwen2_5_vls_processor
     assert plan.second_per_grid_t == pytest.approx(2 / (len(indices) / frames * video_fps))
     video_pad = qwen25_processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
     assert int((reference["input_ids"] == video_pad).sum()) == plan.num_tokens
+
+
+def sampled_clip_rows(family, frames: int, video_fps: int, height: int, width: int) -> tuple[torch.Tensor, tuple]:
+    """A clip made, probed, sampled, decoded and laid out as the family's video rows, with its grid."""
+    params, video, limits = family.params, QwenVideoParams(min_pixels=28 * 28, max_pixels=112 * 112), VideoLimits()
+    data = make_clip(frames, fps=video_fps, height=height, width=width)
+    header = probe(data, limits)
+    indices = qwen_sample_frames(header.frames, header.fps, params, video)
+    clip = decode_frames(data, header, indices, limits)
+    plan = qwen_video_plan(indices, header.frames, header.fps, height, width, params, video)
+    return frame_rows(torch.from_numpy(clip.frames), plan.resized, family.layout, params, family.resample), plan.grid_thw
+
+
+@pytest.mark.parametrize("version", ["qwen2_vl", "qwen2_5_vl"])
+def test_clips_packed_with_an_image_embed_as_the_models_own_video_forward_alone(tmp_path, version):
+    """The tower as batchvlm loads it, on clips (t > 1: Qwen2.5-VL's windows span frames) packed with a still image,
+    vs the full model's get_video_features on each clip alone (fp32)."""
+    from test_qwen2_vl import _tiny_variant, qwen2_5_config
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+
+    family = load_family(ModelConfig(family="qwen2_vl"))
+    if version == "qwen2_5_vl":
+        _tiny_variant(tmp_path, family, qwen2_5_config(family))
+        family = load_family(ModelConfig(family="qwen2_vl", path=str(tmp_path)))
+    model = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}[
+        version].from_pretrained(family.checkpoint).float().eval()
+    clips = [sampled_clip_rows(family, 31, 10, 64, 96), sampled_clip_rows(family, 12, 4, 90, 50)]
+    image_rows, image_grids = preprocessed(family, [photo_of_size(70, 120)])
+    rows, grids = [clips[0][0], image_rows[0], clips[1][0]], [clips[0][1], image_grids[0], clips[1][1]]
+    assert all(grid[0] > 1 for grid in (clips[0][1], clips[1][1]))
+    packed = family.load_encoder(torch.device("cpu"), torch.float32)(torch.cat(rows), torch.tensor(grids))
+    with torch.inference_mode():
+        for index in (0, 2):
+            alone = model.model.get_video_features(rows[index], torch.tensor([grids[index]])).pooler_output[0]
+            ours = packed["image_embeds"][index]
+            assert ours.shape == alone.shape
+            assert (ours - alone).abs().max() <= 1e-4 * alone.abs().max() + 1e-6
