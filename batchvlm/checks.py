@@ -97,9 +97,12 @@ CATALOGUE: dict[str, Check] = {
               "video.max_duration_s and video.max_frames", "a clip of hours planned, demuxed and decoded before any "
               "limit applies", "cut the clip or raise the limits"),
         Check("video.decode_bomb", "a frame's width x height <= video.max_frame_pixels and the sampled frames' RGB "
-              "bytes <= video.max_decoded_bytes, from the header before a frame is decoded and again as frames decode",
+              "bytes <= video.max_decoded_bytes, from the header before a frame is decoded, then from the first decoded",
               "host memory exhausted by many large frames (30 s of 720p taking a terabyte), or a stream that grows "
               "after its header", "sample fewer frames, downscale the clip or raise the limits"),
+        Check("video.frame_size", "every sampled frame has the size of the first (a stream may change resolution "
+              "mid-clip)", "frames no single resize plan fits, written over an array sized for the first",
+              "re-encode the clip at one size"),
         Check("video.too_few_frames", "the stream holds a frame, and as many as the family's sampling needs",
               "an empty stream, or a sampler raising on a clip shorter than its minimum",
               "drop the clip; the header's and the demuxed frame counts are the evidence"),

@@ -57,3 +57,11 @@ def _mux_silence(out, stream, seconds: float = 0.5) -> None:
     frame.sample_rate = 8000
     for packet in [*stream.encode(frame), *stream.encode()]:
         out.mux(packet)
+
+
+def make_size_change(frames: int = 10) -> bytes:
+    """An MPEG-TS stream whose frames are 96x64, then 128x96 (two segments joined, as a live stream can switch): the
+    header states the first size."""
+    first = make_clip(frames, container="mpegts", height=64, width=96, pts=[100 * i for i in range(frames)])
+    later = make_clip(frames, container="mpegts", height=96, width=128, pts=[2000 + 100 * i for i in range(frames)])
+    return first + later

@@ -103,6 +103,8 @@ class BenchConfig(Config):
     tower, the host ceiling and the decode stage only, as the GPU check runs it)."""
     clip_seconds: float = 10.0
     """task=video: the clip's length (made here from a real photograph, panned; H.264 in MP4)."""
+    long_clip_seconds: float = 60.0
+    """task=video: the long clip whose peak RSS is measured as its sampled frames decode."""
     clip_fps: int = 30
     clip_height: int = 720
     clip_width: int = 1280

@@ -249,13 +249,16 @@ def _in_order(frame, position: int, header: VideoHeader) -> None:
 
 def decode_frames(data: bytes, header: VideoHeader, indices: list[int], limits: VideoLimits) -> DecodedVideo:
     """The frames at `indices` (presentation order, as in header.timestamps_s), decoded sequentially from the
-    start; decoding stops after the last one. The frames' RGB bytes never exceed video.max_decoded_bytes, even where
-    a stream changes size after its header."""
+    start; decoding stops after the last one. Each sampled frame is written once into one array allocated for them
+    all, whose bytes never exceed video.max_decoded_bytes (checked from the header, then from the first sampled frame's
+    real size); every sampled frame has that size (video.frame_size)."""
     check_budget(header, indices, limits)
-    wanted = set(indices)
+    slots: dict[int, list[int]] = {}
+    for slot, index in enumerate(indices):
+        slots.setdefault(index, []).append(slot)
     last = max(indices)
-    kept: dict[int, np.ndarray] = {}
-    decoded, used, rotation, error = 0, 0, 0, None
+    frames: np.ndarray | None = None
+    decoded, rotation, error = 0, 0, None
     with _open(data) as container:
         stream = next(s for s in container.streams if s.index == header.stream_index)
         stream.thread_type = "AUTO"  # frame and slice threads: the decode is sequential, its work need not be
@@ -264,13 +267,11 @@ def decode_frames(data: bytes, header: VideoHeader, indices: list[int], limits: 
                 if decoded == 0:
                     rotation = round(frame.rotation / 90) % 4 * 90
                 _in_order(frame, decoded, header)
-                if decoded in wanted:
-                    used += frame.height * frame.width * 3
-                    require(used <= limits.max_decoded_bytes, "video.decode_bomb",
-                            f"the sampled frames decode to more than {limits.max_decoded_bytes} bytes (frame {decoded} "
-                            f"is {frame.width}x{frame.height}; the header said {header.width}x{header.height})",
-                            expected=f"<= {limits.max_decoded_bytes} bytes", observed=f"{used} bytes by frame {decoded}")
-                    kept[decoded] = np.rot90(frame.to_ndarray(format="rgb24"), k=rotation // 90)
+                if decoded in slots:
+                    pixels = np.rot90(frame.to_ndarray(format="rgb24"), k=rotation // 90)
+                    frames = _allocated(pixels, len(indices), header, limits) if frames is None else frames
+                    _same_size(pixels, frames, decoded)
+                    frames[slots[decoded]] = pixels
                 decoded += 1
                 if decoded > last:
                     break
@@ -281,6 +282,21 @@ def decode_frames(data: bytes, header: VideoHeader, indices: list[int], limits: 
         raise CheckFailed("video.truncated", f"decoding stopped after {decoded} of the stream's {header.frames} "
                           f"frames, before sampled frame {last}{kept_error}", expected=f"{header.frames} frames",
                           observed=f"{decoded} frames decoded{kept_error}")
-    frames = np.stack([np.ascontiguousarray(kept[i]) for i in indices])
     return DecodedVideo(frames=frames, indices=tuple(indices),
                         timestamps_s=tuple(header.timestamps_s[i] for i in indices), rotation=rotation)
+
+
+def _allocated(first: np.ndarray, count: int, header: VideoHeader, limits: VideoLimits) -> np.ndarray:
+    """The array of the sampled frames, sized by the first one decoded: a stream may differ from its header."""
+    size = count * first.nbytes
+    require(size <= limits.max_decoded_bytes, "video.decode_bomb",
+            f"{count} frames of {first.shape[1]}x{first.shape[0]} (the header said {header.width}x{header.height}) "
+            f"decode to {size} bytes", expected=f"<= {limits.max_decoded_bytes} bytes (video.max_decoded_bytes)",
+            observed=f"{size} bytes")
+    return np.empty((count, *first.shape), dtype=np.uint8)
+
+
+def _same_size(pixels: np.ndarray, frames: np.ndarray, position: int) -> None:
+    require(pixels.shape == frames.shape[1:], "video.frame_size", f"frame {position} is {pixels.shape[1]}x"
+            f"{pixels.shape[0]}, the first sampled frame {frames.shape[2]}x{frames.shape[1]}",
+            expected=f"{frames.shape[2]}x{frames.shape[1]}", observed=f"{pixels.shape[1]}x{pixels.shape[0]}")

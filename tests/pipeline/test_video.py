@@ -9,7 +9,7 @@ import pytest
 from batchvlm.checks import CheckFailed
 from batchvlm.config import ConfigError
 from batchvlm.pipeline.video import VideoLimits, check_budget, decode_frames, probe
-from clips import frame_pixels, make_audio_only, make_clip
+from clips import frame_pixels, make_audio_only, make_clip, make_size_change
 
 LIMITS = VideoLimits()
 
@@ -141,3 +141,21 @@ def test_a_frame_rate_the_header_lacks_is_fps_invalid():
 def test_limits_that_cannot_work_name_their_key():
     with pytest.raises(ConfigError, match="video.max_decoded_bytes"):
         VideoLimits(max_decoded_bytes=0)
+
+
+def test_sampled_frames_of_two_sizes_are_frame_size_and_one_size_decodes():
+    data = make_size_change()
+    header = probe(data, LIMITS)
+    assert (header.height, header.width, header.frames) == (64, 96, 20)
+    assert decode_frames(data, header, [12, 15], LIMITS).frames.shape == (2, 96, 128, 3)
+    with pytest.raises(CheckFailed, match="video.frame_size") as raised:
+        decode_frames(data, header, [0, 15], LIMITS)
+    assert (raised.value.expected, raised.value.observed) == ("96x64", "128x96")
+
+
+def test_frames_larger_than_the_header_states_are_held_to_the_cap_by_their_real_size():
+    data = make_size_change()
+    limits = VideoLimits(max_decoded_bytes=2 * 64 * 96 * 3)  # the header's two frames fit, the real ones do not
+    header = probe(data, limits)
+    with pytest.raises(CheckFailed, match="video.decode_bomb"):
+        decode_frames(data, header, [12, 15], limits)
