@@ -180,22 +180,26 @@ def qwen_video_plan(indices: list[int], total: int, video_fps: float, height: in
                      sampled_fps=sampled_fps, second_per_grid_t=tps / sampled_fps)
 
 
-def mrope_positions(seq_len: int, spans: list[tuple[int, int]], plans: list[ImagePlan],
-                    merge_size: int) -> tuple[np.ndarray, int]:
-    """M-RoPE (3, seq) position ids and delta, as HF `get_rope_index` computes them for still images.
+def mrope_positions(seq_len: int, spans: list[tuple[int, int]], plans: list[ImagePlan | VideoPlan],
+                    merge_size: int, time_steps: list[float] | None = None) -> tuple[np.ndarray, int]:
+    """M-RoPE (3, seq) position ids and delta, as the model authors' `get_rope_index` computes them.
 
-    Text advances all three axes by one per token; an image's tokens get (next, next + row, next + column)
-    over its LLM grid, and the next text starts after the image's largest position.
+    Text advances all three axes by one per token; a span's tokens get (next + time, next + row, next + column) over
+    its LLM grid, and the next text starts after the span's largest position. A still image has one time (0); a
+    clip's temporal patch k has time int(k * step), its span's `time_steps` entry: 1 for Qwen2-VL, tokens_per_second *
+    second_per_grid_t for Qwen2.5-VL (float32, as the authors' code multiplies it).
     """
     pieces, next_pos, cursor = [], 0, 0
-    for (start, length), plan in zip(spans, plans):
+    for index, ((start, length), plan) in enumerate(zip(spans, plans)):
         pieces.append(np.broadcast_to(np.arange(start - cursor) + next_pos, (3, start - cursor)))
         next_pos += start - cursor
-        _, h, w = plan.grid_thw
-        rows, cols = np.meshgrid(np.arange(h // merge_size), np.arange(w // merge_size), indexing="ij")
-        image = np.stack([np.zeros(rows.size, dtype=np.int64), rows.ravel(), cols.ravel()]) + next_pos
-        pieces.append(image)
-        next_pos = int(image.max()) + 1
+        t, h, w = plan.grid_thw
+        step = np.float32(1 if time_steps is None else time_steps[index])
+        times = (np.arange(t, dtype=np.float32) * step).astype(np.int64)
+        time, rows, cols = np.meshgrid(times, np.arange(h // merge_size), np.arange(w // merge_size), indexing="ij")
+        vision = np.stack([time.ravel(), rows.ravel(), cols.ravel()]) + next_pos
+        pieces.append(vision)
+        next_pos = int(vision.max()) + 1
         cursor = start + length
     pieces.append(np.broadcast_to(np.arange(seq_len - cursor) + next_pos, (3, seq_len - cursor)))
     positions = np.concatenate(pieces, axis=1).astype(np.int64)

@@ -3,8 +3,8 @@ rule's named reference, families.qwen2_vl.VIDEO_RULE) and Qwen2_5_VLProcessor's 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -15,7 +15,8 @@ from transformers.video_utils import VideoMetadata
 from batchvlm.checks import CheckFailed
 from batchvlm.config import ConfigError
 from batchvlm.families import ModelConfig, load_family
-from batchvlm.families.qwen2_vl import QwenProcessorParams, QwenVideoParams, qwen_sample_frames, qwen_video_plan
+from batchvlm.families.qwen2_vl import (QwenProcessorParams, QwenVideoParams, VideoPlan, mrope_positions,
+                                       qwen_sample_frames, qwen_video_plan)
 from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
 from batchvlm.pipeline.preprocess import frame_rows
 from batchvlm.pipeline.video import VideoLimits, decode_frames, probe
@@ -166,3 +167,68 @@ def test_clips_packed_with_an_image_embed_as_the_models_own_video_forward_alone(
             ours = packed["image_embeds"][index]
             assert ours.shape == alone.shape
             assert (ours - alone).abs().max() <= 1e-4 * alone.abs().max() + 1e-6
+
+
+def grid_plan(grid: tuple[int, int, int]) -> VideoPlan:
+    return VideoPlan(indices=(), resized=(grid[1] * 14, grid[2] * 14), grid_thw=grid, num_tokens=math.prod(grid) // 4,
+                     sampled_fps=1.0, second_per_grid_t=2.0)
+
+
+def test_video_positions_follow_the_qwen2_5_vl_authors_worked_example():
+    """transformers PR 35569 (Qwen2.5-VL, by its authors): 3 temporal patches of 2x2 merged tokens at 1 fps with 25
+    tokens per second step 50 in time, and the text after starts at the largest position plus one (101).
+    transformers 5.25's get_rope_index starts it at 2 (the spatial extent alone), below the clip's own times."""
+    positions, delta = mrope_positions(17, [(0, 12)], [grid_plan((3, 4, 4))], merge_size=2, time_steps=[25 * 2 / 1])
+    assert positions[0].tolist() == [0] * 4 + [50] * 4 + [100] * 4 + [101, 102, 103, 104, 105]
+    assert positions[1].tolist() == [0, 0, 1, 1] * 3 + [101, 102, 103, 104, 105]
+    assert positions[2].tolist() == [0, 1, 0, 1] * 3 + [101, 102, 103, 104, 105]
+    assert delta == 106 - 17
+
+
+def mixed_sequence(family, grids: list[tuple[int, int, int]], kinds: list[str]):
+    """Text, then each span (an image or a clip) framed by vision start and end, text between and after: the ids,
+    the token types get_rope_index takes (0 text, 1 image, 2 video) and each span's (start, length)."""
+    convert = family.tokenizer.convert_tokens_to_ids
+    pads = {"image": (family.image_token_id, 1), "video": (convert("<|video_pad|>"), 2)}
+    start, end = convert("<|vision_start|>"), convert("<|vision_end|>")
+    ids, types, spans = [11, 12], [0, 0], []
+    for grid, kind in zip(grids, kinds):
+        token, kind_type = pads[kind]
+        count = math.prod(grid) // 4
+        ids += [start]
+        spans.append((len(ids), count))
+        ids += [token] * count + [end, 13]
+        types += [0] + [kind_type] * count + [0, 0]
+    return torch.tensor([ids]), torch.tensor([types]), spans
+
+
+@pytest.mark.parametrize("version", ["qwen2_vl", "qwen2_5_vl"])
+def test_positions_of_clips_and_images_equal_get_rope_index_where_the_clip_is_shorter_than_it_is_wide(
+        tmp_path, version):
+    """Where a clip's last time is below its spatial extent, transformers 5.25 and the authors' rule agree."""
+    from test_qwen2_vl import _tiny_variant, qwen2_5_config
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+
+    family = load_family(ModelConfig(family="qwen2_vl"))
+    if version == "qwen2_5_vl":
+        _tiny_variant(tmp_path, family, qwen2_5_config(family))
+        family = load_family(ModelConfig(family="qwen2_vl", path=str(tmp_path)))
+    model = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}[
+        version].from_pretrained(family.checkpoint).eval()
+    grids, kinds = [(3, 10, 12), (1, 6, 4), (2, 8, 10)], ["video", "image", "video"]
+    seconds_per_grid = [0.5, 1.0]
+    ids, types, spans = mixed_sequence(family, grids, kinds)
+    videos = torch.tensor([g for g, k in zip(grids, kinds) if k == "video"])
+    images = torch.tensor([g for g, k in zip(grids, kinds) if k == "image"])
+    if version == "qwen2_5_vl":
+        per_second = model.config.vision_config.tokens_per_second
+        steps = [per_second * seconds_per_grid[0], 1.0, per_second * seconds_per_grid[1]]
+        expected, expected_delta = model.model.get_rope_index(ids, types, image_grid_thw=images, video_grid_thw=videos,
+                                                              second_per_grid_ts=torch.tensor(seconds_per_grid))
+    else:
+        steps = [1.0, 1.0, 1.0]
+        expected, expected_delta = model.model.get_rope_index(ids, types, image_grid_thw=images,
+                                                              video_grid_thw=videos)
+    positions, delta = mrope_positions(ids.shape[1], spans, [grid_plan(g) for g in grids], 2, steps)
+    assert positions.tolist() == expected[:, 0].tolist()
+    assert delta == int(expected_delta)
