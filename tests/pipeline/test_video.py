@@ -159,3 +159,9 @@ def test_frames_larger_than_the_header_states_are_held_to_the_cap_by_their_real_
     header = probe(data, limits)
     with pytest.raises(CheckFailed, match="video.decode_bomb"):
         decode_frames(data, header, [12, 15], limits)
+
+
+def test_a_raw_stream_without_timestamps_is_fps_invalid_not_timed_by_index():
+    """An H.264 elementary stream has no container to time its frames: they are not given index / fps times."""
+    failure = failed_check(make_clip(12, container="h264"))
+    assert failure.check == "video.fps_invalid" and "12 frames without one" in failure.observed
