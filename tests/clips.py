@@ -51,6 +51,21 @@ def make_audio_only(seconds: float = 0.5) -> bytes:
     return buffer.getvalue()
 
 
+def make_audio_with_cover_art() -> bytes:
+    """Audio with its cover art: a one-frame MJPEG stream marked as an attached picture, as in a music file."""
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as out:
+        cover = out.add_stream("mjpeg", rate=1)
+        cover.width, cover.height, cover.pix_fmt = 32, 32, "yuvj420p"
+        cover.disposition = av.stream.Disposition.attached_pic
+        sound = out.add_stream("aac", rate=8000)
+        for packet in [*cover.encode(av.VideoFrame.from_ndarray(frame_pixels(0, 32, 32), format="rgb24")),
+                       *cover.encode()]:
+            out.mux(packet)
+        _mux_silence(out, sound)
+    return buffer.getvalue()
+
+
 def _mux_silence(out, stream, seconds: float = 0.5) -> None:
     samples = np.zeros((1, int(8000 * seconds)), dtype=np.float32)
     frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout="mono")

@@ -8,7 +8,8 @@
   so a variable frame rate (detected from the pts steps and flagged, not refused) gives each frame its own time.
 - **Sequential decode.** `decode_frames` decodes from the start and keeps the sampled frames, stopping after the
   last one: no seek, so never the wrong frame after an inexact seek to a keyframe. A stream that ends (or whose
-  codec fails) before the last sampled frame is `video.truncated`, with the codec's error kept.
+  codec fails, or drops a frame) before the last sampled frame is `video.truncated`, with the codec's error kept.
+  Only the sampled frames are converted to RGB, each written once into one array held to the cap by its real size.
 - **Upright.** A display rotation (read from the first decoded frame: PyAV exposes the display matrix on frames,
   not on the stream) turns each frame, as EXIF orientation turns an image.
 """

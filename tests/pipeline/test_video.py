@@ -9,7 +9,7 @@ import pytest
 from batchvlm.checks import CheckFailed
 from batchvlm.config import ConfigError
 from batchvlm.pipeline.video import VideoLimits, check_budget, decode_frames, probe
-from clips import frame_pixels, make_audio_only, make_clip, make_size_change
+from clips import frame_pixels, make_audio_only, make_audio_with_cover_art, make_clip, make_size_change
 
 LIMITS = VideoLimits()
 
@@ -82,6 +82,11 @@ def test_an_audio_track_beside_the_video_is_listed_and_left_alone():
 def test_an_audio_only_file_is_no_stream_with_its_streams_listed():
     failure = failed_check(make_audio_only())
     assert (failure.check, failure.observed) == ("video.no_stream", "0:audio:aac")
+
+
+def test_audio_with_cover_art_is_no_stream_the_picture_listed():
+    failure = failed_check(make_audio_with_cover_art())
+    assert (failure.check, failure.observed) == ("video.no_stream", "0:audio:aac, 1:video:mjpeg")
 
 
 def test_a_video_stream_without_frames_is_too_few_frames():
