@@ -110,7 +110,8 @@ def bench_video(config) -> dict:
     rows_s, rows = best_of(config.repeats, lambda: frame_rows(frames, plan.resized, layout, params, "bicubic"))
     return {"clip": f"{width}x{height} {header.codec}, {header.frames} frames at {header.fps:g} fps, {len(data)} bytes",
             "probe_s": probe_s, "frames": header.frames, "all_s": all_s, "sampled": len(indices),
-            "sampled_s": sampled_s, "last": max(indices), "seconds": header.duration_s, "sampled_bytes": clip.frames.nbytes, "cap_bytes": limits.max_decoded_bytes,
+            "sampled_s": sampled_s, "last": max(indices), "seconds": header.duration_s,
+            "sampled_bytes": clip.frames.nbytes, "cap_bytes": limits.max_decoded_bytes,
             "rows_s": rows_s, "grid": plan.grid_thw, "rows": tuple(rows.shape), "threads": torch.get_num_threads(),
             **long}
 
@@ -126,7 +127,7 @@ def format_video(result: dict) -> str:
         f"{result['cap_bytes']}); {result['seconds'] / result['sampled_s']:.1f}x real time",
         f"their tower rows on the CPU:           {sampled / result['rows_s']:.0f} frames/s ({result['rows_s']:.2f} s, "
         f"grid {list(result['grid'])}, rows {result['rows']}, {result['threads']} threads)",
-        f"long clip: {result['long_clip']}: its {result['long_sampled']} sampled frames ({result['long_bytes'] / 2 ** 20:.0f} MB "
-        f"as RGB) decode at a peak RSS of {result['peak_mb']:.0f} MB ({result['start_mb']:.0f} MB before decoding); all "
-        f"its frames refused before decoding: {result['all_frames']}",
+        f"long clip: {result['long_clip']}: its {result['long_sampled']} sampled frames "
+        f"({result['long_bytes'] / 2 ** 20:.0f} MB as RGB) decode at a peak RSS of {result['peak_mb']:.0f} MB "
+        f"({result['start_mb']:.0f} MB before decoding); all its frames refused before decoding: {result['all_frames']}",
     ])
