@@ -85,6 +85,30 @@ CATALOGUE: dict[str, Check] = {
               "re-encode the file or raise decode.timeout_s"),
         Check("decode.missing_file", "an image given as a path exists and can be read",
               "dangling paths in the dataset", "fix the path or the dataset root"),
+        Check("video.unreadable", "the bytes are a container PyAV (FFmpeg) can open",
+              "bytes that are not a video (an HTML page saved as .mp4, an MP4 cut before its moov index)",
+              "fix or drop the file; its first bytes and FFmpeg's error are the evidence"),
+        Check("video.no_stream", "the container has a video stream (an attached picture, an MP3's cover art, is not one)",
+              "an audio-only or subtitle-only file reaching the sampler", "drop the file; the streams it has are listed"),
+        Check("video.fps_invalid", "the stream's frame rate is in (0, video.max_fps] and every frame has a timestamp",
+              "a sampler dividing by a zero or absurd frame rate, frames placed in time by a broken header",
+              "re-mux the clip with a frame rate (ffmpeg -r)"),
+        Check("video.too_long", "the duration and frame count (the header's, then the demuxed packets') are within "
+              "video.max_duration_s and video.max_frames", "a clip of hours planned, demuxed and decoded before any "
+              "limit applies", "cut the clip or raise the limits"),
+        Check("video.decode_bomb", "a frame's width x height <= video.max_frame_pixels and the sampled frames' RGB "
+              "bytes <= video.max_decoded_bytes, from the header before a frame is decoded, then from the first decoded",
+              "host memory exhausted by many large frames (30 s of 720p taking a terabyte), or a stream that grows "
+              "after its header", "sample fewer frames, downscale the clip or raise the limits"),
+        Check("video.frame_size", "every sampled frame has the size of the first (a stream may change resolution "
+              "mid-clip)", "frames no single resize plan fits, written over an array sized for the first",
+              "re-encode the clip at one size"),
+        Check("video.too_few_frames", "the stream holds a frame, and as many as the family's sampling needs",
+              "an empty stream, or a sampler raising on a clip shorter than its minimum",
+              "drop the clip; the header's and the demuxed frame counts are the evidence"),
+        Check("video.truncated", "the stream holds the frames its header states, and decodes in order through the last "
+              "sampled frame", "a partly copied clip whose missing frames would be sampled as others, or a dropped frame "
+              "shifting every later one", "re-fetch the file; the codec's error is kept"),
         Check("text.placeholder_count", "placeholders in the text (a conversation: in all its turns, `<image>` "
               "placeholders or `{type: image}` blocks) == images of the record",
               "an image with no place in the sequence, or a placeholder with no image",

@@ -30,5 +30,5 @@ def test_a_check_failure_crosses_process_boundaries_whole():
     again = pickle.loads(pickle.dumps(raised))
     assert (again.check, again.message, again.expected, again.observed, again.image_index) == (
         "decode.truncated", "cut", "whole", "half", 1)
-    assert all(check.stage in ("source", "decode", "text", "plan", "preprocess", "encode", "assemble")
+    assert all(check.stage in ("source", "decode", "video", "text", "plan", "preprocess", "encode", "assemble")
                for check in CATALOGUE.values())

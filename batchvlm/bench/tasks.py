@@ -53,6 +53,7 @@ class Task(Choice):
     tower = "tower"
     jpeg = "jpeg"
     claims = "claims"
+    video = "video"
 
 
 class Tower(Choice):
@@ -100,6 +101,13 @@ class BenchConfig(Config):
     stages: bool = True
     """task=e2e: also each stage alone, the text side and the sink against a bare write (false: the job's runs, the
     tower, the host ceiling and the decode stage only, as the GPU check runs it)."""
+    clip_seconds: float = 10.0
+    """task=video: the clip's length (made here from a real photograph, panned; H.264 in MP4)."""
+    long_clip_seconds: float = 60.0
+    """task=video: the long clip whose peak RSS is measured as its sampled frames decode."""
+    clip_fps: int = 30
+    clip_height: int = 720
+    clip_width: int = 1280
     peak_tflops: float = 989.0
     """task=tower: the device's dense bf16 peak that model FLOPs utilization is taken against (the H100/H200 SXM
     datasheet's; an H200 here measured 788 on an 8192-cube matmul)."""

@@ -115,22 +115,91 @@ def qwen_plan(height: int, width: int, params: QwenProcessorParams) -> ImagePlan
                      num_tokens=grid[1] * grid[2] // (m * m))
 
 
-def mrope_positions(seq_len: int, spans: list[tuple[int, int]], plans: list[ImagePlan],
-                    merge_size: int) -> tuple[np.ndarray, int]:
-    """M-RoPE (3, seq) position ids and delta, as HF `get_rope_index` computes them for still images.
+VIDEO_RULE = "transformers Qwen2VLVideoProcessor: do_sample_frames=True, cap_pixels_per_frame=True"
+"""The one reference batchvlm samples and sizes Qwen2/2.5-VL clips by (qwen-vl-utils samples `linspace(...).round()`
+instead of `floor(i * total / n)`: other frames, same count, same sizes)."""
 
-    Text advances all three axes by one per token; an image's tokens get (next, next + row, next + column)
-    over its LLM grid, and the next text starts after the image's largest position.
+
+@dataclass(frozen=True)
+class QwenVideoParams:
+    """A clip's sampling and pixel budget, as transformers' Qwen2VLVideoProcessor defaults them."""
+
+    fps: float = 2.0
+    """Frames sampled per second of the clip, before the clamp."""
+    min_frames: int = 4
+    max_frames: int = 768
+    min_pixels: int = 128 * 28 * 28
+    """Per frame (the processor's size.shortest_edge)."""
+    max_pixels: int = 768 * 28 * 28
+    """Per frame (size.longest_edge), before the share of the per-video budget."""
+    max_video_tokens: int = 128_000
+    """The per-video budget: 90% of this many tokens' pixels, shared evenly by the sampled frames."""
+
+    def __post_init__(self) -> None:
+        if not (self.fps > 0 and 0 < self.min_frames <= self.max_frames and 0 < self.min_pixels <= self.max_pixels):
+            raise ConfigError(f"model.video: fps > 0, 0 < min_frames <= max_frames and 0 < min_pixels <= max_pixels "
+                              f"must hold: {self}")
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    indices: tuple[int, ...]
+    """The sampled frames, in presentation order."""
+    resized: tuple[int, int]
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    sampled_fps: float
+    """Frames sampled per second of the clip: what the temporal patches' times come from, not the configured fps."""
+    second_per_grid_t: float
+    """Seconds one temporal patch spans (Qwen2.5-VL's second_per_grid_ts): temporal_patch_size / sampled_fps."""
+
+
+def qwen_sample_frames(total: int, video_fps: float, params: QwenProcessorParams, video: QwenVideoParams) -> list[int]:
+    """video.fps frames per second of the clip, clamped to [min_frames, max_frames] and the clip's frames, floored to
+    whole temporal patches; frame i at floor(i * total / n)."""
+    tps = params.temporal_patch_size
+    most = min(video.max_frames, total) // tps * tps
+    wanted = min(max(total / video_fps * video.fps, video.min_frames), most, total)
+    count = math.floor(wanted / tps) * tps
+    require(count >= tps, "video.too_few_frames", f"the clip has {total} frames, fewer than one temporal patch "
+            f"({tps} frames) once sampled", expected=f">= {tps} frames", observed=f"{total} frames")
+    return [i * total // count for i in range(count)]
+
+
+def qwen_video_plan(indices: list[int], total: int, video_fps: float, height: int, width: int,
+                    params: QwenProcessorParams, video: QwenVideoParams) -> VideoPlan:
+    """Each sampled frame resized alike: smart_resize between min_pixels and the per-frame cap, the cap being the
+    smaller of max_pixels and the frame's even share of the per-video budget (never below 1.05 x min_pixels)."""
+    count, tps, p, m = len(indices), params.temporal_patch_size, params.patch_size, params.merge_size
+    budget = int(video.max_video_tokens * params.factor ** 2 * 0.9)
+    cap = max(min(video.max_pixels, budget * tps // count), int(video.min_pixels * 1.05))
+    resized = smart_resize(height, width, dataclasses.replace(params, min_pixels=video.min_pixels, max_pixels=cap))
+    grid = (-(-count // tps), resized[0] // p, resized[1] // p)  # an odd count repeats its last frame
+    sampled_fps = count / total * video_fps
+    return VideoPlan(indices=tuple(indices), resized=resized, grid_thw=grid, num_tokens=math.prod(grid) // (m * m),
+                     sampled_fps=sampled_fps, second_per_grid_t=tps / sampled_fps)
+
+
+def mrope_positions(seq_len: int, spans: list[tuple[int, int]], plans: list[ImagePlan | VideoPlan],
+                    merge_size: int, time_steps: list[float] | None = None) -> tuple[np.ndarray, int]:
+    """M-RoPE (3, seq) position ids and delta, as the model authors' `get_rope_index` computes them.
+
+    Text advances all three axes by one per token; a span's tokens get (next + time, next + row, next + column) over
+    its LLM grid, and the next text starts after the span's largest position. A still image has one time (0); a
+    clip's temporal patch k has time int(k * step), its span's `time_steps` entry: 1 for Qwen2-VL, tokens_per_second *
+    second_per_grid_t for Qwen2.5-VL (float32, as the authors' code multiplies it).
     """
     pieces, next_pos, cursor = [], 0, 0
-    for (start, length), plan in zip(spans, plans):
+    for index, ((start, length), plan) in enumerate(zip(spans, plans)):
         pieces.append(np.broadcast_to(np.arange(start - cursor) + next_pos, (3, start - cursor)))
         next_pos += start - cursor
-        _, h, w = plan.grid_thw
-        rows, cols = np.meshgrid(np.arange(h // merge_size), np.arange(w // merge_size), indexing="ij")
-        image = np.stack([np.zeros(rows.size, dtype=np.int64), rows.ravel(), cols.ravel()]) + next_pos
-        pieces.append(image)
-        next_pos = int(image.max()) + 1
+        t, h, w = plan.grid_thw
+        step = np.float32(1 if time_steps is None else time_steps[index])
+        times = (np.arange(t, dtype=np.float32) * step).astype(np.int64)
+        time, rows, cols = np.meshgrid(times, np.arange(h // merge_size), np.arange(w // merge_size), indexing="ij")
+        vision = np.stack([time.ravel(), rows.ravel(), cols.ravel()]) + next_pos
+        pieces.append(vision)
+        next_pos = int(vision.max()) + 1
         cursor = start + length
     pieces.append(np.broadcast_to(np.arange(seq_len - cursor) + next_pos, (3, seq_len - cursor)))
     positions = np.concatenate(pieces, axis=1).astype(np.int64)

@@ -44,8 +44,14 @@ class PatchLayout:
             return image.reshape(c, gh, p, gw, p).permute(1, 3, 0, 2, 4).reshape(gh * gw, c, p, p)
         if self.kind == RASTER_HWC:
             return image.reshape(c, gh, p, gw, p).permute(1, 3, 2, 4, 0).reshape(gh * gw, p * p * c)
-        tps = self.temporal_patch_size
         # A still image is one frame repeated tps times (t = 1).
-        frames = image[None].expand(tps, c, h, w)
-        windows = frames.reshape(tps, c, gh // m, m, p, gw // m, m, p).permute(2, 5, 3, 6, 1, 0, 4, 7)
-        return windows.reshape(gh * gw, c * tps * p * p)
+        return self.patchify_frames(image[None].expand(self.temporal_patch_size, c, h, w))
+
+    def patchify_frames(self, frames: torch.Tensor) -> torch.Tensor:
+        """TCHW frames (T whole temporal patches; merge_window, the one layout with frames) -> rows, temporal patch by
+        temporal patch, each in merge-window order."""
+        t, c, h, w = frames.shape
+        p, m, tps = self.patch_size, self.merge_size, self.temporal_patch_size
+        gt, gh, gw = t // tps, h // p, w // p
+        windows = frames.reshape(gt, tps, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return windows.reshape(gt * gh * gw, c * tps * p * p)

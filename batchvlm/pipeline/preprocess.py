@@ -121,6 +121,19 @@ def _resized(image: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Ten
     return resize_image(image, size, mode)
 
 
+def frame_rows(frames: torch.Tensor, resized: tuple[int, int], layout, norm, resample: str) -> torch.Tensor:
+    """A clip's sampled frames, (n, H, W, 3) uint8, as the rows of a layout with frames (Qwen's merge windows): each
+    frame resized as an image is (uint8 on the CPU), an odd count padded with its last frame, normalized by `norm`
+    (an object with image_mean and image_std), then patchified a temporal patch at a time."""
+    images = frames.permute(0, 3, 1, 2)
+    if tuple(images.shape[2:]) != resized:
+        images = torch.stack([_resized(image, resized, resample) for image in images])
+    if pad := -images.shape[0] % layout.temporal_patch_size:
+        images = torch.cat([images, images[-1:].expand(pad, *images.shape[1:])])
+    scale, bias = (t.view(3, 1, 1) for t in normalization(norm, images.device))
+    return layout.patchify_frames(images.float().mul_(scale).add_(bias))
+
+
 def pixels_on(image: DecodedImage, device: torch.device) -> torch.Tensor:
     """HWC uint8 on `device`: where the decoder left it (decode.jpeg=device), or copied there from the host."""
     pixels = image.pixels if isinstance(image.pixels, torch.Tensor) else torch.from_numpy(image.pixels)
