@@ -64,6 +64,26 @@ def embed_command(*overrides: str) -> list[str]:
     return [sys.executable, str(REPO / "jobs" / "embed.py"), *overrides]
 
 
+def refused_in_process(root: Path, *overrides: str) -> str:
+    """What the embed job refuses before any work, found by its own steps in this process (Hydra's compose, the schema's
+    validation, run_job): the ConfigError's message, which the job prints as its one line before exit 2. Nothing is
+    left under `root`. That the process then exits 2, removing the run folder Hydra made, a subprocess test proves once
+    (tests/executor/test_refusals.py)."""
+    from hydra import compose, initialize_config_module
+
+    from batchvlm.config import ConfigError, to_job_config
+    from batchvlm.executor.config import JobConfig, register_schemas
+    from batchvlm.executor.job import run_job
+
+    register_schemas()
+    with initialize_config_module("batchvlm.conf", version_base=None):
+        cfg = compose(config_name="embed", overrides=[f"output.root={root}", "run_name=refused", *overrides])
+    with pytest.raises(ConfigError) as refused:
+        run_job(to_job_config(cfg, JobConfig), root / "refused")
+    assert list(root.iterdir()) == []
+    return str(refused.value)
+
+
 def run_embed(*overrides: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(embed_command(*overrides), cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
 

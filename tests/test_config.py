@@ -12,7 +12,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf
 
-from batchvlm.config import ConfigError, check_command_line, to_job_config
+from batchvlm.config import ConfigError, check_command_line, check_overrides_compose, to_job_config
 from batchvlm.executor.config import JobConfig, register_schemas
 from batchvlm.pipeline.decode import DecodeConfig, JpegDecode
 from batchvlm.sources.config import SourceKind
@@ -208,3 +208,21 @@ def test_the_jobs_check_their_command_line_before_hydra_reads_it(monkeypatch, ca
     with pytest.raises(SystemExit) as exited:
         embed.main()
     assert exited.value.code == 2 and "error: dataset.path is given 2 times" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.pth=/nowhere", "model.pth: Key 'pth' not in 'ModelConfig'"),
+    ("output.embed_dtype=int3", "output.embed_dtype: Invalid value 'int3', expected one of"),
+    ("checks.min_records=many", "checks.min_records: Value 'many' of type 'str' could not be converted to Integer"),
+    ("model=qwen9", "Could not find 'model/qwen9'")])
+def test_an_override_the_schema_refuses_is_a_config_error_naming_the_key_before_hydra_runs(override, message):
+    """The job's entry point composes the command line first (job_main): exit 2 and this one line, no run folder."""
+    register_schemas()
+    with pytest.raises(ConfigError) as refused:
+        check_overrides_compose("embed", [override])
+    assert message in str(refused.value) and "\n" not in str(refused.value).split("Available options")[0].strip()
+
+
+def test_a_sweep_is_left_to_hydra_to_compose_job_by_job():
+    register_schemas()
+    check_overrides_compose("embed", ["-m", "run_name=a,b"])

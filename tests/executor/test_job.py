@@ -95,25 +95,6 @@ def test_a_small_run_that_quarantined_more_than_the_limit_ends_non_zero_and_so_d
     assert run_embed(*overrides).returncode == 2
 
 
-def test_a_config_typo_fails_before_any_work_naming_the_key(tmp_path):
-    result = run_embed(f"output.root={tmp_path}", "model.pth=/nowhere")
-    assert result.returncode != 0
-    assert "pth" in result.stderr
-    assert not any(tmp_path.iterdir())
-
-
-def test_a_bad_config_value_fails_naming_the_key(tmp_path):
-    result = run_embed(f"output.root={tmp_path}", "output.embed_dtype=int3")
-    assert result.returncode != 0
-    assert "output.embed_dtype" in result.stderr + result.stdout
-
-
-def test_missing_column_fails_naming_the_config_key(tmp_path):
-    result = run_embed(f"output.root={tmp_path}", "dataset.text_column=caption")
-    assert result.returncode != 0
-    assert "dataset.text_column" in result.stderr + result.stdout
-
-
 def test_a_siglip2_job_stores_patch_tokens_and_one_pooled_vector_per_image(tmp_path):
     from batchvlm.training.reader import read_run
 
