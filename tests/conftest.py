@@ -64,22 +64,39 @@ def embed_command(*overrides: str) -> list[str]:
     return [sys.executable, str(REPO / "jobs" / "embed.py"), *overrides]
 
 
+def composed_job(root: Path, run_name: str, *overrides: str):
+    """The embed job's JobConfig for these overrides, as its entry point composes and validates it."""
+    from hydra import compose, initialize_config_module
+
+    from batchvlm.config import to_job_config
+    from batchvlm.executor.config import JobConfig, register_schemas
+
+    register_schemas()
+    with initialize_config_module("batchvlm.conf", version_base=None):
+        cfg = compose(config_name="embed", overrides=[f"output.root={root}", f"run_name={run_name}", *overrides])
+    return to_job_config(cfg, JobConfig)
+
+
+def embed_in_process(root: Path, run_name: str, *overrides: str) -> Path:
+    """A run of the embed job in this process (its workers and decoder as the job starts them): for tests of what the
+    output holds, where the job's own process proves nothing more. Its run directory."""
+    from batchvlm.executor.job import run_job
+
+    run_dir = root / run_name
+    run_job(composed_job(root, run_name, *overrides), run_dir)
+    return run_dir
+
+
 def refused_in_process(root: Path, *overrides: str) -> str:
     """What the embed job refuses before any work, found by its own steps in this process (Hydra's compose, the schema's
     validation, run_job): the ConfigError's message, which the job prints as its one line before exit 2. Nothing is
     left under `root`. That the process then exits 2, removing the run folder Hydra made, a subprocess test proves once
     (tests/executor/test_refusals.py)."""
-    from hydra import compose, initialize_config_module
-
-    from batchvlm.config import ConfigError, to_job_config
-    from batchvlm.executor.config import JobConfig, register_schemas
+    from batchvlm.config import ConfigError
     from batchvlm.executor.job import run_job
 
-    register_schemas()
-    with initialize_config_module("batchvlm.conf", version_base=None):
-        cfg = compose(config_name="embed", overrides=[f"output.root={root}", "run_name=refused", *overrides])
     with pytest.raises(ConfigError) as refused:
-        run_job(to_job_config(cfg, JobConfig), root / "refused")
+        run_job(composed_job(root, "refused", *overrides), root / "refused")
     assert list(root.iterdir()) == []
     return str(refused.value)
 

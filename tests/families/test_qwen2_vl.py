@@ -154,7 +154,7 @@ def _assert_packed_equals_alone(family, model) -> None:
 def test_stored_qwen3_outputs_with_deepstack_give_the_full_models_logits(tmp_path, qwen):
     """The trainer's side for Qwen3-VL: stored merger tokens and deepstack features, handed to the model as
     its encoder outputs with the stored M-RoPE positions, give the logits of the model fed the pixels."""
-    from conftest import run_embed
+    from conftest import embed_in_process
     from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
     from batchvlm.pipeline.decode import DecodeConfig
@@ -165,10 +165,8 @@ def test_stored_qwen3_outputs_with_deepstack_give_the_full_models_logits(tmp_pat
 
     checkpoint = tmp_path / "qwen3"
     _tiny_variant(checkpoint, qwen, qwen3_config(qwen))
-    result = run_embed(f"output.root={tmp_path}", "run_name=q3", "model=qwen3_vl", f"model.path={checkpoint}",
-                       "model.dtype=float32", "output.embed_dtype=float32", "preprocess.backend=reference",
-                       "dataset.limit=6")
-    assert result.returncode == 0, result.stderr[-3000:]
+    embed_in_process(tmp_path, "q3", "model=qwen3_vl", f"model.path={checkpoint}", "model.dtype=float32",
+                     "output.embed_dtype=float32", "preprocess.backend=reference", "dataset.limit=6")
     family = load_family(ModelConfig(family="qwen2_vl", path=str(checkpoint)))
     model = Qwen3VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
     rows = {row["id"]: row for row in demo_rows()}

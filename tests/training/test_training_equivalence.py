@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import all_families, run_embed
+from conftest import all_families, embed_in_process
 from hf_models import pretrained
 from transformers import AutoConfig, AutoModelForImageTextToText
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
@@ -70,9 +70,8 @@ def family_run(request, tmp_path_factory):
     if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         pytest.skip(f"{request.param}: its checkpoint ({model_type}) has no language model to train")
     family = FAMILY_OF.get(request.param, request.param)
-    result = run_embed(f"output.root={root}", "run_name=train", f"model.family={family}", f"model.path={checkpoint}",
-                       "output.embed_dtype=float32", "dataset.limit=8")
-    assert result.returncode == 0, result.stderr[-3000:]
+    embed_in_process(root, "train", f"model.family={family}", f"model.path={checkpoint}", "output.embed_dtype=float32",
+                     "dataset.limit=8")
     return request.param, AutoModelForImageTextToText, checkpoint, list(read_run(root / "train"))
 
 
