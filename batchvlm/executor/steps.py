@@ -123,28 +123,32 @@ class Writing(Step):
         return ()
 
 
-class Opening(Step):
-    takes = UnitStart
+class UnitBoundary(Step):
+    """A unit's start or end handed to the writer; the progress shown after it, so that a block claimed since the last
+    report is reported before its first batch."""
 
     def __init__(self, writer: SinkWriter, shown=lambda: None):
         self.writer, self.shown = writer, shown
+
+    def passed(self) -> tuple:
+        self.shown()
+        return ()
+
+
+class Opening(UnitBoundary):
+    takes = UnitStart
 
     def __call__(self, start: UnitStart) -> tuple:
         self.writer.start_unit(start)
-        self.shown()  # a block claimed since the last report is reported before its first batch
-        return ()
+        return self.passed()
 
 
-class Closing(Step):
+class Closing(UnitBoundary):
     takes = UnitEnd
-
-    def __init__(self, writer: SinkWriter, shown=lambda: None):
-        self.writer, self.shown = writer, shown
 
     def __call__(self, end: UnitEnd) -> tuple:
         self.writer.end_unit(end)
-        self.shown()  # a block claimed since the last report is reported before its first batch
-        return ()
+        return self.passed()
 
 
 class ChainError(TypeError):
