@@ -186,9 +186,7 @@ def relist(run_dir, shard) -> None:
 @pytest.fixture(scope="session")
 def qwen_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("outputs")
-    result = run_embed(f"output.root={root}", "run_name=qwen", "model=qwen2_vl_tiny")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return root / "qwen"
+    return embed_in_process(root, "qwen", "model=qwen2_vl_tiny")
 
 
 @pytest.fixture(scope="session")
@@ -202,9 +200,7 @@ def records(qwen_run):
 def siglip_run(tmp_path_factory) -> Path:
     """A run with an embedding column beside image_embeds: SigLIP2's pooled_embeds, one vector per image."""
     root = tmp_path_factory.mktemp("outputs")
-    result = run_embed(f"output.root={root}", "run_name=siglip", "model=siglip2_tiny", "dataset.limit=6")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return root / "siglip"
+    return embed_in_process(root, "siglip", "model=siglip2_tiny", "dataset.limit=6")
 
 
 # -- Qwen2-VL's real vocabulary (tests/qwen_vocab.py) ---------------------------------------------------------------
@@ -281,10 +277,7 @@ def llava_run(tmp_path_factory, qwen_real_checkpoint, llava_dataset) -> Path:
     """The job on LLaVA records with Qwen2-VL's real vocabulary, its stored embeddings in fp32 from the HF processor's
     pixels (so the training oracle compares the stored output alone)."""
     root = tmp_path_factory.mktemp("outputs")
-    path = llava_dataset
-    result = run_embed(f"output.root={root}", "run_name=llava", "dataset=llava", f"dataset.path={path}",
-                       "model=qwen2_vl_tiny", f"model.path={qwen_real_checkpoint}", "output.embed_dtype=float32",
-                       "preprocess.backend=reference", f"text.max_tokens={LLAVA_MAX_TOKENS}",
-                       "text.overflow=drop_turns")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return root / "llava"
+    return embed_in_process(root, "llava", "dataset=llava", f"dataset.path={llava_dataset}", "model=qwen2_vl_tiny",
+                            f"model.path={qwen_real_checkpoint}", "output.embed_dtype=float32",
+                            "preprocess.backend=reference", f"text.max_tokens={LLAVA_MAX_TOKENS}",
+                            "text.overflow=drop_turns")

@@ -38,7 +38,7 @@ class PatchLayout:
     def patchify(self, image: torch.Tensor) -> torch.Tensor:
         """CHW image whose sides are whole patches (and merge windows, where the layout has them) -> rows."""
         c, h, w = image.shape
-        p, m = self.patch_size, self.merge_size
+        p = self.patch_size
         gh, gw = h // p, w // p
         if self.kind == RASTER_CHW:
             return image.reshape(c, gh, p, gw, p).permute(1, 3, 0, 2, 4).reshape(gh * gw, c, p, p)

@@ -58,8 +58,6 @@ def test_a_sharded_moe_checkpoint_saved_by_transformers_yields_its_own_tower_and
     own, shards and an index): the vision weights are found in it exactly; the packed output equals the model's."""
     import json
 
-    from transformers import AutoConfig
-
     from batchvlm.families import ModelConfig
     from batchvlm.families import load_family
     from batchvlm.families.common import read_config

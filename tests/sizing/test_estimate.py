@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, run_embed
+from conftest import REPO, embed_in_process
 from PIL import Image
 
 from batchvlm.sizing.estimate import EstimateConfig
@@ -51,8 +51,7 @@ def mixed_sizes(path, count: int) -> None:
 def test_the_estimate_of_mixed_image_sizes_from_a_sample_is_within_ten_percent(tmp_path):
     mixed_sizes(tmp_path / "mixed.parquet", 48)
     overrides = ["dataset=parquet", f"dataset.path={tmp_path / 'mixed.parquet'}", "dataset.unit_records=8"]
-    result = run_embed(f"output.root={tmp_path}", "run_name=mixed", *overrides)
-    assert result.returncode == 0, result.stderr[-3000:]
+    embed_in_process(tmp_path, "mixed", *overrides)
     sampled = subprocess.run([sys.executable, str(REPO / "jobs" / "estimate.py"), *overrides, "records=24",
                               "images_per_s=200", "devices=8"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert sampled.returncode == 0, sampled.stderr[-3000:]

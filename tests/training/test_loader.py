@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import REPO, committed_shards, relist, run_embed
+from conftest import REPO, committed_shards, embed_in_process, relist
 
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.manifest import all_manifests
@@ -169,9 +169,7 @@ def test_only_the_shards_a_manifest_lists_are_read(qwen_run, records):
 def test_a_run_cut_into_files_of_a_few_row_groups_reads_back_as_the_run_in_one_file_a_unit(qwen_run, records,
                                                                                           tmp_path):
     small = 150_000  # bytes of a data file at most (records of ~35 kB): several files a unit
-    result = run_embed(f"output.root={tmp_path}", "run_name=cut", "model=qwen2_vl_tiny", f"output.shard_bytes={small}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    cut = tmp_path / "cut"
+    cut = embed_in_process(tmp_path, "cut", "model=qwen2_vl_tiny", f"output.shard_bytes={small}")
     assert verify_run(cut) == []
     manifests = all_manifests(RunLayout(cut))
     files = [listing for manifest in manifests for listing in manifest.shards("data")]
