@@ -81,7 +81,7 @@ def test_resuming_from_a_checkpoint_without_the_loaders_state_is_refused(qwen_ru
 
 
 def torchrun(run: Path, out: Path, *options: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
                str(SCRIPT), str(run), str(out), *options]
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
@@ -126,9 +126,9 @@ def test_under_torchrun_each_epoch_trains_the_plan_once_and_a_killed_run_resumes
     done = json.loads((straight / "done-0.json").read_text())
     assert done["global_step"] == done["max_steps"] == len(planned[0])
 
-    cut = torchrun(qwen_run, killed, "--exit-after-save", "3")
-    assert cut.returncode != 0 and (killed / "trainer" / "checkpoint-3" / LOADER_STATE).exists()
-    assert steps(killed, 0) == planned[0][:3]
+    cut = torchrun(qwen_run, killed, "--exit-after-save", "4")
+    assert cut.returncode != 0 and (killed / "trainer" / "checkpoint-4" / LOADER_STATE).exists()
+    assert steps(killed, 0) == planned[0][:4]
     resumed = torchrun(qwen_run, killed, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert steps(killed, 0) == planned[0] and steps(killed, 1) == planned[1]

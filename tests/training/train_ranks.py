@@ -55,7 +55,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_pretrained(tiny_checkpoint("qwen2_vl"), dtype=torch.float32)
     args = TrainingArguments(output_dir=str(options.out / "trainer"), use_cpu=True, ddp_backend="gloo",
-                             remove_unused_columns=False, num_train_epochs=2, save_steps=3, learning_rate=1e-4,
+                             remove_unused_columns=False, num_train_epochs=2, save_steps=2, learning_rate=1e-4,
                              logging_steps=1, report_to=[], seed=0, dataloader_num_workers=0)
     loader = PackedLoader(options.run, LoaderConfig(max_tokens=800, shuffle_buffer=4, pack_buffer=8, num_workers=1))
     callbacks = [ExitAfterSave(options.exit_after_save)] if options.exit_after_save else []
