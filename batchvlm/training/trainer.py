@@ -22,8 +22,9 @@ import pyarrow.parquet as pq
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from batchvlm.training.interop import DatasetRows
 from batchvlm.training.loader import PackedLoader
-from batchvlm.training.model_inputs import forward_parameters, model_inputs
+from batchvlm.training.model_inputs import forward_parameters, model_inputs, pad, takes_encoder_outputs
 
 LOADER_STATE = "batchvlm_loader.json"
 """The loader's state_dict, in each checkpoint folder beside the Trainer's own files."""
@@ -118,3 +119,29 @@ class PackedTrainer(Trainer):
             os.makedirs(folder, exist_ok=True)
             (folder / LOADER_STATE).write_text(json.dumps(self.loader.state_dict()))
         super()._save_checkpoint(model, trial)
+
+
+ROW_COLUMNS = ("id", "input_ids", "image_embeds", "grid_thw", "image_spans", "token_tags")
+"""The columns a row of the run needs to become a record (interop.DatasetRows)."""
+
+
+class RowCollator:
+    """For the stock `Trainer` over a `datasets` dataset of the run (`load_run_dataset`, and what `map`/`select`
+    make of it): a list of rows -> a padded batch (`pad`) -> the model's inputs. The Trainer's own sampler shards
+    the rows over the ranks; its resume skips batches (the PackedTrainer's loader does neither).
+
+    Rows that lack a record's columns are refused, naming them: `remove_unused_columns=True` drops them before the
+    collator sees a row, and the model would otherwise train on text alone."""
+
+    def __init__(self, model, dataset, max_tokens: int):
+        if not takes_encoder_outputs(model):
+            raise ValueError(f"{type(model).__name__}.forward takes no mm_encoder_outputs: its inputs_embeds would be "
+                             "computed in the DataLoader's workers, away from the model; use PackedTrainer")
+        self.model, self.rows, self.max_tokens = model, DatasetRows.from_dataset(dataset), max_tokens
+
+    def __call__(self, rows: list[dict]) -> dict:
+        missing = [name for name in ROW_COLUMNS if name not in rows[0]]
+        if missing:
+            raise ValueError(f"the rows reach the collator without the columns {missing}: the Trainer removed them "
+                             "(remove_unused_columns=True); pass TrainingArguments(remove_unused_columns=False)")
+        return model_inputs(self.model, pad([self.rows.tensors(row) for row in rows], self.max_tokens))

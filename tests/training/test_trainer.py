@@ -1,6 +1,7 @@
 """PackedTrainer: HF Trainer on batchvlm's packed loader. In process: the refusals, max_steps from the plan, the first
 step's loss that of model_inputs; under torchrun (2 ranks, gloo, CPU): every planned record once per epoch across the
-ranks, and a run killed after a checkpoint resumes with the batches of a run never killed."""
+ranks, and a run killed after a checkpoint resumes with the batches of a run never killed. RowCollator: the stock
+Trainer over the run's `datasets` rows, its loss that of the packed batch; rows stripped of their columns refused."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from hf_models import pretrained
 from transformers import TrainingArguments
 
 from batchvlm.families import tiny_checkpoint
-from batchvlm.training import LoaderConfig, PackedLoader, pack
+from batchvlm.training import LoaderConfig, PackedLoader, load_run_dataset, pack
 from batchvlm.training.model_inputs import model_inputs
 from batchvlm.training.reader import read_run
-from batchvlm.training.trainer import LOADER_STATE, PackedTrainer
+from batchvlm.training.trainer import LOADER_STATE, PackedTrainer, RowCollator
 
 # the qwen_run fixture: the job in a subprocess
 pytestmark = pytest.mark.slow
@@ -139,3 +140,29 @@ def _plan_ids(loader: PackedLoader) -> list[list[str]]:
 
     ids = [pq.read_table(path, columns=["id"]).column("id").to_pylist() for path in loader.index.shards]
     return [[ids[shard][row] for shard, row in refs] for refs in loader.epoch_packs()]
+
+
+def test_the_stock_trainer_with_the_row_collator_trains_a_padded_batch_with_the_packed_loss(qwen_run, tmp_path):
+    from transformers import Trainer
+
+    dataset = load_run_dataset(qwen_run).select([0, 1])
+    fresh = pretrained(tiny_checkpoint("qwen2_vl"), dtype=torch.float32)
+    by_id = {record.id: record for record in read_run(qwen_run)}
+    with torch.no_grad():
+        expected = float(fresh(**model_inputs(fresh, pack([by_id[i] for i in dataset["id"]], 4096))).loss)
+    trainer = Trainer(fresh, arguments(tmp_path, max_steps=1, per_device_train_batch_size=2), train_dataset=dataset,
+                      data_collator=RowCollator(fresh, dataset, max_tokens=4096))
+    trainer.train()
+    logged = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
+    assert logged == pytest.approx(expected, rel=1e-4)
+
+
+def test_rows_whose_columns_the_trainer_removed_are_refused_naming_them(qwen_run, tmp_path, model):
+    from transformers import Trainer
+
+    dataset = load_run_dataset(qwen_run)
+    trainer = Trainer(model, arguments(tmp_path, max_steps=1, remove_unused_columns=True), train_dataset=dataset,
+                      data_collator=RowCollator(model, dataset, max_tokens=4096))
+    with pytest.raises(ValueError, match=r"without the columns \['id', 'image_embeds', 'grid_thw', 'image_spans', "
+                                         r"'token_tags'\].*remove_unused_columns=False"):
+        trainer.train()
