@@ -1,7 +1,8 @@
-"""`python jobs/bench.py task=preprocess|scale|loader|e2e|host|tower|jpeg|claims`: measurements side by side in one run
-(batchvlm/bench/): triton vs torch vs the family's HF processor; start-up and memory as the dataset grows; the training
-loader vs a bare pyarrow scan of the same shards, and packing efficiency; the job vs its tower; the tower's achieved
-TFLOP/s; the batched JPEG decode vs the safe path; the metadata operations of claiming per unit as the ranks grow.
+"""`python jobs/bench.py task=preprocess|scale|loader|e2e|host|tower|jpeg|claims|train`: measurements side by side in
+one run (batchvlm/bench/): triton vs torch vs the family's HF processor; start-up and memory as the dataset grows; the
+training loader vs a bare pyarrow scan of the same shards, and packing efficiency; the job vs its tower; the tower's
+achieved TFLOP/s; the batched JPEG decode vs the safe path; the metadata operations of claiming per unit as the ranks
+grow; training steps on stored features vs on pixels.
 `dry_run=true` checks the config and imports the task, and runs nothing."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from batchvlm.bench.e2e import bench_e2e, bench_host, format_e2e, format_host
 from batchvlm.bench.metadata import bench_claims, format_claims
 from batchvlm.bench.scale import bench_scale, format_scale
 from batchvlm.bench.tower import bench_tower, format_tower
+from batchvlm.bench.training import bench_train, format_train
 from batchvlm.config import exit_on_config_error, job_main
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -30,7 +32,7 @@ def main(cfg: DictConfig) -> None:
     tasks = {"preprocess": (bench_preprocess, format_preprocess), "loader": (bench_loader, format_loader),
              "scale": (bench_scale, format_scale), "e2e": (bench_e2e, format_e2e), "host": (bench_host, format_host),
              "tower": (bench_tower, format_tower),
-             "jpeg": (bench_jpeg, format_jpeg), "claims": (bench_claims, format_claims)}
+             "jpeg": (bench_jpeg, format_jpeg), "claims": (bench_claims, format_claims), "train": (bench_train, format_train)}
     with exit_on_config_error():
         config = OmegaConf.to_object(cfg)
         run, report = tasks[config.task]

@@ -20,6 +20,12 @@ from batchvlm.training.packing import PackedBatch
 PRE_PROJECTOR = "tower_embeds"
 
 
+def vision_tower(model) -> torch.nn.Module:
+    """The model's vision tower (Qwen's holds its merger, the projector)."""
+    inner = model.model
+    return inner.vision_tower if hasattr(inner, "vision_tower") else inner.visual
+
+
 def projector(model) -> torch.nn.Module:
     """The module that turns the tower's merged features into the language model's image tokens."""
     inner = model.model

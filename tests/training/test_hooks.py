@@ -16,7 +16,7 @@ from batchvlm.families import ModelConfig, load_family, tiny_checkpoint
 from batchvlm.format.schema import IMAGE
 from batchvlm.pipeline.decode import DecodeConfig, decode_image
 from batchvlm.training import pack
-from batchvlm.training.hooks import projector, stored_image_features
+from batchvlm.training.hooks import projector, stored_image_features, vision_tower
 from batchvlm.training.reader import read_run
 
 # the job per family, then the full models
@@ -55,22 +55,17 @@ def _token_types(model, record) -> dict:
     return {}
 
 
-def tower(model) -> torch.nn.Module:
-    inner = model.model
-    return inner.vision_tower if hasattr(inner, "vision_tower") else inner.visual
-
-
 def tower_parameters(model) -> dict[str, torch.nn.Parameter]:
     """The vision parameters that are not the projector's."""
     projector_ids = {id(p) for p in projector(model).parameters()}
-    return {name: p for name, p in tower(model).named_parameters() if id(p) not in projector_ids}
+    return {name: p for name, p in vision_tower(model).named_parameters() if id(p) not in projector_ids}
 
 
 @pytest.fixture
 def sentinel(both):
     """The tower's forward raises: a call of it fails the test."""
     _, model, _ = both
-    module = tower(model)
+    module = vision_tower(model)
 
     def never(*_, **__):
         raise AssertionError("the vision tower ran")
