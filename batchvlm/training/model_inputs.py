@@ -84,8 +84,9 @@ def takes_encoder_outputs(model) -> bool:
 def model_inputs(model, batch: PackedBatch | PaddedBatch) -> dict:
     """The keyword arguments of `model.forward` for one training step on `batch`: `input_ids` with the stored
     tokens as `mm_encoder_outputs` where `forward` takes it, else `inputs_embeds` with them scattered in; `labels`,
-    the stored `position_ids`, `attention_mask` for a padded batch, and no cache where `forward` asks. Never `pixel_values`. Every key
-    is a parameter of `forward` (ValueError naming the ones that are not)."""
+    the stored `position_ids`, `attention_mask` for a padded batch, and no cache (`use_cache=False` where `forward`
+    or its language model takes it). Never `pixel_values`. Every key is a parameter of `forward` (ValueError naming
+    the ones that are not)."""
     inputs = {"labels": batch.labels, "position_ids": batch.position_ids}
     if "use_cache" in forward_parameters(model):  # a cache stops transformers masking attention per packed record
         inputs["use_cache"] = False
@@ -97,8 +98,8 @@ def model_inputs(model, batch: PackedBatch | PaddedBatch) -> dict:
             inputs["mm_encoder_outputs"] = {"image": encoder_output(batch)}
     else:
         if batch.deepstack_embeds is not None:
-            raise ValueError(f"{type(model).__name__}.forward takes no mm_encoder_outputs, and the batch's deepstack "
-                             "layers can only reach their layers through it")
+            raise ValueError(f"{type(model).__name__}.forward takes no mm_encoder_outputs, and the batch's "
+                             "deepstack layers can only reach their layers through it")
         inputs["inputs_embeds"] = embeds_with_images(model, batch)
     unknown = sorted(set(inputs) - forward_parameters(model))
     if unknown:

@@ -51,7 +51,8 @@ def stored(request, tmp_path_factory):
 
 def pixel_loss(model, family, record, labels) -> tuple[torch.Tensor, int]:
     """The record's loss with the model fed its pixels (the family's HF image processor), and its trained tokens."""
-    images = [decode_image(blob, DecodeConfig()).pixels for blob in {r["id"]: r for r in demo_rows()}[record.id]["images"]]
+    blobs = {row["id"]: row for row in demo_rows()}[record.id]["images"]
+    images = [decode_image(blob, DecodeConfig()).pixels for blob in blobs]
     extra = {}
     if images:
         extra["pixel_values"], extra["image_grid_thw"] = family.reference_preprocess(images)
