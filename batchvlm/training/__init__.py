@@ -7,5 +7,5 @@ from batchvlm.training.reader import RunNotFinished
 from batchvlm.training.packing import IGNORE_INDEX, PackedBatch, PackingError, first_fit_decreasing, pack
 
 __all__ = ["DatasetRows", "IGNORE_INDEX", "LoaderConfig", "PackedBatch", "PackedLoader", "PackingError", "PaddedBatch",
-           "RunIndex", "RunNotFinished", "first_fit_decreasing", "load_run_dataset", "mm_token_type_ids", "model_inputs",
-           "pack", "packing_efficiency", "pad", "vllm_qwen2_vl_image_input"]
+           "RunIndex", "RunNotFinished", "first_fit_decreasing", "load_run_dataset", "mm_token_type_ids",
+           "model_inputs", "pack", "packing_efficiency", "pad", "vllm_qwen2_vl_image_input"]
