@@ -1,8 +1,9 @@
-"""`python jobs/bench.py task=preprocess|scale|loader|e2e|host|tower|jpeg|claims|video`: measurements side by side in
-one run (batchvlm/bench/): triton vs torch vs the family's HF processor; start-up and memory as the dataset grows; the
-training loader vs a bare pyarrow scan of the same shards, and packing efficiency; the job vs its tower; the tower's
-achieved TFLOP/s; the batched JPEG decode vs the safe path; the metadata operations of claiming per unit as the ranks
-grow; PyAV's video decode. `dry_run=true` checks the config and imports the task, and runs nothing."""
+"""`python jobs/bench.py task=preprocess|scale|loader|e2e|host|tower|jpeg|claims|video|train`: measurements side by
+side in one run (batchvlm/bench/): triton vs torch vs the family's HF processor; start-up and memory as the dataset
+grows; the training loader vs a bare pyarrow scan of the same shards, and packing efficiency; the job vs its tower; the
+tower's achieved TFLOP/s; the batched JPEG decode vs the safe path; the metadata operations of claiming per unit as the
+ranks grow; PyAV's video decode; training steps on stored features vs on pixels. `dry_run=true` checks the config and
+imports the task, and runs nothing."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from batchvlm.bench.e2e import bench_e2e, bench_host, format_e2e, format_host
 from batchvlm.bench.metadata import bench_claims, format_claims
 from batchvlm.bench.scale import bench_scale, format_scale
 from batchvlm.bench.tower import bench_tower, format_tower
+from batchvlm.bench.training import bench_train, format_train
 from batchvlm.bench.video import bench_video, format_video
 from batchvlm.config import exit_on_config_error, job_main
 
@@ -32,7 +34,7 @@ def main(cfg: DictConfig) -> None:
              "scale": (bench_scale, format_scale), "e2e": (bench_e2e, format_e2e), "host": (bench_host, format_host),
              "tower": (bench_tower, format_tower),
              "jpeg": (bench_jpeg, format_jpeg), "claims": (bench_claims, format_claims),
-             "video": (bench_video, format_video)}
+             "video": (bench_video, format_video), "train": (bench_train, format_train)}
     with exit_on_config_error():
         config = OmegaConf.to_object(cfg)
         run, report = tasks[config.task]

@@ -54,6 +54,7 @@ class Task(Choice):
     jpeg = "jpeg"
     claims = "claims"
     video = "video"
+    train = "train"
 
 
 class Tower(Choice):
@@ -88,12 +89,14 @@ class BenchConfig(Config):
     """task=loader: tokens per packed sequence."""
     workers: int = 0
     """task=loader: DataLoader workers of the loader (0: in this process, like the scan)."""
+    steps: int = 8
+    """task=train: the loader's first `steps` packed batches, each an optimizer step, per timed pass and path."""
     records: int = 16
     """task=e2e|host|tower|jpeg: records (one real photo each, of the common sizes in decoding.REAL_SIZES) run through the
     job and each stage, through the tower, or encoded as each kind of JPEG."""
     tower: Tower = Tower.base
-    """task=e2e|tower: base (a ViT-B-sized MoonViT, built once) | tiny (the demo tower) | released (task=tower: the
-    family of `model=` at its released size)."""
+    """task=e2e|tower|train: base (a ViT-B-sized MoonViT, built once) | tiny (the demo tower; task=train: of `model=`)
+    | released (task=tower: the family of `model=` at its released size)."""
     dtype: Dtype = Dtype.bfloat16
     """task=e2e|tower: the tower's dtype (model.dtype), as checkpoints ship: bfloat16 | float16 | float32."""
     job_workers: int = 2
@@ -123,8 +126,8 @@ class BenchConfig(Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens", "records",
-                    "job_workers", "peak_tflops", "ranks", "units", "block_units"):
+        for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens", "steps",
+                    "records", "job_workers", "peak_tflops", "ranks", "units", "block_units"):
             positive(key, getattr(self, key))
         if self.workers < 0:
             raise ConfigError(f"workers={self.workers} must be >= 0")

@@ -213,3 +213,21 @@ def resolve_checkpoint(model: ModelConfig) -> Path:
         raise ConfigError(f"model.path={model.path!r} holds no safetensors weights (weights found: {found}); "
                           "batchvlm reads safetensors only and never unpickles a checkpoint: convert it first")
     return path
+
+
+def full_model(checkpoint: str | Path, model_class=None, **kwargs):
+    """transformers' own model of the whole checkpoint, its language model included (what a trainer trains), by
+    `model_class.from_pretrained` (AutoModelForImageTextToText by default), which maps the stored names itself.
+
+    Kimi's released config.json names the tower's dims as transformers does not read them (`vt_*`,
+    `init_pos_emb_*`): the family's reading of them (kimi_k25.hf_config) is handed over as the config."""
+    import json
+
+    from transformers import AutoModelForImageTextToText
+
+    from batchvlm.families import kimi_k25
+
+    raw = json.loads((Path(checkpoint) / "config.json").read_text())
+    if raw.get("model_type") == "kimi_k25":
+        kwargs["config"] = kimi_k25.hf_config(raw, Path(checkpoint))
+    return (model_class or AutoModelForImageTextToText).from_pretrained(checkpoint, **kwargs)

@@ -223,10 +223,18 @@ class PackedLoader:
     def epoch_packs(self) -> list[list[RecordRef]]:
         """The whole plan of the current epoch, every rank's packs (pack g is rank g % world_size's)."""
         if self._plan is None or self._plan[0] != self.epoch:
-            c = self.config
-            order = epoch_order(self.index, c.seed, self.epoch, c.shuffle_buffer)
-            self._plan = self.epoch, plan_packs(self.index, order, c.max_tokens, c.pack_buffer)
+            self._plan = self.epoch, self._packs_of(self.epoch)
         return self._plan[1]
+
+    def _packs_of(self, epoch: int) -> list[list[RecordRef]]:
+        c = self.config
+        return plan_packs(self.index, epoch_order(self.index, c.seed, epoch, c.shuffle_buffer), c.max_tokens,
+                          c.pack_buffer)
+
+    def batches_in_epoch(self, epoch: int) -> int:
+        """Batches each rank gets in epoch `epoch`, from its start (its packs may number differently from another
+        epoch's: each epoch packs its own shuffle)."""
+        return len(self.epoch_packs() if epoch == self.epoch else self._packs_of(epoch)) // self.world_size
 
     def __len__(self) -> int:
         """Batches this rank still gets in the current epoch."""

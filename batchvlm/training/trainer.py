@@ -1,0 +1,147 @@
+"""HF `Trainer` on the packed loader: batchvlm's loader stays the loader, and its state rides in the checkpoints.
+
+What the stock Trainer would do to stored features, and what this one does instead:
+- `remove_unused_columns=True` (its default) drops every column `forward` does not name: the embeddings and spans,
+  and training runs on text alone without a word. Refused, naming the columns.
+- accelerate re-shards or dispatches a loader it prepares; `PackedLoader` already deals its packs over the ranks
+  (every rank the same number of batches), so it is never handed to accelerate.
+- On resume the Trainer skips the batches it already took, reading them again; the loader's state, saved in every
+  checkpoint, puts it where it stopped instead.
+- The loader has an epoch's plan, not a length the Trainer can read: `max_steps` comes from the plans of
+  `num_train_epochs` epochs (each epoch packs its own shuffle, so their batch counts may differ).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from batchvlm.training.interop import DatasetRows
+from batchvlm.training.loader import PackedLoader
+from batchvlm.training.model_inputs import forward_parameters, model_inputs, pad, takes_encoder_outputs
+
+LOADER_STATE = "batchvlm_loader.json"
+"""The loader's state_dict, in each checkpoint folder beside the Trainer's own files."""
+
+_LABEL_COLUMNS = {"label", "label_ids", "labels"}  # what the Trainer keeps beside forward's parameters
+
+
+def dropped_columns(model, args: TrainingArguments, loader: PackedLoader) -> list[str]:
+    """The run's columns that `remove_unused_columns=True` would drop: those `model.forward` does not name."""
+    names = pq.read_schema(loader.index.shards[0]).names if loader.index.shards else []
+    return sorted(set(names) - forward_parameters(model) - _LABEL_COLUMNS - set(args.label_names or []))
+
+
+def training_epochs(args: TrainingArguments) -> int:
+    epochs = args.num_train_epochs
+    if epochs < 1 or epochs != int(epochs):
+        raise ValueError(f"num_train_epochs={epochs}: the loader's epochs are whole passes over the run; give a whole "
+                         "number of them (and max_steps to stop earlier)")
+    return int(epochs)
+
+
+class _TrainingBatches:
+    """This rank's batches of the whole training, the loader's epochs one after the other, as the model's inputs.
+
+    One pass over it is all of training: to the Trainer it is a single epoch of `len()` batches, so that the
+    loader's epochs, of different lengths, need not fit the Trainer's idea of an epoch."""
+
+    def __init__(self, trainer: PackedTrainer):
+        self.trainer = trainer
+
+    def __len__(self) -> int:
+        return self.trainer.planned_batches
+
+    def __iter__(self):
+        trainer = self.trainer
+        while trainer.loader.epoch < trainer.epochs:
+            for batch in trainer.loader:
+                yield model_inputs(trainer.model, batch.to(trainer.args.device))
+
+
+class PackedTrainer(Trainer):
+    """`Trainer(model, args, ...)` training on `loader` (a PackedLoader over a run) for `args.num_train_epochs`
+    loader epochs; every other Trainer argument but a training dataset works as usual."""
+
+    def __init__(self, model, args: TrainingArguments, loader: PackedLoader, **kwargs):
+        if kwargs.get("train_dataset") is not None:
+            raise ValueError("train_dataset: the PackedLoader is the training data; pass none")
+        if args.remove_unused_columns:
+            raise ValueError(f"remove_unused_columns=True would drop the columns {dropped_columns(model, args, loader)}"
+                             " that model.forward does not take, and training would run on text alone: pass "
+                             "TrainingArguments(remove_unused_columns=False)")
+        self.loader, self.epochs = loader, training_epochs(args)
+        self.planned_batches = sum(loader.batches_in_epoch(epoch) for epoch in range(self.epochs))
+        planned_steps = math.ceil(self.planned_batches / args.gradient_accumulation_steps)
+        if args.max_steps > planned_steps:
+            raise ValueError(f"max_steps={args.max_steps}: the loader plans {planned_steps} optimizer steps in "
+                             f"num_train_epochs={self.epochs} (of {args.gradient_accumulation_steps} batches each)")
+        if args.max_steps <= 0:
+            args.max_steps = planned_steps
+        super().__init__(model=model, args=args, **kwargs)
+
+    def get_train_dataloader(self) -> _TrainingBatches:
+        return _TrainingBatches(self)
+
+    def consumed_batches(self) -> int:
+        """Batches this rank has taken from the loader since the start of training, by the loader's state."""
+        loader = self.loader
+        return sum(loader.batches_in_epoch(e) for e in range(loader.epoch)) + loader.next_pack // loader.world_size
+
+    def get_resumed_dataloader(self, dataloader: _TrainingBatches, num_batches: int) -> _TrainingBatches:
+        """The loader's restored state already stands after the batches the Trainer would skip: checked, not skipped."""
+        if self.consumed_batches() != num_batches:
+            raise ValueError(f"the checkpoint's loader state stands after {self.consumed_batches()} batches, its "
+                             f"trainer state after {num_batches}: they were not saved together")
+        return dataloader
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)  # None: the Trainer's own error
+        if resume_from_checkpoint:
+            state = Path(resume_from_checkpoint) / LOADER_STATE
+            if not state.exists():
+                raise ValueError(f"{resume_from_checkpoint} has no {LOADER_STATE}: it was not saved by a "
+                                 "PackedTrainer, and resuming would read the run from its start again")
+            self.loader.load_state_dict(json.loads(state.read_text()))
+        return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The loader's state first, so that a checkpoint folder the Trainer completes always holds it."""
+        if self.args.should_save:
+            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            os.makedirs(folder, exist_ok=True)
+            (folder / LOADER_STATE).write_text(json.dumps(self.loader.state_dict()))
+        super()._save_checkpoint(model, trial)
+
+
+ROW_COLUMNS = ("id", "input_ids", "image_embeds", "grid_thw", "image_spans", "token_tags")
+"""The columns a row of the run needs to become a record (interop.DatasetRows)."""
+
+
+class RowCollator:
+    """For the stock `Trainer` over a `datasets` dataset of the run (`load_run_dataset`, and what `map`/`select`
+    make of it): a list of rows -> a padded batch (`pad`) -> the model's inputs. The Trainer's own sampler shards
+    the rows over the ranks; its resume skips batches (the PackedTrainer's loader does neither).
+
+    Rows that lack a record's columns are refused, naming them: `remove_unused_columns=True` drops them before the
+    collator sees a row, and the model would otherwise train on text alone."""
+
+    def __init__(self, model, dataset, max_tokens: int):
+        if not takes_encoder_outputs(model):
+            raise ValueError(f"{type(model).__name__}.forward takes no mm_encoder_outputs: its inputs_embeds would be "
+                             "computed in the DataLoader's workers, away from the model; use PackedTrainer")
+        self.model, self.rows, self.max_tokens = model, DatasetRows.from_dataset(dataset), max_tokens
+
+    def __call__(self, rows: list[dict]) -> dict:
+        missing = [name for name in ROW_COLUMNS if name not in rows[0]]
+        if missing:
+            raise ValueError(f"the rows reach the collator without the columns {missing}: the Trainer removed them "
+                             "(remove_unused_columns=True); pass TrainingArguments(remove_unused_columns=False)")
+        return model_inputs(self.model, pad([self.rows.tensors(row) for row in rows], self.max_tokens))
