@@ -19,7 +19,7 @@ from batchvlm.families.qwen2_vl import (QwenProcessorParams, QwenVideoParams, Vi
                                        qwen_sample_frames, qwen_video_plan)
 from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
 from batchvlm.pipeline.preprocess import frame_rows
-from batchvlm.pipeline.video import VideoLimits, decode_frames, probe
+from batchvlm.pipeline.video import VideoConfig, decode_frames, probe
 from clips import frame_pixels, make_clip
 from photos import preprocessed, photo_of_size
 
@@ -71,7 +71,7 @@ def test_video_params_that_cannot_work_are_refused():
 ])
 def test_grids_and_pixels_of_a_decoded_clip_match_the_video_processor(frames, video_fps, height, width, video):
     data = make_clip(frames, fps=video_fps, height=height, width=width)
-    limits = VideoLimits()
+    limits = VideoConfig()
     header = probe(data, limits)
     indices = qwen_sample_frames(header.frames, header.fps, PARAMS, video)
     clip = decode_frames(data, header, indices, limits)
@@ -134,7 +134,7 @@ def test_second_per_grid_ts_comes_from_the_sampled_rate_as_qwen2_5_vls_processor
 
 def sampled_clip_rows(family, frames: int, video_fps: int, height: int, width: int) -> tuple[torch.Tensor, tuple]:
     """A clip made, probed, sampled, decoded and laid out as the family's video rows, with its grid."""
-    params, video, limits = family.params, QwenVideoParams(min_pixels=28 * 28, max_pixels=112 * 112), VideoLimits()
+    params, video, limits = family.params, QwenVideoParams(min_pixels=28 * 28, max_pixels=112 * 112), VideoConfig()
     data = make_clip(frames, fps=video_fps, height=height, width=width)
     header = probe(data, limits)
     indices = qwen_sample_frames(header.frames, header.fps, params, video)
