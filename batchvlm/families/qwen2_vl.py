@@ -11,6 +11,7 @@ frame repeated temporal_patch_size times; rows in merge-window order (layouts.ME
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import math
@@ -116,6 +117,8 @@ def qwen_plan(height: int, width: int, params: QwenProcessorParams) -> ImagePlan
                      num_tokens=grid[1] * grid[2] // (m * m))
 
 
+VIDEO_PROCESSOR_CONFIG = "video_preprocessor_config.json"
+
 VIDEO_RULE = "transformers Qwen2VLVideoProcessor: do_sample_frames=True, cap_pixels_per_frame=True"
 """The one reference batchvlm samples and sizes Qwen2/2.5-VL clips by (qwen-vl-utils samples `linspace(...).round()`
 instead of `floor(i * total / n)`: other frames, same count, same sizes)."""
@@ -140,6 +143,20 @@ class QwenVideoParams:
         if not (self.fps > 0 and 0 < self.min_frames <= self.max_frames and 0 < self.min_pixels <= self.max_pixels):
             raise ConfigError(f"model.video: fps > 0, 0 < min_frames <= max_frames and 0 < min_pixels <= max_pixels "
                               f"must hold: {self}")
+
+    @classmethod
+    def from_checkpoint(cls, path: Path) -> "QwenVideoParams":
+        """As transformers' AutoVideoProcessor reads a checkpoint: its video processor config, or where it ships none
+        (a released Qwen2-VL), its image processor's pixel sizes; what neither states, at the video processor's
+        defaults."""
+        file = next((path / name for name in (VIDEO_PROCESSOR_CONFIG, "preprocessor_config.json")
+                     if (path / name).exists()), None)
+        raw = json.loads(file.read_text()) if file is not None else {}
+        size = raw.get("size") or {}
+        values = {"min_pixels": size.get("shortest_edge", raw.get("min_pixels")),
+                  "max_pixels": size.get("longest_edge", raw.get("max_pixels"))}
+        values |= {key: raw.get(key) for key in ("fps", "min_frames", "max_frames", "max_video_tokens")}
+        return cls(**{key: value for key, value in values.items() if value is not None})
 
 
 @dataclass(frozen=True)
@@ -300,12 +317,23 @@ class Qwen2VL(PatchFamily):
         self.version = _model_type(checkpoint)
         self.video_token_id = _video_token_id(tokenizer, raw)
         self.tokens_per_second = _tokens_per_second(raw, checkpoint) if self.version == "qwen2_5_vl" else None
+        self.video_params = QwenVideoParams.from_checkpoint(checkpoint)
 
     @property
     def video_rule(self) -> str | None:
         """The rule this checkpoint's clips are sampled, sized and laid out by; None where batchvlm has none for it
         (Qwen3-VL, or a tokenizer without the checkpoint's video token)."""
         return VIDEO_RULE if self.version in VIDEO_VERSIONS and self.video_token_id is not None else None
+
+    def video_sampler(self) -> functools.partial:
+        """(frames in a clip, its fps) -> the frames sampled (pipeline.video.Sampler), picklable for the decoder's
+        child."""
+        return functools.partial(qwen_sample_frames, params=self.params, video=self.video_params)
+
+    def plan_video(self, indices: list[int], total: int, video_fps: float, height: int, width: int) -> VideoPlan:
+        """A clip's plan from its sampled frames, its header's frame count and rate, and its frames' upright size
+        (as decoded)."""
+        return qwen_video_plan(indices, total, video_fps, height, width, self.params, self.video_params)
 
     def expand_video(self, plan: VideoPlan) -> tuple[list[int], list[int]]:
         """The ids (and their tags) that replace one clip's `<|vision_start|><|video_pad|><|vision_end|>`."""

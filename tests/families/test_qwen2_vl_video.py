@@ -341,3 +341,52 @@ def test_the_familys_time_steps_read_from_the_checkpoint_give_get_rope_indexs_po
     assert delta == int(expected_delta)
     if version == "qwen2_5_vl":  # the time steps did move: 2 per second x 1.5 s per patch
         assert family.time_step(clips[1]) == 3.0
+
+
+def test_the_video_params_are_what_transformers_auto_video_processor_reads_from_the_checkpoint(tmp_path):
+    """The tiny checkpoint ships no video processor config (as released Qwen2-VL): transformers takes the image
+    processor's pixel sizes for frames, and so does the family; a checkpoint that ships one is read from it."""
+    import shutil
+
+    from transformers import AutoVideoProcessor
+
+    from batchvlm.families import tiny_checkpoint
+
+    def read_by_transformers(folder) -> QwenVideoParams:
+        loaded = AutoVideoProcessor.from_pretrained(folder)
+        return QwenVideoParams(fps=loaded.fps or QwenVideoParams.fps, min_frames=loaded.min_frames,
+                               max_frames=loaded.max_frames, min_pixels=loaded.size.shortest_edge,
+                               max_pixels=loaded.size.longest_edge, max_video_tokens=loaded.max_video_tokens)
+
+    family = load_family(ModelConfig(family="qwen2_vl"))
+    assert family.video_params == read_by_transformers(family.checkpoint)
+    assert family.video_params.max_pixels == family.params.max_pixels != QwenVideoParams().max_pixels
+    shutil.copytree(tiny_checkpoint("qwen2_vl"), tmp_path, dirs_exist_ok=True)
+    hf_processor(QwenVideoParams(fps=1.0, min_frames=2, max_frames=64, min_pixels=28 * 28, max_pixels=56 * 56,
+                                 max_video_tokens=1000)).save_pretrained(tmp_path)
+    shipped = load_family(ModelConfig(family="qwen2_vl", path=str(tmp_path))).video_params
+    assert shipped == read_by_transformers(tmp_path) == QwenVideoParams(1.0, 2, 64, 28 * 28, 56 * 56, 1000)
+
+
+def test_a_clip_decoded_in_the_child_with_the_familys_sampler_plans_as_the_checkpoints_video_processor():
+    """The family's sampler through the isolated decoder, then its plan, against AutoVideoProcessor as transformers
+    loads it from the checkpoint (sampling with VIDEO_RULE's settings) on every frame of the clip."""
+    from transformers import AutoVideoProcessor
+
+    from batchvlm.pipeline.decode import DecodeConfig, Decoder
+    from batchvlm.records import ImageRef
+
+    family = load_family(ModelConfig(family="qwen2_vl"))
+    data, frames, video_fps = make_clip(37, fps=12, height=90, width=140), 37, 12
+    decoder = Decoder(DecodeConfig())
+    try:
+        clip = decoder.clip(ImageRef(data=data), 0, family.video_sampler())
+    finally:
+        decoder.close()
+    plan = family.plan_video(list(clip.decoded.indices), clip.header.frames, clip.header.fps, 90, 140)
+    every = decode_frames(data, probe(data, VideoConfig()), list(range(frames)), VideoConfig()).frames
+    reference = AutoVideoProcessor.from_pretrained(family.checkpoint)(
+        videos=[torch.from_numpy(every).permute(0, 3, 1, 2)], do_sample_frames=True, cap_pixels_per_frame=True,
+        fps=family.video_params.fps, video_metadata=[metadata(frames, video_fps, 90, 140)], return_tensors="pt")
+    assert reference["video_grid_thw"].tolist() == [list(plan.grid_thw)]
+    assert len(clip.decoded.indices) == 2 * plan.grid_thw[0]
