@@ -130,8 +130,9 @@ CATALOGUE: dict[str, Check] = {
               "record's text (or null)",
               "a number rendered as its str(), a null as an empty turn, a list or object reaching the tokenizer",
               "fix the record's turns"),
-        Check("text.video", "no turn holds a video (a `<video>` placeholder or a `{type: video}` block): video is not "
-              "supported yet", "a video's placeholder embedded as plain text and its frames never",
+        Check("text.video", "no turn holds a video (a `<video>` placeholder or a `{type: video}` block) and the record "
+              "names none (llava's `video`, messages' `videos` column): video is not supported yet",
+              "a video's placeholder embedded as plain text and its frames never, or a named clip dropped unseen",
               "leave video records out of the run until video is supported"),
         Check("text.control_token", "no text of a record (any turn's content, a plain text) tokenizes into one of the "
               "tokenizer's special tokens (`<|im_end|>`, `<|im_start|>`, `<|image_pad|>`...)",
