@@ -43,7 +43,7 @@ from batchvlm.checks import CheckFailed, require
 from batchvlm.config import ByteLimit, Choice, Config, ConfigError, positive, written
 from batchvlm.faults import fault
 from batchvlm.pipeline.jpeg import EXIF_ORIENTATION, deferred
-from batchvlm.pipeline.video import Clip, DecodedVideo, Sampler, VideoConfig, decode_clip
+from batchvlm.pipeline.video import Clip, Sampler, VideoConfig, decode_clip
 from batchvlm.records import DecodedImage, EncodedJpeg, ImageRef
 
 
