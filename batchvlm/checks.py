@@ -85,6 +85,13 @@ CATALOGUE: dict[str, Check] = {
               "re-encode the file or raise decode.timeout_s"),
         Check("decode.missing_file", "an image given as a path exists and can be read",
               "dangling paths in the dataset", "fix the path or the dataset root"),
+        Check("video.too_many_bytes", "the clip's file (by its size, before any byte is read) is at most "
+              "video.max_bytes", "a huge or sparse file read whole into memory before any limit applies",
+              "cut or re-encode the clip, or raise video.max_bytes"),
+        Check("video.crashed", "the decoder process survives the clip",
+              "a segfault or abort in FFmpeg taking the whole job down", "drop or re-encode the clip"),
+        Check("video.timeout", "the clip is read, probed and its sampled frames decoded within video.timeout_s",
+              "a stream stalling a worker forever", "re-encode the clip or raise video.timeout_s"),
         Check("video.unreadable", "the bytes are a container PyAV (FFmpeg) can open",
               "bytes that are not a video (an HTML page saved as .mp4, an MP4 cut before its moov index)",
               "fix or drop the file; its first bytes and FFmpeg's error are the evidence"),
@@ -123,8 +130,9 @@ CATALOGUE: dict[str, Check] = {
               "record's text (or null)",
               "a number rendered as its str(), a null as an empty turn, a list or object reaching the tokenizer",
               "fix the record's turns"),
-        Check("text.video", "no turn holds a video (a `<video>` placeholder or a `{type: video}` block): video is not "
-              "supported yet", "a video's placeholder embedded as plain text and its frames never",
+        Check("text.video", "no turn holds a video (a `<video>` placeholder or a `{type: video}` block) and the record "
+              "names none (llava's `video`, messages' `videos` column): video is not supported yet",
+              "a video's placeholder embedded as plain text and its frames never, or a named clip dropped unseen",
               "leave video records out of the run until video is supported"),
         Check("text.control_token", "no text of a record (any turn's content, a plain text) tokenizes into one of the "
               "tokenizer's special tokens (`<|im_end|>`, `<|im_start|>`, `<|image_pad|>`...)",

@@ -17,6 +17,7 @@ import sys
 import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -138,6 +139,17 @@ def _choice_type(hint: Any) -> type[Choice] | None:
         if isinstance(candidate, type) and issubclass(candidate, Choice):
             return candidate
     return None
+
+
+@dataclass(frozen=True)
+class ByteLimit:
+    """An encoded size limit: at most `bytes`, else the check `check` fails, naming the config key that sets it and
+    what is read (an image, a clip)."""
+
+    bytes: int
+    check: str
+    key: str
+    what: str
 
 
 def positive(key: str, value: int | float) -> None:

@@ -22,7 +22,7 @@ from batchvlm.families.qwen2_vl import QwenProcessorParams, QwenVideoParams, qwe
 from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
 from batchvlm.pipeline.preprocess import frame_rows
 from batchvlm.checks import CheckFailed
-from batchvlm.pipeline.video import VideoLimits, check_budget, decode_frames, probe
+from batchvlm.pipeline.video import VideoConfig, check_budget, decode_frames, probe
 
 
 def panned_clip(seconds: float, fps: int, height: int, width: int, codec: str = "libx264") -> bytes:
@@ -80,7 +80,7 @@ def peak_rss_mb(run) -> tuple[float, float]:
 def long_clip(config) -> dict:
     """A long clip's sampled frames decoded under the cap, its peak RSS, and all of its frames refused by the cap."""
     data = panned_clip(config.long_clip_seconds, config.clip_fps, config.clip_height, config.clip_width)
-    limits, params, video = VideoLimits(), QwenProcessorParams(), QwenVideoParams()
+    limits, params, video = VideoConfig(), QwenProcessorParams(), QwenVideoParams()
     header = probe(data, limits)
     indices = qwen_sample_frames(header.frames, header.fps, params, video)
     peak, start = peak_rss_mb(lambda: decode_frames(data, header, indices, limits))
@@ -98,7 +98,7 @@ def bench_video(config) -> dict:
     long = long_clip(config)  # first: the child's RSS at start is then the bench's imports, not its decoded frames
     height, width = config.clip_height, config.clip_width
     data = panned_clip(config.clip_seconds, config.clip_fps, height, width)
-    limits, params, video = VideoLimits(), QwenProcessorParams(), QwenVideoParams()
+    limits, params, video = VideoConfig(), QwenProcessorParams(), QwenVideoParams()
     layout = PatchLayout(MERGE_WINDOW, params.patch_size, params.merge_size, params.temporal_patch_size)
     probe_s, header = best_of(config.repeats, lambda: probe(data, limits))
     every = list(range(header.frames))

@@ -11,6 +11,7 @@ frame repeated temporal_patch_size times; rows in merge-window order (layouts.ME
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import math
@@ -32,9 +33,10 @@ from batchvlm.towers.attention import resolve_attention, use
 from batchvlm.towers.grids import PerGrid, interpolation_taps, joined, patches_of
 from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
-from batchvlm.format.schema import FRAME, IMAGE
+from batchvlm.format.schema import FRAME, IMAGE, VIDEO
 
 IMAGE_TOKEN = "<|image_pad|>"
+VIDEO_TOKEN = "<|video_pad|>"
 FRAME_TOKENS = ("<|vision_start|>", "<|vision_end|>")
 MAX_ASPECT_RATIO = 200
 
@@ -115,6 +117,8 @@ def qwen_plan(height: int, width: int, params: QwenProcessorParams) -> ImagePlan
                      num_tokens=grid[1] * grid[2] // (m * m))
 
 
+VIDEO_PROCESSOR_CONFIG = "video_preprocessor_config.json"
+
 VIDEO_RULE = "transformers Qwen2VLVideoProcessor: do_sample_frames=True, cap_pixels_per_frame=True"
 """The one reference batchvlm samples and sizes Qwen2/2.5-VL clips by (qwen-vl-utils samples `linspace(...).round()`
 instead of `floor(i * total / n)`: other frames, same count, same sizes)."""
@@ -139,6 +143,20 @@ class QwenVideoParams:
         if not (self.fps > 0 and 0 < self.min_frames <= self.max_frames and 0 < self.min_pixels <= self.max_pixels):
             raise ConfigError(f"model.video: fps > 0, 0 < min_frames <= max_frames and 0 < min_pixels <= max_pixels "
                               f"must hold: {self}")
+
+    @classmethod
+    def from_checkpoint(cls, path: Path) -> "QwenVideoParams":
+        """As transformers' AutoVideoProcessor reads a checkpoint: its video processor config, or where it ships none
+        (a released Qwen2-VL), its image processor's pixel sizes; what neither states, at the video processor's
+        defaults."""
+        file = next((path / name for name in (VIDEO_PROCESSOR_CONFIG, "preprocessor_config.json")
+                     if (path / name).exists()), None)
+        raw = json.loads(file.read_text()) if file is not None else {}
+        size = raw.get("size") or {}
+        values = {"min_pixels": size.get("shortest_edge", raw.get("min_pixels")),
+                  "max_pixels": size.get("longest_edge", raw.get("max_pixels"))}
+        values |= {key: raw.get(key) for key in ("fps", "min_frames", "max_frames", "max_video_tokens")}
+        return cls(**{key: value for key, value in values.items() if value is not None})
 
 
 @dataclass(frozen=True)
@@ -279,6 +297,11 @@ class QwenEncoder(torch.nn.Module):
         return outputs
 
 
+VIDEO_VERSIONS = ("qwen2_vl", "qwen2_5_vl")
+"""The versions whose clips VIDEO_RULE and `mrope_positions` lay out. Qwen3-VL's differ: a text timestamp and a span
+of its own per temporal patch."""
+
+
 class Qwen2VL(PatchFamily):
     name = "qwen2_vl"
     resample = "bicubic"
@@ -290,7 +313,45 @@ class Qwen2VL(PatchFamily):
                          PatchLayout(MERGE_WINDOW, params.patch_size, params.merge_size, params.temporal_patch_size),
                          IMAGE_TOKEN)
         self.frame_ids = [token_id(tokenizer, token, self.name) for token in FRAME_TOKENS]
+        raw = read_config(checkpoint)
         self.version = _model_type(checkpoint)
+        self.video_token_id = _video_token_id(tokenizer, raw)
+        self.tokens_per_second = _tokens_per_second(raw, checkpoint) if self.version == "qwen2_5_vl" else None
+        self.video_params = QwenVideoParams.from_checkpoint(checkpoint)
+
+    @property
+    def video_rule(self) -> str | None:
+        """The rule this checkpoint's clips are sampled, sized and laid out by; None where batchvlm has none for it
+        (Qwen3-VL, or a tokenizer without the checkpoint's video token)."""
+        return VIDEO_RULE if self.version in VIDEO_VERSIONS and self.video_token_id is not None else None
+
+    def video_sampler(self) -> functools.partial:
+        """(frames in a clip, its fps) -> the frames sampled (pipeline.video.Sampler), picklable for the decoder's
+        child."""
+        return functools.partial(qwen_sample_frames, params=self.params, video=self.video_params)
+
+    def plan_video(self, indices: list[int], total: int, video_fps: float, height: int, width: int) -> VideoPlan:
+        """A clip's plan from its sampled frames, its header's frame count and rate, and its frames' upright size
+        (as decoded)."""
+        return qwen_video_plan(indices, total, video_fps, height, width, self.params, self.video_params)
+
+    def expand_video(self, plan: VideoPlan) -> tuple[list[int], list[int]]:
+        """The ids (and their tags) that replace one clip's `<|vision_start|><|video_pad|><|vision_end|>`."""
+        start, end = self.frame_ids
+        count = plan.num_tokens
+        return [start] + [self.video_token_id] * count + [end], [FRAME] + [VIDEO] * count + [FRAME]
+
+    def time_step(self, plan: ImagePlan | VideoPlan) -> float:
+        """How far a span's M-RoPE time moves per temporal patch: 1 for Qwen2-VL; for Qwen2.5-VL, the checkpoint's
+        tokens_per_second times the seconds a temporal patch spans (a still image has one patch: any step)."""
+        if isinstance(plan, VideoPlan) and self.version == "qwen2_5_vl":
+            return self.tokens_per_second * plan.second_per_grid_t
+        return 1.0
+
+    def media_positions(self, seq_len: int, spans: list[tuple[int, int]],
+                        plans: list[ImagePlan | VideoPlan]) -> tuple[np.ndarray, int]:
+        """M-RoPE positions of a sequence whose spans (images and clips, in sequence order) have these plans."""
+        return mrope_positions(seq_len, spans, plans, self.params.merge_size, [self.time_step(p) for p in plans])
 
     def plan(self, height: int, width: int) -> ImagePlan:
         return qwen_plan(height, width, self.params)
@@ -300,7 +361,7 @@ class Qwen2VL(PatchFamily):
         return [start] + [self.image_token_id] * plan.num_tokens + [end], [FRAME] + [IMAGE] * plan.num_tokens + [FRAME]
 
     def positions(self, layout: TokenLayout, plans: list[ImagePlan]) -> tuple[np.ndarray, int]:
-        return mrope_positions(len(layout.input_ids), layout.image_spans, plans, self.params.merge_size)
+        return self.media_positions(len(layout.input_ids), layout.image_spans, plans)
 
     def reference_processor(self):
         from transformers import Qwen2VLImageProcessor
@@ -333,6 +394,23 @@ class Qwen2VL(PatchFamily):
     def fingerprint(self) -> dict:
         return {"family": self.name, "version": self.version, "processor": dataclasses.asdict(self.params),
                 "embedding": self.embedding, "tokenizer": tokenizer_digest(self.tokenizer)}
+
+
+def _video_token_id(tokenizer, raw: dict) -> int | None:
+    """The tokenizer's `<|video_pad|>` where the checkpoint's LLM reads clips' embeddings there (config.json's
+    video_token_id, top level or in text_config); None otherwise: the family then takes no clip."""
+    try:
+        found = token_id(tokenizer, VIDEO_TOKEN, "qwen2_vl video")
+    except ConfigError:
+        return None
+    stated = raw.get("video_token_id", (raw.get("text_config") or {}).get("video_token_id"))
+    return found if stated == found else None
+
+
+def _tokens_per_second(raw: dict, path: Path) -> float:
+    """Qwen2.5-VL's M-RoPE time steps per second of a clip, as transformers reads it from the checkpoint (its
+    default where config.json states none)."""
+    return float(hf_config(raw, path).vision_config.tokens_per_second)
 
 
 def _check_against_tower(params: QwenProcessorParams, vision) -> None:

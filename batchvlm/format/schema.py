@@ -22,6 +22,9 @@ FORMAT_KEY = "batchvlm.format_version"
 
 TEXT, IMAGE, FRAME = 0, 1, 2
 """token_tags values: text, an image-embedding position, a frame token around an image's span."""
+VIDEO = 3
+"""The token_tags value of a clip-embedding position (Qwen2/2.5-VL's `<|video_pad|>`). No written row holds it yet:
+the job does not take clips (docs/video.md)."""
 
 
 class Dtype(Choice):

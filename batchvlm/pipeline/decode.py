@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import functools
 import hashlib
@@ -39,9 +40,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from batchvlm.checks import CheckFailed, require
-from batchvlm.config import Choice, Config, ConfigError, positive, written
+from batchvlm.config import ByteLimit, Choice, Config, ConfigError, positive, written
 from batchvlm.faults import fault
 from batchvlm.pipeline.jpeg import EXIF_ORIENTATION, deferred
+from batchvlm.pipeline.video import Clip, Sampler, VideoConfig, decode_clip
 from batchvlm.records import DecodedImage, EncodedJpeg, ImageRef
 
 
@@ -85,6 +87,10 @@ class DecodeConfig(Config):
         if not self.formats:
             raise ConfigError("decode.formats must name at least one format")
 
+    @property
+    def byte_limit(self) -> ByteLimit:
+        return ByteLimit(self.max_bytes, "decode.too_many_bytes", "decode.max_bytes", "image")
+
 
 # A truncated file must fail, never come back half black.
 ImageFile.LOAD_TRUNCATED_IMAGES = False
@@ -98,14 +104,16 @@ def is_remote(ref: ImageRef) -> bool:
     return isinstance(ref.path, str) and "://" in ref.path
 
 
-def read_bytes(ref: ImageRef, cfg: DecodeConfig, image_index: int) -> bytes:
+def read_bytes(ref: ImageRef, cfg: DecodeConfig, image_index: int, limit: ByteLimit | None = None) -> bytes:
     """The image's bytes: given, read from a local path, or through fsspec for a URL the dataset allows; each read
-    bounded by decode.max_bytes, and a path read only from under its root, before any byte is read."""
+    bounded by `limit` (decode.max_bytes unless a clip's is given), and a path read only from under its root, before
+    any byte is read."""
+    limit = limit or cfg.byte_limit
     if ref.data is not None:
-        _within_bytes(len(ref.data), cfg, image_index)
+        _within_bytes(len(ref.data), limit, image_index)
         return ref.data
     if ref.size is not None:  # a tar member the source did not read: its declared size was over the limit
-        _within_bytes(ref.size, cfg, image_index)
+        _within_bytes(ref.size, limit, image_index)
     if not ref.path:
         raise CheckFailed("decode.unreadable", "the record names no image bytes and no path", expected="an image",
                           observed="nothing", image_index=image_index)
@@ -115,7 +123,7 @@ def read_bytes(ref: ImageRef, cfg: DecodeConfig, image_index: int) -> bytes:
                           observed="a URL", image_index=image_index)
     _within_root(ref, image_index)
     try:
-        return _remote_bytes(ref, cfg, image_index) if is_remote(ref) else _local_bytes(ref.path, cfg, image_index)
+        return _remote_bytes(ref, limit, image_index) if is_remote(ref) else _local_bytes(ref.path, limit, image_index)
     except (OSError, TypeError, ValueError) as error:
         raise CheckFailed("decode.missing_file", f"cannot read image file {ref.path}: {error}",
                           expected="a readable file", observed=type(error).__name__, image_index=image_index)
@@ -159,30 +167,30 @@ def _named_under(path: str, root: str) -> bool:
     return os.path.commonpath([path, root]) == root
 
 
-def _local_bytes(path: str, cfg: DecodeConfig, image_index: int) -> bytes:
+def _local_bytes(path: str, limit: ByteLimit, image_index: int) -> bytes:
     info = os.stat(path)
     if not stat.S_ISREG(info.st_mode):
         raise CheckFailed("decode.not_a_file", f"{path} is not a regular file; it is not read",
                           expected="a regular file", observed=stat.filemode(info.st_mode), image_index=image_index)
-    _within_bytes(info.st_size, cfg, image_index)
+    _within_bytes(info.st_size, limit, image_index)
     with open(path, "rb") as handle:
-        data = handle.read(cfg.max_bytes + 1)  # a file that grew since: still no more than the limit
-    _within_bytes(len(data), cfg, image_index)
+        data = handle.read(limit.bytes + 1)  # a file that grew since: still no more than the limit
+    _within_bytes(len(data), limit, image_index)
     return data
 
 
-def _remote_bytes(ref: ImageRef, cfg: DecodeConfig, image_index: int) -> bytes:
+def _remote_bytes(ref: ImageRef, limit: ByteLimit, image_index: int) -> bytes:
     fs, path = fsspec.core.url_to_fs(ref.path, **ref.storage_options)
-    _within_bytes(fs.size(path) or 0, cfg, image_index)
+    _within_bytes(fs.size(path) or 0, limit, image_index)
     with fs.open(path, "rb") as handle:
-        data = handle.read(cfg.max_bytes + 1)
-    _within_bytes(len(data), cfg, image_index)
+        data = handle.read(limit.bytes + 1)
+    _within_bytes(len(data), limit, image_index)
     return data
 
 
-def _within_bytes(size: int, cfg: DecodeConfig, image_index: int) -> None:
-    require(size <= cfg.max_bytes, "decode.too_many_bytes", f"the encoded image is {size} bytes, over decode.max_bytes",
-            expected=f"<= {cfg.max_bytes} bytes", observed=f"{size} bytes", image_index=image_index)
+def _within_bytes(size: int, limit: ByteLimit, image_index: int) -> None:
+    require(size <= limit.bytes, limit.check, f"the encoded {limit.what} is {size} bytes, over {limit.key}",
+            expected=f"<= {limit.bytes} bytes", observed=f"{size} bytes", image_index=image_index)
 
 
 def sniff_format(data: bytes) -> str | None:
@@ -207,7 +215,7 @@ def decode_image(data: bytes, cfg: DecodeConfig, image_index: int = 0, writable:
 
     if not data:
         raise fail("decode.unreadable", "the image is empty (0 bytes)", "image bytes", "0 bytes")
-    _within_bytes(len(data), cfg, image_index)
+    _within_bytes(len(data), cfg.byte_limit, image_index)
     with warnings.catch_warnings():
         # Pillow only warns between 1x and 2x its own bomb limit; here every such warning is an error.
         warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -241,7 +249,7 @@ def _within_pixels(width: int, height: int, cfg: DecodeConfig, image_index: int)
 def upright_size(data: bytes, cfg: DecodeConfig, image_index: int = 0) -> tuple[int, int]:
     """(height, width) of the image as the safe path would give it (EXIF orientation applied), from its header alone,
     under the same format and size limits: what a plan needs, without a pixel decoded."""
-    _within_bytes(len(data), cfg, image_index)
+    _within_bytes(len(data), cfg.byte_limit, image_index)
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
@@ -314,11 +322,11 @@ def _serve(conn: Connection, cfg: DecodeConfig, arena: mmap.mmap, ring: mmap.mma
     faulthandler.disable()  # a decoder crash is reported by the parent as decode.crashed, not dumped here
     while True:
         try:
-            ref, image_index, place = conn.recv()
+            ref, image_index, place, clip = conn.recv()  # clip: (VideoConfig, Sampler) for a clip, None for an image
         except EOFError:
             return
-        try:
-            data = read_bytes(ref, cfg, image_index)  # a path is read here, under the parent's time limit
+        try:  # a path is read here, under the parent's time limit
+            data = read_bytes(ref, cfg, image_index, clip[0].byte_limit if clip else None)
         except CheckFailed as failure:
             conn.send(("failed", failure))
             continue
@@ -328,9 +336,21 @@ def _serve(conn: Connection, cfg: DecodeConfig, arena: mmap.mmap, ring: mmap.mma
         if (target := fault("decode.hang")) and digest.startswith(target):
             signal.pause()
         try:
-            conn.send(_written(decode_or_defer(data, cfg, image_index, writable=False), arena, ring, place))
+            conn.send(_clip_written(decode_clip(data, *clip), arena) if clip else
+                      _written(decode_or_defer(data, cfg, image_index, writable=False), arena, ring, place))
         except CheckFailed as failure:
             conn.send(("failed", failure))
+
+
+def _clip_written(clip: Clip, arena: mmap.mmap) -> tuple[str, object]:
+    """The child's answer for a clip: its frames written to the arena where they fit (sent through the pipe
+    otherwise), with its header and labels."""
+    frames = clip.decoded.frames
+    if frames.nbytes > len(arena):
+        return "ok", clip
+    np.frombuffer(arena, np.uint8, frames.nbytes)[:] = frames.reshape(-1)
+    return "shared-clip", (frames.shape, dataclasses.replace(clip, decoded=dataclasses.replace(
+        clip.decoded, frames=None)))
 
 
 def _written(result: DecodedImage | EncodedJpeg, arena: mmap.mmap, ring: mmap.mmap | None,
@@ -351,17 +371,19 @@ def _written(result: DecodedImage | EncodedJpeg, arena: mmap.mmap, ring: mmap.mm
 
 
 class Decoder:
-    """Decodes images in a forked child process (restarted after a crash or a hang) or in-process.
+    """Decodes images and clips in a forked child process (restarted after a crash or a hang) or in-process.
 
     `os.fork` rather than multiprocessing: DataLoader workers are daemonic, and daemonic
     processes may not start multiprocessing children. The arena, a shared anonymous mapping made before the first
-    fork, is the child's and this process's both: the child writes an image's pixels there, and this process copies
-    them out before it asks for the next image. In a DataLoader worker the pixels go to the worker's ring instead
-    (`ring`, executor.transport.RingWriter), which the main process maps too: no copy anywhere.
+    fork, is the child's and this process's both: the child writes an image's pixels (or a clip's sampled frames)
+    there, and this process copies them out before it asks for the next one. In a DataLoader worker an image's pixels
+    go to the worker's ring instead (`ring`, executor.transport.RingWriter), which the main process maps too: no copy
+    anywhere.
     """
 
-    def __init__(self, cfg: DecodeConfig):
+    def __init__(self, cfg: DecodeConfig, video: VideoConfig | None = None):
         self.cfg = cfg
+        self.video = video or VideoConfig()
         self.pid: int | None = None
         self.conn: Connection | None = None
         self.arena: mmap.mmap | None = None
@@ -372,30 +394,50 @@ class Decoder:
             return decode_or_defer(read_bytes(ref, self.cfg, image_index), self.cfg, image_index)
         if is_remote(ref):  # fsspec's file systems are read here, not in a forked child; the size is checked first
             ref = ImageRef(data=read_bytes(ref, self.cfg, image_index))
-        if self.pid is None:
-            self._start()
         place = self.ring.free_run() if self.ring is not None else (0, 0)
-        self.conn.send((ref, image_index, place))
-        if not self.conn.poll(self.cfg.timeout_s):
-            self._stop()
-            raise CheckFailed("decode.timeout", f"decoding took longer than decode.timeout_s={self.cfg.timeout_s}",
-                              expected=f"<= {self.cfg.timeout_s} s", observed="killed after the limit",
-                              image_index=image_index)
-        try:
-            status, value = self.conn.recv()
-        except (EOFError, OSError):
-            code = self._stop()
-            raise CheckFailed("decode.crashed", f"the decoder process died ({_describe(code)})",
-                              expected="a clean exception or an image", observed=_describe(code),
-                              image_index=image_index) from None
-        if status == "failed":
-            raise value
+        status, value = self._asked((ref, image_index, place, None), self.cfg.timeout_s, "decode", image_index)
         if status in ("ring", "shared"):
             shape, image_format, digest = value
             pixels = (self.ring.taken(place, shape) if status == "ring"
                       else np.frombuffer(self.arena, np.uint8, math.prod(shape)).reshape(shape).copy())
             return DecodedImage(pixels=pixels, format=image_format, sha256=digest)
         return value
+
+    def clip(self, ref: ImageRef, index: int, sample: Sampler) -> Clip:
+        """The clip's header and the frames `sample` picks from it, read and decoded as an image is (in the child
+        with decode.isolation=process, under video.timeout_s), or a video.* (decode.* for its path) failure."""
+        if self.cfg.isolation == "none":
+            return decode_clip(read_bytes(ref, self.cfg, index, self.video.byte_limit), self.video, sample)
+        if is_remote(ref):
+            ref = ImageRef(data=read_bytes(ref, self.cfg, index, self.video.byte_limit))
+        status, value = self._asked((ref, index, (0, 0), (self.video, sample)), self.video.timeout_s, "video", index)
+        if status == "shared-clip":
+            shape, clip = value
+            frames = np.frombuffer(self.arena, np.uint8, math.prod(shape)).reshape(shape).copy()
+            return dataclasses.replace(clip, decoded=dataclasses.replace(clip.decoded, frames=frames))
+        return value
+
+    def _asked(self, request: tuple, timeout_s: float, stage: str, index: int) -> tuple[str, object]:
+        """The child's answer to one request; `stage`.timeout past `timeout_s`, `stage`.crashed where it dies, its
+        failure raised."""
+        if self.pid is None:
+            self._start()
+        self.conn.send(request)
+        if not self.conn.poll(timeout_s):
+            self._stop()
+            raise CheckFailed(f"{stage}.timeout", f"decoding took longer than {stage}.timeout_s={timeout_s}",
+                              expected=f"<= {timeout_s} s", observed="killed after the limit", image_index=index)
+        try:
+            status, value = self.conn.recv()
+        except (EOFError, OSError):
+            code = self._stop()
+            raise CheckFailed(f"{stage}.crashed", f"the decoder process died ({_describe(code)})",
+                              expected=f"a clean exception or {'an image' if stage == 'decode' else 'a clip'}",
+                              observed=_describe(code),
+                              image_index=index) from None
+        if status == "failed":
+            raise value
+        return status, value
 
     def _start(self) -> None:
         if self.arena is None:
@@ -425,7 +467,7 @@ class Decoder:
             self._stop()
 
     def __getstate__(self):  # a copy sent to a DataLoader worker starts its own child, with its own arena
-        return {"cfg": self.cfg, "pid": None, "conn": None, "arena": None, "ring": None}
+        return {"cfg": self.cfg, "video": self.video, "pid": None, "conn": None, "arena": None, "ring": None}
 
 
 def _describe(status: int) -> str:

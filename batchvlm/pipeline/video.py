@@ -18,40 +18,56 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import ClassVar
 
 import av
 import numpy as np
 
 from batchvlm.checks import CheckFailed, require
-from batchvlm.config import ConfigError, positive
+from batchvlm.config import ByteLimit, Config, ConfigError, positive, written
 
 VFR_TOLERANCE = 0.01
 """Relative spread of the pts steps above which a stream is flagged as variable frame rate; a spread of one tick is
 a constant rate's steps rounded to the time base (24 fps in milliseconds: 42, 41, 42)."""
 
 
-@dataclass(frozen=True)
-class VideoLimits:
-    """What a clip may cost, checked from its header before a frame is decoded."""
+@dataclass
+class VideoConfig(Config):
+    """What a clip may cost: its bytes before any is read, its header's limits before a frame is decoded, and the
+    time its isolated decode may take. Not yet a group of the job's config: the job takes no clip (docs/video.md)."""
 
-    max_duration_s: float = 3600.0
+    KEY: ClassVar[str] = "video"
+
+    max_bytes: int = written(2 * 1024 ** 3)
+    """Encoded size of a clip (the file, by its size before any byte is read; video.too_many_bytes)."""
+    max_duration_s: float = written(3600.0)
     """The stream's duration limit (video.too_long)."""
-    max_frames: int = 216_000
+    max_frames: int = written(216_000)
     """Frames in the stream (an hour at 60 fps; video.too_long)."""
-    max_frame_pixels: int = 50_000_000
+    max_frame_pixels: int = written(50_000_000)
     """Width x height of a frame, as decode.max_pixels for an image (video.decode_bomb)."""
-    max_decoded_bytes: int = 2 * 1024 ** 3
+    max_decoded_bytes: int = written(2 * 1024 ** 3)
     """RGB bytes of the sampled frames together (video.decode_bomb)."""
-    max_fps: float = 1000.0
+    max_fps: float = written(1000.0)
     """A frame rate above it is a broken header, not a clip (video.fps_invalid)."""
+    timeout_s: float = written(300.0)
+    """Per-clip time limit of the isolated decode (decode.isolation=process): reading, probing and decoding the
+    sampled frames (video.timeout)."""
 
     def __post_init__(self) -> None:
-        for key in ("max_duration_s", "max_frames", "max_frame_pixels", "max_decoded_bytes", "max_fps"):
+        super().__post_init__()
+        for key in ("max_bytes", "max_duration_s", "max_frames", "max_frame_pixels", "max_decoded_bytes", "max_fps",
+                    "timeout_s"):
             positive(f"video.{key}", getattr(self, key))
         if not isinstance(self.max_frames, int):
             raise ConfigError(f"video.max_frames={self.max_frames!r} must be an integer")
+
+    @property
+    def byte_limit(self) -> ByteLimit:
+        return ByteLimit(self.max_bytes, "video.too_many_bytes", "video.max_bytes", "clip")
 
 
 @dataclass(frozen=True)
@@ -115,7 +131,7 @@ def _video_stream(container, streams: tuple[str, ...]):
                       observed=", ".join(streams) or "no streams")
 
 
-def probe(data: bytes, limits: VideoLimits) -> VideoHeader:
+def probe(data: bytes, limits: VideoConfig) -> VideoHeader:
     """The clip's header and its frames' times, every limit the header can tell checked, no frame decoded."""
     with _open(data) as container:
         streams = _describe_streams(container)
@@ -134,7 +150,7 @@ def probe(data: bytes, limits: VideoLimits) -> VideoHeader:
     return header
 
 
-def _frame_rate(stream, limits: VideoLimits) -> float:
+def _frame_rate(stream, limits: VideoConfig) -> float:
     rate = stream.average_rate or stream.guessed_rate
     fps = float(rate) if rate else 0.0
     require(math.isfinite(fps) and 0 < fps <= limits.max_fps, "video.fps_invalid",
@@ -143,7 +159,7 @@ def _frame_rate(stream, limits: VideoLimits) -> float:
     return fps
 
 
-def _within_header_limits(stream, container, height: int, width: int, limits: VideoLimits) -> float | None:
+def _within_header_limits(stream, container, height: int, width: int, limits: VideoConfig) -> float | None:
     """Before a packet is read: the stated duration and frame count, and one frame's size. Returns the duration the
     header states for the video stream itself, if it states one."""
     stated_s = _stated_duration(stream)
@@ -215,7 +231,7 @@ def _variable(pts: list[int]) -> bool:
     return bool(steps.max() - steps.min() > max(1, VFR_TOLERANCE * steps.mean()))
 
 
-def _within_frame_limits(header: VideoHeader, limits: VideoLimits) -> None:
+def _within_frame_limits(header: VideoHeader, limits: VideoConfig) -> None:
     require(header.frames > 0, "video.too_few_frames", "the video stream holds no frame",
             expected="at least one frame", observed=f"0 frames (header states {header.header_frames})")
     require(header.frames <= limits.max_frames, "video.too_long", f"the stream holds {header.frames} frames",
@@ -229,7 +245,7 @@ def planned_bytes(header: VideoHeader, frames: int) -> int:
     return frames * header.height * header.width * 3
 
 
-def check_budget(header: VideoHeader, indices: list[int], limits: VideoLimits) -> None:
+def check_budget(header: VideoHeader, indices: list[int], limits: VideoConfig) -> None:
     """A sampling plan within the clip and the decoded-bytes cap: before any frame is decoded."""
     require(bool(indices) and all(0 <= i < header.frames for i in indices), "video.too_few_frames",
             "the sampling asks for frames the stream does not hold", expected=f"indices in [0, {header.frames})",
@@ -248,7 +264,7 @@ def _in_order(frame, position: int, header: VideoHeader) -> None:
             "the decoder dropped a frame", expected=f"pts {header.pts[position]}", observed=f"pts {frame.pts}")
 
 
-def decode_frames(data: bytes, header: VideoHeader, indices: list[int], limits: VideoLimits) -> DecodedVideo:
+def decode_frames(data: bytes, header: VideoHeader, indices: list[int], limits: VideoConfig) -> DecodedVideo:
     """The frames at `indices` (presentation order, as in header.timestamps_s), decoded sequentially from the
     start; decoding stops after the last one. Each sampled frame is written once into one array allocated for them
     all, whose bytes never exceed video.max_decoded_bytes (checked from the header, then from the first sampled frame's
@@ -287,7 +303,7 @@ def decode_frames(data: bytes, header: VideoHeader, indices: list[int], limits: 
                         timestamps_s=tuple(header.timestamps_s[i] for i in indices), rotation=rotation)
 
 
-def _allocated(first: np.ndarray, count: int, header: VideoHeader, limits: VideoLimits) -> np.ndarray:
+def _allocated(first: np.ndarray, count: int, header: VideoHeader, limits: VideoConfig) -> np.ndarray:
     """The array of the sampled frames, sized by the first one decoded: a stream may differ from its header."""
     size = count * first.nbytes
     require(size <= limits.max_decoded_bytes, "video.decode_bomb",
@@ -301,3 +317,24 @@ def _same_size(pixels: np.ndarray, frames: np.ndarray, position: int) -> None:
     require(pixels.shape == frames.shape[1:], "video.frame_size", f"frame {position} is {pixels.shape[1]}x"
             f"{pixels.shape[0]}, the first sampled frame {frames.shape[2]}x{frames.shape[1]}",
             expected=f"{frames.shape[2]}x{frames.shape[1]}", observed=f"{pixels.shape[1]}x{pixels.shape[0]}")
+
+
+@dataclass(frozen=True)
+class Clip:
+    """A clip's header and its sampled frames, decoded."""
+
+    header: VideoHeader
+    decoded: DecodedVideo
+
+
+Sampler = Callable[[int, float], list[int]]
+"""A family's frame sampling: (frames in the clip, its frame rate) -> the indices to decode. Picklable (a module-level
+function, or a functools.partial of one), since an isolated decoder's child receives it."""
+
+
+def decode_clip(data: bytes, limits: VideoConfig, sample: Sampler) -> Clip:
+    """A clip probed, sampled by `sample` from its header, its budget checked, and its sampled frames decoded."""
+    header = probe(data, limits)
+    indices = sample(header.frames, header.fps)
+    check_budget(header, indices, limits)
+    return Clip(header, decode_frames(data, header, indices, limits))

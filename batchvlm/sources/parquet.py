@@ -18,7 +18,7 @@ from batchvlm.records import InputFile, SourceRecord, WorkUnit
 from batchvlm.sources import Source
 from batchvlm.sources.columns import check_column_types
 from batchvlm.sources.files import list_files, open_input, parent_of
-from batchvlm.sources.rows import cut_units, record_from_row, record_id
+from batchvlm.sources.rows import VIDEO_COLUMNS, cut_units, record_from_row, record_id
 
 FOOTER_BLOCK = 1 << 16
 """Read size for footers of remote files: fsspec's default blocks (MBs) would fetch data pages too."""
@@ -53,7 +53,8 @@ class ParquetSource(Source):
                 raise ConfigError(f"{key}={column!r} is not a column of {item.location} (columns: {', '.join(names)})")
         check_column_types(file.schema_arrow, self.cfg, item.location)
         wanted = {key: column for key, column in wanted.items() if column in names}
-        return list(dict.fromkeys([*wanted.values(), *(["error_message"] if "error_message" in names else [])]))
+        also = [column for column in ("error_message", VIDEO_COLUMNS.get(self.cfg.format)) if column in names]
+        return list(dict.fromkeys([*wanted.values(), *also]))
 
     def plan(self) -> Sequence[WorkUnit]:
         if (units := self.pattern_units()) is not None:

@@ -83,7 +83,7 @@ def record_from_row(cfg: DatasetConfig, row: dict, unit_id: str, item: InputFile
                           source=item.location, row=index, text=_as_text(text),
                           images=[image_ref(image, base, cfg) for image in images], seq=seq)
     record.failure = (unencodable_failure(unencodable, read) if unencodable else None) or id_failure(given_id) \
-        or text_failure(cfg, text) or source_failure(cfg, row, record)
+        or text_failure(cfg, text) or video_failure(cfg, row) or source_failure(cfg, row, record)
     if cfg.format != "text" and (record.failure is None or unencodable):  # an escaped conversation shows its turns
         try:
             record.turns = read_turns(cfg.format, text, cfg.placeholder, len(images), cfg.image_first,
@@ -131,6 +131,22 @@ def text_failure(cfg: DatasetConfig, text) -> Failure | None:
         return failure("text.video", f"the text holds a {VIDEO_PLACEHOLDER} placeholder: video is not supported yet",
                        expected="text and images", observed=VIDEO_PLACEHOLDER)
     return None
+
+
+VIDEO_COLUMNS = {"llava": "video", "messages": "videos"}
+"""Where a conversation format's records name their clips: LLaVA-Video-178K's `video` (a path or a list), LLaMA-Factory's
+and ms-swift's `videos`."""
+
+
+def video_failure(cfg: DatasetConfig, row: dict) -> Failure | None:
+    """text.video where the record names a clip in its format's video column, placeholder or not: a clip named
+    without a `<video>` in the text would otherwise be dropped unseen, the record embedded without it."""
+    column = VIDEO_COLUMNS.get(cfg.format)
+    videos = [video for video in _as_list(row.get(column)) if video] if column else []
+    if not videos:
+        return None
+    return failure("text.video", f"the record names {len(videos)} video(s) in {column!r}: video is not supported yet",
+                   expected="text and images", observed=f"{len(videos)} video(s)")
 
 
 def source_failure(cfg: DatasetConfig, row: dict, record: SourceRecord) -> Failure | None:

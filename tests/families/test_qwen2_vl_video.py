@@ -19,7 +19,7 @@ from batchvlm.families.qwen2_vl import (QwenProcessorParams, QwenVideoParams, Vi
                                        qwen_sample_frames, qwen_video_plan)
 from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
 from batchvlm.pipeline.preprocess import frame_rows
-from batchvlm.pipeline.video import VideoLimits, decode_frames, probe
+from batchvlm.pipeline.video import VideoConfig, decode_frames, probe
 from clips import frame_pixels, make_clip
 from photos import preprocessed, photo_of_size
 
@@ -71,7 +71,7 @@ def test_video_params_that_cannot_work_are_refused():
 ])
 def test_grids_and_pixels_of_a_decoded_clip_match_the_video_processor(frames, video_fps, height, width, video):
     data = make_clip(frames, fps=video_fps, height=height, width=width)
-    limits = VideoLimits()
+    limits = VideoConfig()
     header = probe(data, limits)
     indices = qwen_sample_frames(header.frames, header.fps, PARAMS, video)
     clip = decode_frames(data, header, indices, limits)
@@ -134,7 +134,7 @@ def test_second_per_grid_ts_comes_from_the_sampled_rate_as_qwen2_5_vls_processor
 
 def sampled_clip_rows(family, frames: int, video_fps: int, height: int, width: int) -> tuple[torch.Tensor, tuple]:
     """A clip made, probed, sampled, decoded and laid out as the family's video rows, with its grid."""
-    params, video, limits = family.params, QwenVideoParams(min_pixels=28 * 28, max_pixels=112 * 112), VideoLimits()
+    params, video, limits = family.params, QwenVideoParams(min_pixels=28 * 28, max_pixels=112 * 112), VideoConfig()
     data = make_clip(frames, fps=video_fps, height=height, width=width)
     header = probe(data, limits)
     indices = qwen_sample_frames(header.frames, header.fps, params, video)
@@ -232,3 +232,161 @@ def test_positions_of_clips_and_images_equal_get_rope_index_where_the_clip_is_sh
     positions, delta = mrope_positions(ids.shape[1], spans, [grid_plan(g) for g in grids], 2, steps)
     assert positions.tolist() == expected[:, 0].tolist()
     assert delta == int(expected_delta)
+
+
+# -- the family's clip prompt: ids, tags, time steps ----------------------------------------------------------------
+def expanded_by_family(family, rendered: str, plans: list[VideoPlan], image_plans: list) -> tuple[list[int], list]:
+    """The rendered conversation tokenized, each `<|video_pad|>` and `<|image_pad|>` (with its frame tokens) replaced
+    by what the family expands it to; the tags and each span's (start, length) in sequence order."""
+    ids = family.tokenizer.encode(rendered, add_special_tokens=False)
+    clips, images, out, tags, spans = iter(plans), iter(image_plans), [], [], []
+    for index, token in enumerate(ids):
+        if token in family.frame_ids and (index + 1 < len(ids) and ids[index + 1] in (
+                family.video_token_id, family.image_token_id) or ids[index - 1] in (
+                family.video_token_id, family.image_token_id)):
+            continue  # the expansion brings its own frame tokens
+        if token in (family.video_token_id, family.image_token_id):
+            plan = next(clips) if token == family.video_token_id else next(images)
+            span_ids, span_tags = (family.expand_video if token == family.video_token_id else family.expand_image)(plan)
+            spans.append((len(out) + 1, plan.num_tokens))
+            out += span_ids
+            tags += span_tags
+        else:
+            out.append(token)
+            tags.append(0)
+    return out, tags, spans
+
+
+@pytest.mark.slow  # the real vocabulary takes seconds to build
+def test_a_clip_expands_to_the_ids_qwen2_vls_processor_gives_its_chat_template(qwen_real):
+    """Qwen2-VL over its real vocabulary: a conversation with a clip and an image, rendered by the processor's
+    apply_chat_template and run through the processor with the clip's frames, gives the ids the family's expansion
+    gives; the clip's tokens are tagged VIDEO between two FRAME tokens."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+
+    from batchvlm.format.schema import FRAME, VIDEO
+
+    family, video = qwen_real, QwenVideoParams(min_pixels=28 * 28, max_pixels=112 * 112)
+    assert family.video_rule is not None and family.video_token_id == 151656  # Qwen2-VL's published id
+    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**{
+        "size": {"shortest_edge": family.params.min_pixels, "longest_edge": family.params.max_pixels}}),
+        video_processor=hf_processor(video, family.params), tokenizer=family.tokenizer,
+        chat_template=family.tokenizer.chat_template)
+    frames, video_fps = 31, 10
+    clip = np.stack([frame_pixels(i % 50, 64, 96) for i in range(frames)])
+    image = photo_of_size(70, 120)
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens, and in"},
+                                             {"type": "image"}, {"type": "text", "text": "?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "A ball rolls."}]}]
+    rendered = processor.apply_chat_template(messages, tokenize=False)
+    reference = processor(text=[rendered], images=[image], videos=[torch.from_numpy(clip).permute(0, 3, 1, 2)],
+                          videos_kwargs={"video_metadata": [metadata(frames, video_fps, 64, 96)]},
+                          return_tensors="pt")
+    indices = qwen_sample_frames(frames, video_fps, family.params, video)
+    plan = qwen_video_plan(indices, frames, video_fps, 64, 96, family.params, video)
+    assert reference["video_grid_thw"].tolist() == [list(plan.grid_thw)]
+    ids, tags, spans = expanded_by_family(family, rendered, [plan], [family.plan(*image.shape[:2])])
+    assert ids == reference["input_ids"][0].tolist()
+    start, length = spans[0]
+    assert tags[start - 1:start + length + 1] == [FRAME] + [VIDEO] * length + [FRAME]
+
+
+def test_a_family_without_the_video_token_in_its_config_takes_no_clip(tmp_path):
+    """A checkpoint whose config.json puts clips' embeddings at another id than the tokenizer's `<|video_pad|>` has
+    no video rule (a clip laid out by it would feed the LLM text embeddings); its images are unaffected."""
+    import json
+    import shutil
+
+    from batchvlm.families import tiny_checkpoint
+
+    shutil.copytree(tiny_checkpoint("qwen2_vl"), tmp_path, dirs_exist_ok=True)
+    assert load_family(ModelConfig(family="qwen2_vl", path=str(tmp_path))).video_rule is not None
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["video_token_id"] += 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    family = load_family(ModelConfig(family="qwen2_vl", path=str(tmp_path)))
+    assert family.video_rule is None and family.video_token_id is None
+    assert family.plan(56, 56).num_tokens == 4
+
+
+@pytest.mark.parametrize("version", ["qwen2_vl", "qwen2_5_vl"])
+def test_the_familys_time_steps_read_from_the_checkpoint_give_get_rope_indexs_positions(tmp_path, version):
+    """The family's own positions of a clip, an image and a clip, with Qwen2.5-VL's tokens_per_second read from the
+    checkpoint's config.json (2, as Qwen2.5-VL-7B releases it, not transformers' default 4), equal get_rope_index's
+    with the clips' second_per_grid_ts (on clips shorter than they are wide, where it keeps the authors' rule)."""
+    from test_qwen2_vl import _tiny_variant, qwen2_5_config
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+
+    family = load_family(ModelConfig(family="qwen2_vl"))
+    if version == "qwen2_5_vl":
+        config = qwen2_5_config(family)
+        config.vision_config.tokens_per_second = 2
+        _tiny_variant(tmp_path, family, config)
+        family = load_family(ModelConfig(family="qwen2_vl", path=str(tmp_path)))
+        assert family.tokens_per_second == 2
+    model = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}[
+        version].from_pretrained(family.checkpoint).eval()
+    grids, kinds = [(3, 10, 12), (1, 6, 4), (2, 8, 10)], ["video", "image", "video"]
+    ids, types, spans = mixed_sequence(family, grids, kinds)
+    clips = [VideoPlan(indices=(), resized=(g[1] * 14, g[2] * 14), grid_thw=g, num_tokens=math.prod(g) // 4,
+                       sampled_fps=2 * g[0] / seconds, second_per_grid_t=seconds)
+             for g, seconds in ((grids[0], 1.0), (grids[2], 1.5))]
+    plans = [clips[0], grid_plan(grids[1]), clips[1]]
+    extra = {"second_per_grid_ts": torch.tensor([1.0, 1.5])} if version == "qwen2_5_vl" else {}
+    expected, expected_delta = model.model.get_rope_index(
+        ids, types, image_grid_thw=torch.tensor([grids[1]]), video_grid_thw=torch.tensor([grids[0], grids[2]]),
+        **extra)
+    positions, delta = family.media_positions(ids.shape[1], spans, plans)
+    assert positions.tolist() == expected[:, 0].tolist()
+    assert delta == int(expected_delta)
+    if version == "qwen2_5_vl":  # the time steps did move: 2 per second x 1.5 s per patch
+        assert family.time_step(clips[1]) == 3.0
+
+
+def test_the_video_params_are_what_transformers_auto_video_processor_reads_from_the_checkpoint(tmp_path):
+    """The tiny checkpoint ships no video processor config (as released Qwen2-VL): transformers takes the image
+    processor's pixel sizes for frames, and so does the family; a checkpoint that ships one is read from it."""
+    import shutil
+
+    from transformers import AutoVideoProcessor
+
+    from batchvlm.families import tiny_checkpoint
+
+    def read_by_transformers(folder) -> QwenVideoParams:
+        loaded = AutoVideoProcessor.from_pretrained(folder)
+        return QwenVideoParams(fps=loaded.fps or QwenVideoParams.fps, min_frames=loaded.min_frames,
+                               max_frames=loaded.max_frames, min_pixels=loaded.size.shortest_edge,
+                               max_pixels=loaded.size.longest_edge, max_video_tokens=loaded.max_video_tokens)
+
+    family = load_family(ModelConfig(family="qwen2_vl"))
+    assert family.video_params == read_by_transformers(family.checkpoint)
+    assert family.video_params.max_pixels == family.params.max_pixels != QwenVideoParams().max_pixels
+    shutil.copytree(tiny_checkpoint("qwen2_vl"), tmp_path, dirs_exist_ok=True)
+    hf_processor(QwenVideoParams(fps=1.0, min_frames=2, max_frames=64, min_pixels=28 * 28, max_pixels=56 * 56,
+                                 max_video_tokens=1000)).save_pretrained(tmp_path)
+    shipped = load_family(ModelConfig(family="qwen2_vl", path=str(tmp_path))).video_params
+    assert shipped == read_by_transformers(tmp_path) == QwenVideoParams(1.0, 2, 64, 28 * 28, 56 * 56, 1000)
+
+
+def test_a_clip_decoded_in_the_child_with_the_familys_sampler_plans_as_the_checkpoints_video_processor():
+    """The family's sampler through the isolated decoder, then its plan, against AutoVideoProcessor as transformers
+    loads it from the checkpoint (sampling with VIDEO_RULE's settings) on every frame of the clip."""
+    from transformers import AutoVideoProcessor
+
+    from batchvlm.pipeline.decode import DecodeConfig, Decoder
+    from batchvlm.records import ImageRef
+
+    family = load_family(ModelConfig(family="qwen2_vl"))
+    data, frames, video_fps = make_clip(37, fps=12, height=90, width=140), 37, 12
+    decoder = Decoder(DecodeConfig())
+    try:
+        clip = decoder.clip(ImageRef(data=data), 0, family.video_sampler())
+    finally:
+        decoder.close()
+    plan = family.plan_video(list(clip.decoded.indices), clip.header.frames, clip.header.fps, 90, 140)
+    every = decode_frames(data, probe(data, VideoConfig()), list(range(frames)), VideoConfig()).frames
+    reference = AutoVideoProcessor.from_pretrained(family.checkpoint)(
+        videos=[torch.from_numpy(every).permute(0, 3, 1, 2)], do_sample_frames=True, cap_pixels_per_frame=True,
+        fps=family.video_params.fps, video_metadata=[metadata(frames, video_fps, 90, 140)], return_tensors="pt")
+    assert reference["video_grid_thw"].tolist() == [list(plan.grid_thw)]
+    assert len(clip.decoded.indices) == 2 * plan.grid_thw[0]

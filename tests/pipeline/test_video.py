@@ -8,13 +8,13 @@ import pytest
 
 from batchvlm.checks import CheckFailed
 from batchvlm.config import ConfigError
-from batchvlm.pipeline.video import VideoLimits, check_budget, decode_frames, probe
+from batchvlm.pipeline.video import VideoConfig, check_budget, decode_frames, probe
 from clips import frame_pixels, make_audio_only, make_audio_with_cover_art, make_clip, make_size_change
 
-LIMITS = VideoLimits()
+LIMITS = VideoConfig()
 
 
-def failed_check(data: bytes, limits: VideoLimits = LIMITS, indices=None) -> CheckFailed:
+def failed_check(data: bytes, limits: VideoConfig = LIMITS, indices=None) -> CheckFailed:
     with pytest.raises(CheckFailed) as raised:
         header = probe(data, limits)
         decode_frames(data, header, indices or list(range(header.frames)), limits)
@@ -124,28 +124,28 @@ def test_a_frame_count_the_stream_does_not_hold_is_truncated():
 
 def test_an_hour_long_header_is_too_long_before_a_packet_is_read():
     data = make_clip(12, fps=10)
-    assert failed_check(data, VideoLimits(max_duration_s=1.0)).check == "video.too_long"
-    failure = failed_check(data, VideoLimits(max_frames=10))
+    assert failed_check(data, VideoConfig(max_duration_s=1.0)).check == "video.too_long"
+    failure = failed_check(data, VideoConfig(max_frames=10))
     assert (failure.check, failure.observed) == ("video.too_long", "12 frames")
 
 
 def test_frames_over_the_decoded_byte_cap_are_a_decode_bomb_before_any_is_decoded():
     data = make_clip(10, height=64, width=96)
-    limits = VideoLimits(max_decoded_bytes=4 * 64 * 96 * 3)
+    limits = VideoConfig(max_decoded_bytes=4 * 64 * 96 * 3)
     header = probe(data, limits)
     assert decode_frames(data, header, [0, 3, 6, 9], limits).frames.nbytes == 4 * 64 * 96 * 3
     with pytest.raises(CheckFailed, match="video.decode_bomb"):
         decode_frames(data, header, [0, 2, 4, 6, 8], limits)
-    assert failed_check(data, VideoLimits(max_frame_pixels=64 * 95)).check == "video.decode_bomb"
+    assert failed_check(data, VideoConfig(max_frame_pixels=64 * 95)).check == "video.decode_bomb"
 
 
 def test_a_frame_rate_the_header_lacks_is_fps_invalid():
-    assert failed_check(make_clip(6, fps=10), VideoLimits(max_fps=5)).check == "video.fps_invalid"
+    assert failed_check(make_clip(6, fps=10), VideoConfig(max_fps=5)).check == "video.fps_invalid"
 
 
 def test_limits_that_cannot_work_name_their_key():
     with pytest.raises(ConfigError, match="video.max_decoded_bytes"):
-        VideoLimits(max_decoded_bytes=0)
+        VideoConfig(max_decoded_bytes=0)
 
 
 def test_sampled_frames_of_two_sizes_are_frame_size_and_one_size_decodes():
@@ -160,7 +160,7 @@ def test_sampled_frames_of_two_sizes_are_frame_size_and_one_size_decodes():
 
 def test_frames_larger_than_the_header_states_are_held_to_the_cap_by_their_real_size():
     data = make_size_change()
-    limits = VideoLimits(max_decoded_bytes=2 * 64 * 96 * 3)  # the header's two frames fit, the real ones do not
+    limits = VideoConfig(max_decoded_bytes=2 * 64 * 96 * 3)  # the header's two frames fit, the real ones do not
     header = probe(data, limits)
     with pytest.raises(CheckFailed, match="video.decode_bomb"):
         decode_frames(data, header, [12, 15], limits)
@@ -170,3 +170,105 @@ def test_a_raw_stream_without_timestamps_is_fps_invalid_not_timed_by_index():
     """An H.264 elementary stream has no container to time its frames: they are not given index / fps times."""
     failure = failed_check(make_clip(12, container="h264"))
     assert failure.check == "video.fps_invalid" and "12 frames without one" in failure.observed
+
+
+# -- a clip through the job's decoder: the image's confinement, the isolated child ---------------------------------
+def every_third(total: int, fps: float) -> list[int]:
+    return list(range(0, total, 3))
+
+
+@pytest.mark.parametrize("isolation", ["process", "none"])
+def test_the_decoder_reads_a_clip_under_the_image_root_and_gives_its_sampled_frames(tmp_path, isolation):
+    """A clip named by path under its root, decoded in the isolated child (its frames back through the arena) or
+    in-process: the sampler's frames, as decode_frames gives them from the same bytes."""
+    from batchvlm.pipeline.decode import DecodeConfig, Decoder
+    from batchvlm.records import ImageRef
+
+    data = make_clip(20, fps=10)
+    (tmp_path / "clip.mp4").write_bytes(data)
+    decoder = Decoder(DecodeConfig(isolation=isolation))
+    try:
+        clip = decoder.clip(ImageRef(path=str(tmp_path / "clip.mp4"), root=str(tmp_path)), 0, every_third)
+    finally:
+        decoder.close()
+    header = probe(data, LIMITS)
+    assert clip.header == header and clip.decoded.indices == tuple(range(0, 20, 3))
+    assert np.array_equal(clip.decoded.frames, decode_frames(data, header, list(range(0, 20, 3)), LIMITS).frames)
+
+
+@pytest.mark.parametrize("isolation", ["process", "none"])
+def test_a_clip_outside_the_image_root_or_over_its_byte_limit_is_never_decoded(tmp_path, isolation):
+    from batchvlm.pipeline.decode import DecodeConfig, Decoder
+    from batchvlm.records import ImageRef
+
+    root, outside = tmp_path / "root", tmp_path / "secret.mp4"
+    root.mkdir()
+    data = make_clip(6)
+    outside.write_bytes(data)
+    (root / "clip.mp4").write_bytes(data)
+    (root / "link.mp4").symlink_to(outside)
+    decoder = Decoder(DecodeConfig(isolation=isolation, max_bytes=len(data) - 1), VideoConfig(max_bytes=len(data) - 1, timeout_s=10))
+    try:
+        for path in (outside, root / "link.mp4", root / ".." / "secret.mp4"):
+            with pytest.raises(CheckFailed) as refused:
+                decoder.clip(ImageRef(path=str(path), root=str(root)), 0, every_third)
+            assert refused.value.check == "decode.path_outside_root", path
+        with pytest.raises(CheckFailed) as refused:
+            decoder.clip(ImageRef(path=str(root / "clip.mp4"), root=str(root)), 1, every_third)
+        assert refused.value.check == "video.too_many_bytes" and "video.max_bytes" in refused.value.message
+        assert refused.value.observed == f"{len(data)} bytes"
+    finally:
+        decoder.close()
+    # the image limit is decode.max_bytes alone: a clip's limit is its own
+    roomy = Decoder(DecodeConfig(isolation=isolation, max_bytes=len(data) - 1), VideoConfig(timeout_s=10))
+    try:
+        assert roomy.clip(ImageRef(data=data), 0, every_third).decoded.indices == (0, 3)
+    finally:
+        roomy.close()
+
+
+def test_a_clip_that_crashes_or_hangs_the_decoder_costs_that_clip_and_the_next_decodes(monkeypatch):
+    import hashlib
+
+    from batchvlm.pipeline.decode import DecodeConfig, Decoder
+    from batchvlm.records import ImageRef
+
+    crash, hang, good = make_clip(6, fps=10), make_clip(6, fps=12), make_clip(9, fps=10)
+    digest = lambda data: hashlib.sha256(data).hexdigest()[:16]  # noqa: E731
+    monkeypatch.setenv("BATCHVLM_FAULTS", f"decode.crash={digest(crash)},decode.hang={digest(hang)}")
+    decoder = Decoder(DecodeConfig(), VideoConfig(timeout_s=0.5))
+    try:
+        for data, check in ((crash, "video.crashed"), (hang, "video.timeout")):
+            with pytest.raises(CheckFailed) as failed:
+                decoder.clip(ImageRef(data=data), 2, every_third)
+            assert failed.value.check == check and failed.value.image_index == 2
+        assert decoder.clip(ImageRef(data=good), 3, every_third).decoded.indices == (0, 3, 6)
+    finally:
+        decoder.close()
+
+
+def test_a_clip_that_fails_in_the_child_is_quarantined_with_its_video_check():
+    from batchvlm.pipeline.decode import DecodeConfig, Decoder
+    from batchvlm.records import ImageRef
+
+    decoder = Decoder(DecodeConfig())
+    try:
+        with pytest.raises(CheckFailed) as failed:
+            decoder.clip(ImageRef(data=b"<html>not a clip</html>"), 0, every_third)
+        assert failed.value.check == "video.unreadable"
+        with pytest.raises(CheckFailed) as failed:
+            decoder.clip(ImageRef(data=make_audio_only()), 0, every_third)
+        assert failed.value.check == "video.no_stream"
+    finally:
+        decoder.close()
+
+
+def test_the_video_config_names_its_key_and_declares_every_fields_effect():
+    from batchvlm.config import declared
+
+    with pytest.raises(ConfigError, match="video.timeout_s"):
+        VideoConfig(timeout_s=0)
+    with pytest.raises(ConfigError, match="video.max_bytes"):
+        VideoConfig(max_bytes=-1)
+    assert set(declared(VideoConfig())) == {"max_bytes", "max_duration_s", "max_frames", "max_frame_pixels",
+                                            "max_decoded_bytes", "max_fps", "timeout_s"}

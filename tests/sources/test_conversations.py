@@ -192,3 +192,27 @@ def test_a_video_in_any_turn_is_named_until_video_is_supported(format, turns):
     with pytest.raises(CheckFailed) as caught:
         read_turns(format, turns, "<image>", 0)
     assert caught.value.check == "text.video" and caught.value.turn_index in (0, 1)
+
+
+@pytest.mark.parametrize("write", [write_parquet, write_jsonl, write_json_array, write_disk, write_webdataset])
+@pytest.mark.parametrize("format, column, turns", [
+    ("llava", "video", [{"from": "human", "value": "What happens?"}, {"from": "gpt", "value": "A ball rolls."}]),
+    ("messages", "videos", [{"role": "user", "content": "What happens?"},
+                            {"role": "assistant", "content": "A ball rolls."}]),
+])
+def test_a_record_naming_a_video_without_a_placeholder_is_text_video_never_embedded_without_it(
+        tmp_path, write, format, column, turns):
+    """LLaVA-Video's `video` (LLaMA-Factory's `videos`) names a clip the text need not mark: such a record is
+    quarantined under text.video, as one with a <video> placeholder is; an empty value and an image record are not."""
+    text, images = {"llava": ("conversations", "image"), "messages": ("messages", "images")}[format]
+    rows = [{"id": "clip", text: turns, images: [], column: ["clips/a.mp4"]},
+            {"id": "none", text: turns, images: [], column: []},
+            {"id": "image", text: turns, images: [], column: None}]
+    options = write(tmp_path, rows)
+    cfg = dataset_config(**{"id_column": "id", **options}, format=format, images_column=images, text_column=text,
+                         image_root="/images")
+    source = make_source(cfg)
+    records = {r.id: r for unit in source.plan() for r in source.records(unit)}
+    assert records["clip"].failure.check == "text.video" and repr(column) in records["clip"].failure.message
+    assert records["clip"].failure.observed == "1 video(s)"
+    assert records["none"].failure is None and records["image"].failure is None
