@@ -9,7 +9,6 @@ to break; with the variable unset (always, outside tests) they return at once.
 - `crash.<point>=<n>`: the process exits with status 137 (as if SIGKILLed) the n-th time it reaches <point>.
 - `disk_full.<point>=<n>`: writing at <point> fails as on a full disk (ENOSPC) from its n-th time on.
 - `pause.<point>=<seconds>`: the process waits there, holding whatever it holds (a commit half done, a claim).
-- `pause_first.<point>=<seconds>`: the same, the first time it reaches <point> only.
 """
 
 from __future__ import annotations
@@ -34,9 +33,6 @@ def fault(point: str) -> str | None:
 
 def crash_point(point: str) -> None:
     if (seconds := fault(f"pause.{point}")) is not None:
-        time.sleep(float(seconds))
-    if (seconds := fault(f"pause_first.{point}")) is not None and not _hits[f"pause_first.{point}"]:
-        _hits[f"pause_first.{point}"] += 1
         time.sleep(float(seconds))
     target = fault(f"crash.{point}")
     if target is None:

@@ -36,12 +36,3 @@ def test_a_crash_point_exits_with_137_on_its_nth_hit():
                             timeout=60)
     assert result.returncode == 137 and result.stdout.split() == ["1", "2"]
 
-
-def test_a_first_pause_waits_the_first_time_only(monkeypatch):
-    slept = []
-    monkeypatch.setattr("batchvlm.faults.time.sleep", slept.append)
-    monkeypatch.setenv("BATCHVLM_FAULTS", "pause_first.test.first_only=6, pause.test.every_time=0.5")
-    for _ in range(3):
-        crash_point("test.first_only")
-        crash_point("test.every_time")
-    assert slept == [6.0, 0.5, 0.5, 0.5]

@@ -60,7 +60,7 @@ def shards_without_manifest(run_dir: Path) -> bool:
 
 def test_a_second_job_started_during_a_commit_joins_and_both_end_cleanly(tmp_path):
     first = start(tmp_path, "shared", "dataset.unit_records=4", "runtime.num_workers=0",
-                  faults="pause_first.commit.before_manifest=6")
+                  faults="pause.commit.before_manifest=2")
     deadline = time.monotonic() + 300
     while not (tmp_path / "shared" / "data").is_dir() or not shards_without_manifest(tmp_path / "shared"):
         assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()[-3000:]
