@@ -8,11 +8,8 @@ import inspect
 
 import pytest
 import torch
-from conftest import run_embed
 from hf_models import pretrained
-from test_training_equivalence import CHECKPOINTS, FAMILY_OF
-from transformers import AutoConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+from test_training_equivalence import CHECKPOINTS, FAMILY_OF, trained_run
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
 from batchvlm.demo import demo_rows
@@ -33,18 +30,11 @@ MAX_TOKENS = 4096
 def stored(request, tmp_path_factory):
     """A family's run (fp32, the reference preprocessing: the tower saw the processor's own pixels), its model and
     its family, as the pixel path needs them."""
-    root = tmp_path_factory.mktemp(request.param)
-    checkpoint = CHECKPOINTS[request.param](root / "checkpoint")
-    model_type = AutoConfig.from_pretrained(checkpoint).model_type
-    if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-        pytest.skip(f"{request.param}: its checkpoint ({model_type}) has no language model to train")
+    checkpoint, run = trained_run(request.param, tmp_path_factory.mktemp(request.param), "preprocess.backend=reference")
     name = FAMILY_OF.get(request.param, request.param)
-    result = run_embed(f"output.root={root}", "run_name=train", f"model.family={name}", f"model.path={checkpoint}",
-                       "output.embed_dtype=float32", "preprocess.backend=reference", "dataset.limit=8")
-    assert result.returncode == 0, result.stderr[-3000:]
     family = load_family(ModelConfig(family=name, path=str(checkpoint)))
     model = pretrained(checkpoint, dtype=torch.float32)
-    records = list(read_run(root / "train"))
+    records = list(read_run(run))
     chosen = [r for r in records if len(r.grid_thw)][:3] + [r for r in records if not len(r.grid_thw)][:1]
     return request.param, model, family, chosen
 

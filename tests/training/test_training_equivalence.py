@@ -62,17 +62,22 @@ def not_restarted(batch: PackedBatch) -> torch.Tensor:
     return positions
 
 
-@pytest.fixture(scope="module", params=list(CHECKPOINTS))
-def family_run(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    checkpoint = CHECKPOINTS[request.param](root / "checkpoint")
+def trained_run(name: str, root: Path, *overrides: str) -> tuple[Path, Path]:
+    """One of CHECKPOINTS under `root` and the job's fp32 run of 8 demo records through it (a checkpoint with no
+    language model to train is skipped): the checkpoint and the run directory."""
+    checkpoint = CHECKPOINTS[name](root / "checkpoint")
     model_type = AutoConfig.from_pretrained(checkpoint).model_type
     if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-        pytest.skip(f"{request.param}: its checkpoint ({model_type}) has no language model to train")
-    family = FAMILY_OF.get(request.param, request.param)
-    embed_in_process(root, "train", f"model.family={family}", f"model.path={checkpoint}", "output.embed_dtype=float32",
-                     "dataset.limit=8")
-    return request.param, AutoModelForImageTextToText, checkpoint, list(read_run(root / "train"))
+        pytest.skip(f"{name}: its checkpoint ({model_type}) has no language model to train")
+    run = embed_in_process(root, "train", f"model.family={FAMILY_OF.get(name, name)}", f"model.path={checkpoint}",
+                           "output.embed_dtype=float32", "dataset.limit=8", *overrides)
+    return checkpoint, run
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+def family_run(request, tmp_path_factory):
+    checkpoint, run = trained_run(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, AutoModelForImageTextToText, checkpoint, list(read_run(run))
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
