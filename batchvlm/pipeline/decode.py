@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import functools
+import gc
 import hashlib
 import io
 import math
@@ -443,6 +444,11 @@ class Decoder:
         if self.arena is None:
             self.arena = mmap.mmap(-1, min(4 * self.cfg.max_pixels, ARENA_LIMIT))
         parent, child = Pipe()
+        # The child must never collect this process's garbage: an object freed there (a PyAV stream left in a
+        # reference cycle by an in-process decode) may wait for threads only this process has, and hang forever
+        # (FFmpeg's frame threads, joined in avcodec_free_context). Frozen, the objects the child inherits are never
+        # collected in it; this process unfreezes and collects as before.
+        gc.freeze()
         pid = os.fork()
         if pid == 0:  # the child: serve until the parent closes the pipe
             parent.close()
@@ -450,6 +456,7 @@ class Decoder:
                 _serve(child, self.cfg, self.arena, None if self.ring is None else self.ring.map)
             finally:
                 os._exit(0)
+        gc.unfreeze()
         child.close()
         self.pid, self.conn = pid, parent
 

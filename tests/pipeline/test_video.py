@@ -247,6 +247,35 @@ def test_a_clip_that_crashes_or_hangs_the_decoder_costs_that_clip_and_the_next_d
         decoder.close()
 
 
+def collecting_every_third(total: int, fps: float) -> list[int]:
+    """every_third, after a full garbage collection in the process that samples (the decoder's child)."""
+    import gc
+
+    gc.collect()
+    return every_third(total, fps)
+
+
+def test_a_child_forked_beside_garbage_holding_ffmpeg_threads_never_frees_it_and_answers():
+    """An in-process decode that fails inside the frame loop leaves its stream (and FFmpeg's frame threads, alive in
+    this process only) in a reference cycle; a child forked before this process collects it must not free it: there
+    avcodec_free_context waits for threads the child does not have, forever (the test's former intermittent hang)."""
+    import gc
+
+    from batchvlm.pipeline.decode import DecodeConfig, Decoder
+    from batchvlm.records import ImageRef
+
+    failure = failed_check(make_size_change(), indices=[0, 15])  # raised in the loop: its traceback holds the stream
+    assert failure.check == "video.frame_size"
+    failure.cycle = failure  # garbage now, collected only by the cycle collector
+    del failure
+    decoder = Decoder(DecodeConfig(), VideoConfig(timeout_s=10))
+    try:
+        assert decoder.clip(ImageRef(data=make_clip(9)), 0, collecting_every_third).decoded.indices == (0, 3, 6)
+    finally:
+        decoder.close()
+        gc.collect()
+
+
 def test_a_clip_that_fails_in_the_child_is_quarantined_with_its_video_check():
     from batchvlm.pipeline.decode import DecodeConfig, Decoder
     from batchvlm.records import ImageRef
