@@ -333,8 +333,7 @@ function, or a functools.partial of one), since an isolated decoder's child rece
 
 
 def decode_clip(data: bytes, limits: VideoConfig, sample: Sampler) -> Clip:
-    """A clip probed, sampled by `sample` from its header, its budget checked, and its sampled frames decoded."""
+    """A clip probed, sampled by `sample` from its header, its budget checked (by decode_frames, before any frame is
+    decoded), and its sampled frames decoded."""
     header = probe(data, limits)
-    indices = sample(header.frames, header.fps)
-    check_budget(header, indices, limits)
-    return Clip(header, decode_frames(data, header, indices, limits))
+    return Clip(header, decode_frames(data, header, sample(header.frames, header.fps), limits))

@@ -87,12 +87,13 @@ def model_inputs(model, batch: PackedBatch | PaddedBatch) -> dict:
     the stored `position_ids`, `attention_mask` for a padded batch, and no cache (`use_cache=False` where `forward`
     or its language model takes it). Never `pixel_values`. Every key is a parameter of `forward` (ValueError naming
     the ones that are not)."""
+    parameters = forward_parameters(model)
     inputs = {"labels": batch.labels, "position_ids": batch.position_ids}
-    if "use_cache" in forward_parameters(model):  # a cache stops transformers masking attention per packed record
+    if "use_cache" in parameters:  # a cache stops transformers masking attention per packed record
         inputs["use_cache"] = False
     if isinstance(batch, PaddedBatch):
         inputs["attention_mask"] = batch.attention_mask
-    if takes_encoder_outputs(model):
+    if "mm_encoder_outputs" in parameters:
         inputs["input_ids"] = batch.input_ids
         if len(batch.image_embeds):
             inputs["mm_encoder_outputs"] = {"image": encoder_output(batch)}
@@ -101,7 +102,7 @@ def model_inputs(model, batch: PackedBatch | PaddedBatch) -> dict:
             raise ValueError(f"{type(model).__name__}.forward takes no mm_encoder_outputs, and the batch's "
                              "deepstack layers can only reach their layers through it")
         inputs["inputs_embeds"] = embeds_with_images(model, batch)
-    unknown = sorted(set(inputs) - forward_parameters(model))
+    unknown = sorted(set(inputs) - parameters)
     if unknown:
         raise ValueError(f"{type(model).__name__}.forward does not take {unknown}: this model cannot be fed stored "
                          "features by batchvlm")
