@@ -17,6 +17,7 @@
                                    heartbeats (rundir.claims), and each list's frontier hint (rundir.frontier);
                                    ranks/<attempt>/ one launch's rank progress and its tail boards
           report/index.html        the failure report's page
+          push.lock                held while batchvlm-push uploads the run: who pushes it, where to
           _SUCCESS                 written last, once every unit and bucket is committed: the run's totals
 
 Readers trust only what a manifest lists; a manifest names its files relative to the run (`data/<name>`).
@@ -68,6 +69,10 @@ class RunLayout:
     @property
     def report_page(self) -> Path:
         return self.root / "report" / "index.html"
+
+    @property
+    def push_lock(self) -> Path:
+        return self.root / "push.lock"
 
     # -- units: shards and manifests --------------------------------------------------------------
     @property
