@@ -40,7 +40,8 @@ WHAT_IS_STORED = {
 EMBEDDING_CHOICES = {
     "tower": "the tower's tokens before the projector (model.embedding=tower)",
     "projector": "the projector's LLM-ready tokens (model.embedding=projector)",
-    "both": "the projector's LLM-ready tokens; the tower's tokens before it are in `tower_embeds` (model.embedding=both)",
+    "both": "the projector's LLM-ready tokens; the tower's tokens before it are in `tower_embeds` "
+            "(model.embedding=both)",
 }
 DOWNLOAD_METADATA = Path(".cache") / "huggingface" / "download" / "config.json.metadata"
 """What `huggingface-cli download --local-dir` leaves beside a checkpoint's config.json: its first line is the
@@ -142,9 +143,9 @@ def _checkpoint_lines(facts: RunFacts) -> list[str]:
 def _feature_lines(facts: RunFacts) -> list[str]:
     dtype = facts.config["output"]["embed_dtype"]
     columns = ", ".join(f"`{name}` [rows, {size}]" for name, size in sorted(facts.embedding_columns.items()))
+    family, version = facts.fingerprint["family"], facts.fingerprint.get("version")
     return [
-        f"- family: `{facts.fingerprint['family']}`" + (f" (`{version}`)" if (version := facts.fingerprint.get("version"))
-                                                        not in (None, facts.fingerprint["family"]) else ""),
+        f"- family: `{family}`" + (f" (`{version}`)" if version not in (None, family) else ""),
         f"- `image_embeds`: {stored_as(facts)}",
         f"- hidden size: {facts.fingerprint.get('hidden_size')}; embedding columns: {columns}",
         f"- layout: each embedding cell is raw little-endian `{dtype}` bytes of a row-major [rows, hidden] matrix "

@@ -6,12 +6,13 @@ lists them. Not the quarantine shards: they hold the failing inputs' own bytes a
 data that the card's license does not cover, and they are no training rows; the card gives their counts by check.
 
 The shards go into the repo as `data/<NNNNN>/<file>`, a folder per SHARDS_PER_FOLDER shards in read order: the Hub
-wants under 10k entries a folder. Before anything is uploaded the run is refused if it is unfinished (no totals written last:
-still being written), written in another output format, has a listed shard missing, of another size, over the
-Hub's file size limit or with a row group over the dataset viewer's limit, or holds later occurrences of an id in its
-data shards (the Hub's readers cannot leave them out as batchvlm's do). Then each shard to upload is hashed once
-(`CommitOperationAdd` does it) and compared with its manifest's sha256: a damaged shard is refused by name before the
-first commit.
+wants under 10k entries a folder. Before anything is uploaded the run is refused if it is unfinished (its totals,
+written last, are not there: it is still being written), written in another output format, has a listed shard
+missing, of another size, over the Hub's file size limit or with a row group over the dataset viewer's limit, or holds
+later occurrences of an id in its data shards (the Hub's readers cannot leave them out as batchvlm's do). Then each
+shard to upload is hashed once (`CommitOperationAdd` does it) and compared with its manifest's sha256: a damaged shard
+is refused by name before the first commit. A shard already on the Hub is not hashed again: the Hub's sha256 of it is
+its manifest's. (`batchvlm-verify` checks the rest of a run's contract: ids, counts, the duplicate pass.)
 
 Resumable: the repo's files are listed first, with the sha256 the Hub keeps of each LFS file; a shard already there
 with its manifest's sha256 is not uploaded again, and the card is committed only when its bytes differ (its git blob
