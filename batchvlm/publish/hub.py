@@ -235,8 +235,13 @@ def push_lock(layout: RunLayout, repo_id: str) -> Iterator[None]:
 
 def _publish_lock(lock: Path, holder: dict) -> bool:
     tmp = temporary_name(lock)
-    tmp.write_text(json.dumps(holder))
-    return publish_exclusive(tmp, lock)
+    try:
+        tmp.write_text(json.dumps(holder))
+        return publish_exclusive(tmp, lock)
+    except OSError as error:  # a run directory mounted read-only, say
+        tmp.unlink(missing_ok=True)
+        raise PushRefused(f"cannot write {lock} ({error}): a push holds it while it uploads, so that two pushes of "
+                          "the run never run at once; push from where the run directory is writable") from None
 
 
 def _holder_of(lock: Path) -> str:

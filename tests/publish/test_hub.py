@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import datasets
@@ -165,6 +166,26 @@ def test_a_concurrent_push_of_the_run_is_refused_naming_the_holder_and_the_file(
 
 
 @pytest.mark.slow
+def test_a_push_started_while_another_is_uploading_the_run_is_refused(qwen_run, tmp_path):
+    hub = FakeHub(tmp_path / "hub")
+    uploading, refused = threading.Event(), []
+
+    def second_push():  # runs while the first push is inside its first commit
+        if not uploading.is_set():
+            uploading.set()
+            with pytest.raises(PushRefused, match=f"pid {os.getpid()} on {socket.gethostname()}") as error:
+                push(qwen_run, FakeHub(tmp_path / "other hub"))
+            refused.append(str(error.value))
+
+    hub.before_commit = second_push
+    first = threading.Thread(target=push, args=(qwen_run, hub))
+    first.start()
+    first.join()
+    assert len(refused) == 1 and card_files(hub)  # the second refused, the first finished
+    assert not RunLayout(qwen_run).push_lock.exists()
+
+
+@pytest.mark.slow
 def test_the_lock_of_a_push_whose_process_is_gone_from_this_host_is_taken_over(qwen_run, tmp_path):
     run_dir = copy_of(qwen_run, tmp_path)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -228,6 +249,25 @@ def test_a_row_group_over_the_viewers_limit_is_named_with_its_shard(qwen_run):
     assert oversized_row_groups(shard) == []
     assert oversized_row_groups(shard, limit=biggest - 1) == [
         f"{shard}: row group 0 is {biggest:,} bytes in memory, over the dataset viewer's {biggest - 1:,}"]
+
+
+@pytest.mark.slow
+def test_the_push_job_publishes_the_run_and_says_what_it_did(qwen_run, tmp_path, monkeypatch, capsys):
+    import huggingface_hub
+
+    from batchvlm.jobs.push import main
+
+    hub = FakeHub(tmp_path / "hub")
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda: hub)  # the job's own HfApi(), answered by the stand-in
+    arguments = [f"run_dir={qwen_run}", f"repo_id={REPO_ID}", "license=cc-by-4.0"]
+    monkeypatch.setattr(sys, "argv", ["batchvlm-push", *arguments])
+    main()
+    shards = len(published_shards(RunLayout(qwen_run)))
+    assert capsys.readouterr().out.strip() == (f"OK {REPO_ID}: {shards} of {shards} data shards uploaded and the "
+                                               "card in 2 commits")
+    main()
+    assert capsys.readouterr().out.strip() == (f"OK {REPO_ID}: already up to date ({shards} data shards and the "
+                                               "card), nothing committed")
 
 
 @pytest.mark.parametrize("setting,message", [
