@@ -23,9 +23,11 @@ from conftest import REPO, committed_shards
 from fake_hub import FakeHub
 
 from batchvlm.config import ConfigError
+from batchvlm.publish import hub as hub_module
 from batchvlm.publish.hub import (CARD, VIEWER_ROW_GROUP_BYTES, PushConfig, PushRefused, oversized_row_groups,
                                   published_shards, push_run)
 from batchvlm.rundir.layout import RunLayout
+from batchvlm.rundir.manifest import all_manifests
 from batchvlm.training import DatasetRows
 from batchvlm.training.reader import read_run
 
@@ -90,6 +92,9 @@ def test_load_dataset_on_the_pushed_repo_gives_the_rows_of_read_run_bit_for_bit_
     shards = published_shards(RunLayout(run_dir))
     assert card_files(hub) == [shard.repo_path for shard in shards] == repo_data_files(hub) == result.uploaded[:-1]
     assert "*" not in (hub.folder(REPO_ID) / CARD).read_text().split("---\n")[1]  # explicit files, never a glob
+    everything = {path.relative_to(hub.folder(REPO_ID)).as_posix() for path in hub.folder(REPO_ID).rglob("*")
+                  if path.is_file()}
+    assert everything == {".gitattributes", CARD, *card_files(hub)}  # no quarantine shard, no ids, no manifest
     paths = result.uploaded[:-1]
     assert [commit.paths for commit in hub.commits(REPO_ID)[1:]] == [paths[i:i + 3] for i in range(0, len(paths), 3)] \
         + [[CARD]]
@@ -102,6 +107,19 @@ def test_load_dataset_on_the_pushed_repo_gives_the_rows_of_read_run_bit_for_bit_
         assert all(metadata.row_group(group).total_byte_size <= VIEWER_ROW_GROUP_BYTES
                    for group in range(metadata.num_row_groups))
     assert not RunLayout(run_dir).push_lock.exists()
+
+
+@pytest.mark.slow
+def test_a_run_of_more_shards_than_a_folder_takes_is_spread_over_folders_and_reads_back_in_order(qwen_run, tmp_path,
+                                                                                                 monkeypatch):
+    monkeypatch.setattr(hub_module, "SHARDS_PER_FOLDER", 3)  # the Hub wants under 10k entries a folder
+    hub = FakeHub(tmp_path / "hub")
+    push(qwen_run, hub)
+    names = [Path(listing.path).name for manifest in all_manifests(RunLayout(qwen_run))
+             for listing in manifest.shards("data")]
+    assert card_files(hub) == [f"data/{index // 3:05d}/{name}" for index, name in enumerate(names)]
+    dataset = datasets.load_dataset(str(hub.folder(REPO_ID)), split="train", cache_dir=str(tmp_path / "cache"))
+    assert_rows_are(dataset, list(read_run(qwen_run)))
 
 
 @pytest.mark.slow
