@@ -10,9 +10,11 @@ wants under 10k entries a folder. Before anything is uploaded the run is refused
 written last, are not there: it is still being written), written in another output format, has a listed shard
 missing, of another size, over the Hub's file size limit or with a row group over the dataset viewer's limit, or holds
 later occurrences of an id in its data shards (the Hub's readers cannot leave them out as batchvlm's do). Then each
-shard to upload is hashed once (`CommitOperationAdd` does it) and compared with its manifest's sha256: a damaged shard
-is refused by name before the first commit. A shard already on the Hub is not hashed again: the Hub's sha256 of it is
-its manifest's. (`batchvlm-verify` checks the rest of a run's contract: ids, counts, the duplicate pass.)
+shard to upload is hashed and compared with its manifest's sha256, all before the first commit: a damaged shard is
+refused by name and nothing is committed. The hash is the one its `CommitOperationAdd` computes (lazily) and gives the
+Hub as the LFS oid, so it is computed once; the upload reads the file a second time to send it. A shard already on
+the Hub is not read at all: the Hub's sha256 of it is its manifest's. (`batchvlm-verify` checks the rest of a run's
+contract: ids, counts, the duplicate pass.)
 
 Resumable: the repo's files are listed first, with the sha256 the Hub keeps of each LFS file; a shard already there
 with its manifest's sha256 is not uploaded again, and the card is committed only when its bytes differ (its git blob
@@ -198,8 +200,8 @@ def remote_files(api, repo_id: str) -> dict[str, RemoteFile]:
 
 
 def verified_uploads(layout: RunLayout, shards: list[Shard]) -> list:
-    """A commit operation per shard, each shard hashed once (by the operation) and checked against its manifest's
-    sha256: PushRefused naming every shard that differs, before any commit."""
+    """A commit operation per shard, its sha256 (which the operation computes once, on first use, and keeps for the
+    upload) checked against its manifest's: PushRefused naming every shard that differs, before any commit."""
     from huggingface_hub import CommitOperationAdd
 
     operations, damaged = [], []
