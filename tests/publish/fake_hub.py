@@ -5,13 +5,15 @@ It keeps what the Hub keeps and answers as the Hub does where the push depends o
 the Hub's default `.gitattributes` (Parquet files are LFS); the tree listing gives a plain file's git blob id and an LFS
 file's sha256 and size; a commit whose `parent_commit` is not the branch's head is refused with 412, and one that
 changes nothing makes no commit. The operations are huggingface_hub's own `CommitOperationAdd`s, read from the path
-or bytes they were built with. Each repo's files are a plain folder (`folder(repo_id)`), what `load_dataset` reads.
+or bytes they were built with. Each repo's files are a plain folder (`folder(repo_id)`), what `load_dataset` reads;
+its commits are kept beside it, so a push in another process (one killed midway) leaves the hub as the Hub would.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,9 @@ from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 from huggingface_hub.hf_api import CommitInfo, DatasetInfo, RepoFile, RepoFolder
 
+STATE = ".hub"
+"""Under the hub's root, each repo's commits (`<owner>/<name>.json`): a later FakeHub on the same root (another process)
+finds the repos as the Hub would. The repos' files are beside it, `<owner>/<name>/`."""
 GITATTRIBUTES = b"*.parquet filter=lfs diff=lfs merge=lfs -text\n*.arrow filter=lfs diff=lfs merge=lfs -text\n"
 """The LFS patterns of the Hub's default .gitattributes that matter here (it lists many more binary formats)."""
 
@@ -63,6 +68,11 @@ class FakeHub(HfApi):
         self.commit_calls = 0
         self.fail_at_commit = fail_at_commit
         self.before_commit = None
+        for state in sorted((root / STATE).glob("*/*.json")):  # what earlier processes committed, as the Hub keeps it
+            repo_id = state.relative_to(root / STATE).with_suffix("").as_posix()
+            saved = json.loads(state.read_text())
+            self.repos[repo_id] = Repo(root / repo_id, saved["private"],
+                                       [Commit(**commit) for commit in saved["commits"]])
 
     def folder(self, repo_id: str) -> Path:
         return self.repos[repo_id].folder
@@ -153,7 +163,16 @@ class FakeHub(HfApi):
         parent = repo.commits[-1].oid if repo.commits else ""
         oid = hashlib.sha1(f"{parent}\n{message}\n{sorted(changed)}".encode()).hexdigest()
         repo.commits.append(Commit(oid, message, sorted(changed)))
+        self._save(repo_id)
         return oid
+
+    def _save(self, repo_id: str) -> None:
+        repo = self.repos[repo_id]
+        state = self.root / STATE / f"{repo_id}.json"
+        state.parent.mkdir(parents=True, exist_ok=True)
+        tmp = state.with_name(f".{state.name}.incoming")
+        tmp.write_text(json.dumps({"private": repo.private, "commits": [vars(commit) for commit in repo.commits]}))
+        os.replace(tmp, state)
 
 
 def _content_of(operation: CommitOperationAdd) -> bytes:

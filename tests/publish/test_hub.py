@@ -8,6 +8,7 @@ import json
 import re
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +33,18 @@ from batchvlm.training import DatasetRows
 from batchvlm.training.reader import read_run
 
 REPO_ID = "someone/features"
+HERE = Path(__file__).resolve().parent
+KILLED_PUSH = f"""
+import os, signal, sys
+from pathlib import Path
+from fake_hub import FakeHub
+from batchvlm.publish.hub import PushConfig, push_run
+
+hub = FakeHub(Path(sys.argv[2]))
+hub.before_commit = lambda: hub.commit_calls == 2 and os.kill(os.getpid(), signal.SIGKILL)
+push_run(PushConfig(run_dir=sys.argv[1], repo_id="{REPO_ID}", license="cc-by-4.0", files_per_commit=1), hub)
+"""
+"""A push in its own process, killed (SIGKILL: no `finally` runs) as it starts its second commit."""
 
 
 def push(run_dir: Path, hub: FakeHub, **settings):
@@ -151,7 +164,27 @@ def test_a_second_push_of_an_unchanged_run_commits_nothing(qwen_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_push_killed_after_its_first_commit_resumes_uploading_only_the_rest(qwen_run, tmp_path):
+def test_a_push_killed_after_its_first_commit_leaves_its_lock_to_the_next_which_uploads_only_the_rest(qwen_run,
+                                                                                                     tmp_path, caplog):
+    run_dir = copy_of(qwen_run, tmp_path)
+    killed = subprocess.run([sys.executable, "-c", KILLED_PUSH, str(run_dir), str(tmp_path / "hub")],
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ["PYTHONPATH"]])},
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    lock = RunLayout(run_dir).push_lock
+    assert json.loads(lock.read_text())["host"] == socket.gethostname()  # left behind by a process now gone
+    hub = FakeHub(tmp_path / "hub")  # the hub as the killed push left it
+    paths = [shard.repo_path for shard in published_shards(RunLayout(run_dir))]
+    assert repo_data_files(hub) == paths[:1] and not (hub.folder(REPO_ID) / CARD).exists()
+    resumed = push(run_dir, hub, files_per_commit=1)
+    assert resumed.uploaded == paths[1:] + [CARD]
+    assert "was left by a push whose process is gone" in caplog.text and not lock.exists()
+    assert_rows_are(datasets.load_dataset(str(hub.folder(REPO_ID)), split="train", cache_dir=str(tmp_path / "cache")),
+                    list(read_run(run_dir)))
+
+
+@pytest.mark.slow
+def test_a_push_stopped_by_the_network_after_its_first_commit_resumes_uploading_only_the_rest(qwen_run, tmp_path):
     hub = FakeHub(tmp_path / "hub", fail_at_commit=2)
     with pytest.raises(ConnectionError):
         push(qwen_run, hub, files_per_commit=1)
