@@ -339,20 +339,25 @@ def test_a_bad_push_config_is_refused_naming_the_key(tmp_path, setting, message)
     assert [path.name for path in run_dir.iterdir()] == [".batchvlm"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("arguments,message", [
     ([], "error: run_dir is required: give run_dir=..."),
     (["run_dir={run}"], "error: repo_id is required: give repo_id=..."),
     (["run_dir={run}/nowhere", f"repo_id={REPO_ID}", "license=mit"], "error: run_dir='{run}/nowhere' is not a "
                                                                       "batchvlm run directory (no .batchvlm marker)"),
+    (["run_dir={run}", f"repo_id={REPO_ID}", "license=mit", "visibility=secret"],
+     "error: visibility: Invalid value 'secret', expected one of [private, public]"),
 ])
-def test_the_push_job_refuses_a_bad_config_with_exit_2_naming_the_key_before_any_work(tmp_path, arguments, message):
+def test_the_push_job_refuses_a_bad_config_with_exit_2_naming_the_key_before_any_work(tmp_path, monkeypatch, capsys,
+                                                                                      arguments, message):
+    from batchvlm.jobs.push import main
+
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     RunLayout(run_dir).marker.touch()
-    result = subprocess.run([sys.executable, str(REPO / "jobs" / "push.py"),
-                             *[argument.format(run=run_dir) for argument in arguments]],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert (result.returncode, result.stderr.strip()) == (2, message.format(run=run_dir))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["batchvlm-push", *[argument.format(run=run_dir) for argument in arguments]])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert (exited.value.code, capsys.readouterr().err.strip()) == (2, message.format(run=run_dir))
     assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]
     assert [path.name for path in run_dir.iterdir()] == [".batchvlm"]
