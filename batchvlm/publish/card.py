@@ -160,6 +160,10 @@ def _count_lines(facts: RunFacts) -> list[str]:
     lines = [f"- records read: {totals['records_in']:,}; written (rows of this dataset): {totals['written']:,}; "
              f"quarantined: {totals['quarantined']:,} (not published)"]
     lines += [f"  - `{check}`: {count:,}" for check, count in sorted(totals.get("by_check", {}).items())]
+    if moved := totals.get("duplicates", {}).get("in_data", 0):
+        lines.append(f"- {moved:,} of the quarantined are later occurrences of an id already written (the run's "
+                     "duplicate pass found them after their shards were committed): the shards holding them are "
+                     "published without them, so their bytes differ from the run's files of the same name")
     return lines
 
 

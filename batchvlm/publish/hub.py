@@ -5,15 +5,18 @@ attempt's files), each as it is (no re-encoding: the bytes the manifest's sha256
 lists them. Not the quarantine shards: they hold the failing inputs' own bytes and texts as evidence, other people's
 data that the card's license does not cover, and they are no training rows; the card gives their counts by check.
 
+The one exception: a shard holding later occurrences of an id, which the duplicate pass listed and batchvlm's readers
+leave out, is published as a copy without them (the Hub's readers could not skip them), written into
+`<run>/push.staging/` for the push and removed after it; the copy is the same bytes from push to push.
+
 The shards go into the repo as `data/<NNNNN>/<file>`, a folder per SHARDS_PER_FOLDER shards in read order: the Hub
 wants under 10k entries a folder. Before anything is uploaded the run is refused if it is unfinished (its totals,
-written last, are not there: it is still being written), written in another output format, has a listed shard
-missing, of another size, over the Hub's file size limit or with a row group over the dataset viewer's limit, or holds
-later occurrences of an id in its data shards (the Hub's readers cannot leave them out as batchvlm's do). Then each
-shard to upload is hashed and compared with its manifest's sha256, all before the first commit: a damaged shard is
-refused by name and nothing is committed. The hash is the one its `CommitOperationAdd` computes (lazily) and gives the
-Hub as the LFS oid, so it is computed once; the upload reads the file a second time to send it. A shard already on
-the Hub is not read at all: the Hub's sha256 of it is its manifest's. (`batchvlm-verify` checks the rest of a run's
+written last, are not there: it is still being written), written in another output format, or has a listed shard
+missing, of another size, over the Hub's file size limit or with a row group over the dataset viewer's limit. Then
+each shard to upload is hashed and compared with its manifest's sha256, all before the first commit: a damaged shard
+is refused by name and nothing is committed. The hash is the one its `CommitOperationAdd` computes (lazily) and gives
+the Hub as the LFS oid, so it is computed once; the upload reads the file a second time to send it. A shard already
+on the Hub is not read at all: the Hub's sha256 of it is its manifest's. (`batchvlm-verify` checks the rest of a run's
 contract: ids, counts, the duplicate pass.)
 
 Resumable: the repo's files are listed first, with the sha256 the Hub keeps of each LFS file; a shard already there
@@ -36,6 +39,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -43,16 +47,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchvlm.config import Choice, Config, ConfigError, positive
 from batchvlm.format.schema import FormatError
 from batchvlm.publish.card import RunFacts, dataset_card
 from batchvlm.rundir.claims import gone_from_this_host
-from batchvlm.rundir.durable import publish_exclusive, read_json, temporary_name
+from batchvlm.rundir.dedup import excluded_rows
+from batchvlm.rundir.durable import publish_exclusive, read_json, sha256_file, temporary_name
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.rundir.manifest import DamagedFile, Listing, all_manifests, checked
-from batchvlm.rundir.upgrade import check_run_format
+from batchvlm.rundir.upgrade import check_run_format, compression_of
 
 log = logging.getLogger("batchvlm")
 
@@ -67,9 +74,9 @@ MAX_FILE_BYTES = 50 * 10 ** 9
 """The Hub's largest file (50 GB; under 20 GB recommended): output.shard_bytes keeps shards far below it."""
 VIEWER_ROW_GROUP_BYTES = 300_000_000
 """The dataset viewer reads a row group whole and refuses one over this size in memory ("Rows from parquet row groups
-are too big to be read: ... (max=286.10 MiB)"). batchvlm's sink writes row groups of at most 64 MB, so a shard over it
-was written by something else; it is refused, not rewritten: a rewrite would not be the file its manifest's sha256
-names."""
+are too big to be read: ... (max=286.10 MiB)"). batchvlm's sink cuts its row groups at 64 MB, so a group over it holds
+one record that large alone (a long clip's tokens), which no smaller row group would hold, or was written by something
+else: it is refused, naming the shard and the group, not rewritten."""
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 LICENSE = re.compile(r"^[a-z0-9][a-z0-9.+-]*$")
 
@@ -119,6 +126,7 @@ class Shard:
 
     listing: Listing
     repo_path: str
+    skipped: frozenset[int] = frozenset()  # input rows of later occurrences of an id: published without them
 
 
 @dataclass(frozen=True)
@@ -138,15 +146,16 @@ class PushResult:
 
 
 def published_shards(layout: RunLayout) -> list[Shard]:
-    """Every data shard the manifests list, in read order (read_run's), each with its place in the repo."""
-    listings = [listing for manifest in all_manifests(layout) for listing in manifest.shards(DATA)]
-    return [Shard(listing, f"data/{index // SHARDS_PER_FOLDER:05d}/{Path(listing.path).name}")
-            for index, listing in enumerate(listings)]
+    """Every data shard the manifests list, in read order (read_run's), each with its place in the repo and the rows
+    the readers leave out of it."""
+    excluded = excluded_rows(layout)
+    listings = [(manifest.unit, listing) for manifest in all_manifests(layout) for listing in manifest.shards(DATA)]
+    return [Shard(listing, f"data/{index // SHARDS_PER_FOLDER:05d}/{Path(listing.path).name}",
+                  frozenset(excluded.get(unit, ()))) for index, (unit, listing) in enumerate(listings)]
 
 
 def refuse_unpublishable(layout: RunLayout) -> None:
-    """A run that is unfinished, in another output format, or whose data shards hold rows batchvlm's readers leave
-    out: PushRefused, before anything is read or uploaded."""
+    """A run that is unfinished or in another output format: PushRefused, before anything is read or uploaded."""
     totals = read_json(layout.success)
     if totals is None:
         raise PushRefused(f"{layout.root} has no {layout.name_of(layout.success)}: the run is unfinished or still "
@@ -155,11 +164,6 @@ def refuse_unpublishable(layout: RunLayout) -> None:
         check_run_format(layout)
     except FormatError as error:
         raise PushRefused(str(error)) from None
-    in_data = totals.get("duplicates", {}).get("in_data", 0)
-    if in_data:
-        raise PushRefused(f"{layout.root}: {in_data} rows of its data shards are later occurrences of an id that the "
-                          "duplicate pass listed; batchvlm's readers leave them out, the Hub's would not, so the "
-                          "shards are not published as they are")
 
 
 def oversized_row_groups(path: Path, limit: int = VIEWER_ROW_GROUP_BYTES) -> list[str]:
@@ -199,21 +203,70 @@ def remote_files(api, repo_id: str) -> dict[str, RemoteFile]:
             if isinstance(entry, RepoFile)}
 
 
-def verified_uploads(layout: RunLayout, shards: list[Shard]) -> list:
-    """A commit operation per shard, its sha256 (which the operation computes once, on first use, and keeps for the
-    upload) checked against its manifest's: PushRefused naming every shard that differs, before any commit."""
+def verified_uploads(layout: RunLayout, shards: list[Shard], staged: dict[str, object]) -> list:
+    """A commit operation per shard: its staged copy's (`staged_copies`), or the shard's own, its sha256 (which the
+    operation computes once, on first use, and keeps for the upload) checked against its manifest's: PushRefused
+    naming every shard that differs, before any commit."""
     from huggingface_hub import CommitOperationAdd
 
     operations, damaged = [], []
     for shard in shards:
+        if shard.repo_path in staged:
+            operations.append(staged[shard.repo_path])
+            continue
         operation = CommitOperationAdd(shard.repo_path, layout.listed(shard.listing.path))
         if operation.upload_info.sha256.hex() != shard.listing.sha256:
-            damaged.append(f"{shard.listing.path} does not match its sha256 in the manifest")
+            damaged.append(_damaged(shard))
         operations.append(operation)
+    _refuse_damaged(damaged)
+    return operations
+
+
+def _damaged(shard: Shard) -> str:
+    return f"{shard.listing.path} does not match its sha256 in the manifest"
+
+
+def _refuse_damaged(damaged: list[str]) -> None:
     if damaged:
         raise PushRefused("damaged shards, nothing uploaded (verify the run, or rerun it: the units are redone):\n"
                           + "\n".join(damaged))
-    return operations
+
+
+def staged_copies(layout: RunLayout, shards: list[Shard]) -> dict[str, object]:
+    """Each shard with rows the readers leave out (later occurrences of an id, which the duplicate pass listed but
+    the Hub's readers cannot skip), checked against its manifest's sha256 and written again without them into
+    `<run>/push.staging/`: its commit operation, by repo path. The copy is written the same way each time (the
+    shard's row groups in order, its schema, metadata and codec), so its sha256 too is the same from push to push."""
+    from huggingface_hub import CommitOperationAdd
+
+    staging = layout.push_staging
+    shutil.rmtree(staging, ignore_errors=True)  # a killed push's copies: this push holds the lock now
+    staged, damaged = {}, []
+    for shard in shards:
+        if not shard.skipped:
+            continue
+        source = layout.listed(shard.listing.path)
+        if sha256_file(source) != shard.listing.sha256:
+            damaged.append(_damaged(shard))
+            continue
+        staging.mkdir(exist_ok=True)
+        copy = write_without_rows(source, staging / source.name, shard.skipped)
+        staged[shard.repo_path] = CommitOperationAdd(shard.repo_path, copy)
+    _refuse_damaged(damaged)
+    return staged
+
+
+def write_without_rows(source: Path, target: Path, skipped: frozenset[int]) -> Path:
+    """`source` written to `target` without the records of the input rows `skipped`, a row group at a time."""
+    file = pq.ParquetFile(source)
+    drop = pa.array(sorted(skipped), pa.int64())
+    with pq.ParquetWriter(target, file.schema_arrow, compression=compression_of(file)) as writer:
+        for group in range(file.num_row_groups):
+            table = file.read_row_group(group)
+            kept = table.filter(pc.invert(pc.is_in(table.column("row"), value_set=drop)))
+            if kept.num_rows:
+                writer.write_table(kept)
+    return target
 
 
 @contextmanager
@@ -295,19 +348,23 @@ def push_run(config: PushConfig, api=None) -> PushResult:
             from huggingface_hub import HfApi
 
             api = HfApi()
-        return _upload(api, config, layout, shards, card)
+        try:
+            return _upload(api, config, layout, shards, staged_copies(layout, shards), card)
+        finally:
+            shutil.rmtree(layout.push_staging, ignore_errors=True)
 
 
-def _upload(api, config: PushConfig, layout: RunLayout, shards: list[Shard], card: str) -> PushResult:
+def _upload(api, config: PushConfig, layout: RunLayout, shards: list[Shard], staged: dict, card: str) -> PushResult:
     from huggingface_hub import CommitOperationAdd
 
     api.create_repo(config.repo_id, repo_type=REPO_TYPE, private=config.visibility == Visibility.private,
                     exist_ok=True)
     head = _head(api, config.repo_id)
     remote = remote_files(api, config.repo_id)
-    missing = [shard for shard in shards
-               if (found := remote.get(shard.repo_path)) is None or found.sha256 != shard.listing.sha256]
-    operations = verified_uploads(layout, missing)
+    published = {path: operation.upload_info.sha256.hex() for path, operation in staged.items()}
+    missing = [shard for shard in shards if (found := remote.get(shard.repo_path)) is None
+               or found.sha256 != published.get(shard.repo_path, shard.listing.sha256)]
+    operations = verified_uploads(layout, missing, staged)
     commits, uploaded = [], []
     step = config.files_per_commit
     for start in range(0, len(operations), step):

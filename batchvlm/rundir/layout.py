@@ -18,6 +18,7 @@
                                    ranks/<attempt>/ one launch's rank progress and its tail boards
           report/index.html        the failure report's page
           push.lock                held while batchvlm-push uploads the run: who pushes it, where to
+          push.staging/            while it does, its copies of the data shards without their later occurrences
           _SUCCESS                 written last, once every unit and bucket is committed: the run's totals
 
 Readers trust only what a manifest lists; a manifest names its files relative to the run (`data/<name>`).
@@ -73,6 +74,10 @@ class RunLayout:
     @property
     def push_lock(self) -> Path:
         return self.root / "push.lock"
+
+    @property
+    def push_staging(self) -> Path:
+        return self.root / "push.staging"
 
     # -- units: shards and manifests --------------------------------------------------------------
     @property

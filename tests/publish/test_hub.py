@@ -4,9 +4,10 @@ folder): what the repo ends up holding is read back with `datasets.load_dataset`
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
-import re
 import os
+import re
 import shutil
 import signal
 import socket
@@ -16,12 +17,15 @@ import threading
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from conftest import REPO, committed_shards
+from conftest import committed_shards, embed_in_process
 from fake_hub import FakeHub
+from PIL import Image
+from skimage import data
 
 from batchvlm.config import ConfigError
 from batchvlm.publish import hub as hub_module
@@ -38,6 +42,8 @@ KILLED_PUSH = f"""
 import os, signal, sys
 from pathlib import Path
 from fake_hub import FakeHub
+from PIL import Image
+from skimage import data
 from batchvlm.publish.hub import PushConfig, push_run
 
 hub = FakeHub(Path(sys.argv[2]))
@@ -274,22 +280,44 @@ def test_a_damaged_shard_is_refused_by_name_before_any_commit(qwen_run, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage,refusal", [
-    ("unfinished", "has no _SUCCESS: the run is unfinished or still being written"),
-    ("duplicates", "2 rows of its data shards are later occurrences of an id"),
-])
-def test_a_run_that_cannot_be_published_as_it_is_is_refused_before_any_upload(qwen_run, tmp_path, damage, refusal):
+def test_an_unfinished_run_is_refused_before_any_upload(qwen_run, tmp_path):
     run_dir = copy_of(qwen_run, tmp_path)
-    success = RunLayout(run_dir).success
-    if damage == "unfinished":
-        success.unlink()
-    else:
-        totals = json.loads(success.read_text())
-        success.write_text(json.dumps({**totals, "duplicates": {"in_data": 2, "later_occurrences": 2}}))
+    RunLayout(run_dir).success.unlink()  # what a run still being written lacks
     hub = FakeHub(tmp_path / "hub")
-    with pytest.raises(PushRefused, match=refusal):
+    with pytest.raises(PushRefused, match="has no _SUCCESS: the run is unfinished or still being written"):
         push(run_dir, hub)
     assert REPO_ID not in hub.repos
+
+
+def png(pixels) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.mark.slow
+def test_a_run_with_later_occurrences_of_an_id_in_its_shards_is_published_without_them(tmp_path):
+    images = [png(data.coffee()[::8, ::8]), png(data.chelsea()[::8, ::8])]
+    files = {"a.parquet": ["a0", "shared", "a2", "a3"], "b.parquet": ["b0", "shared", "b2", "a3"]}  # b's repeat a's
+    (tmp_path / "inputs").mkdir()
+    for name, ids in files.items():
+        rows = [{"id": record_id, "images": [images[i % 2]], "text": f"<image> {name} row {i}"}
+                for i, record_id in enumerate(ids)]
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / "inputs" / name)
+    run_dir = embed_in_process(tmp_path, "dups", "dataset=parquet", f"dataset.path={tmp_path}/inputs/*.parquet",
+                               "dataset.unit_records=2")
+    assert json.loads(RunLayout(run_dir).success.read_text())["duplicates"]["in_data"] == 2
+    hub = FakeHub(tmp_path / "hub")
+    first = push(run_dir, hub)
+    records = list(read_run(run_dir))
+    assert len(records) == 6  # each id once: the later occurrences left out
+    assert_rows_are(datasets.load_dataset(str(hub.folder(REPO_ID)), split="train", cache_dir=str(tmp_path / "cache")),
+                    records)
+    assert "- 2 of the quarantined are later occurrences of an id" in (hub.folder(REPO_ID) / CARD).read_text()
+    assert not RunLayout(run_dir).push_staging.exists()
+    assert len(first.uploaded) == len(published_shards(RunLayout(run_dir))) + 1
+    again = push(run_dir, hub)  # the copies without them are the same bytes again
+    assert (again.uploaded, again.commits) == ([], [])
 
 
 @pytest.mark.slow
