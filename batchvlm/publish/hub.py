@@ -110,8 +110,8 @@ class PushConfig(Config):
             raise ConfigError(f"license={self.license!r} is not a Hub license id (cc-by-4.0, apache-2.0, other, ...)")
         positive("files_per_commit", self.files_per_commit)
         if self.files_per_commit > MAX_FILES_PER_COMMIT:
-            raise ConfigError(f"files_per_commit={self.files_per_commit} is over the {MAX_FILES_PER_COMMIT} files the "
-                              "Hub takes in a commit")
+            raise ConfigError(f"files_per_commit={self.files_per_commit} is over {MAX_FILES_PER_COMMIT}: the Hub "
+                              "recommends under 100 files a commit")
         if not RunLayout(Path(self.run_dir)).marker.exists():
             raise ConfigError(f"run_dir={self.run_dir!r} is not a batchvlm run directory (no .batchvlm marker)")
 

@@ -352,7 +352,7 @@ def test_the_push_job_publishes_the_run_and_says_what_it_did(qwen_run, tmp_path,
 @pytest.mark.parametrize("setting,message", [
     ({"repo_id": "features"}, "repo_id='features' is not a Hub repo id: <user or org>/<name>"),
     ({"license": "CC BY 4.0"}, "license='CC BY 4.0' is not a Hub license id"),
-    ({"files_per_commit": 100}, "files_per_commit=100 is over the 99 files the Hub takes in a commit"),
+    ({"files_per_commit": 100}, "files_per_commit=100 is over 99: the Hub recommends under 100 files a commit"),
     ({"files_per_commit": 0}, "files_per_commit=0 must be > 0"),
     ({"visibility": "secret"}, "visibility='secret' is not one of private, public"),
     ({"run_dir": "elsewhere"}, "run_dir='elsewhere' is not a batchvlm run directory"),
