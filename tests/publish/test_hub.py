@@ -29,8 +29,8 @@ from skimage import data
 
 from batchvlm.config import ConfigError
 from batchvlm.publish import hub as hub_module
-from batchvlm.publish.hub import (CARD, VIEWER_ROW_GROUP_BYTES, PushConfig, PushRefused, oversized_row_groups,
-                                  published_shards, push_run)
+from batchvlm.publish.hub import (CARD, VIEWER_ROW_GROUP_BYTES, PushConfig, PushRefused, format_push,
+                                  oversized_row_groups, published_shards, push_run)
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.manifest import all_manifests
 from batchvlm.training import DatasetRows
@@ -156,6 +156,19 @@ def test_a_crashed_attempts_stray_files_are_neither_uploaded_nor_referenced(qwen
     assert names == {path.name for path in committed_shards(run_dir)}
     card = (hub.folder(REPO_ID) / CARD).read_text()
     assert stray.name not in card and temporary.name not in card
+
+
+@pytest.mark.slow
+def test_another_runs_files_left_in_the_repo_are_named_and_not_referenced(qwen_run, siglip_run, tmp_path):
+    hub = FakeHub(tmp_path / "hub")
+    push(qwen_run, hub)
+    earlier = repo_data_files(hub)
+    result = push(siglip_run, hub)
+    assert result.unreferenced == earlier and set(earlier) <= set(repo_data_files(hub))  # left as they were
+    assert card_files(hub) == [shard.repo_path for shard in published_shards(RunLayout(siglip_run))]
+    assert_rows_are(datasets.load_dataset(str(hub.folder(REPO_ID)), split="train", cache_dir=str(tmp_path / "cache")),
+                    list(read_run(siglip_run)))
+    assert f"{len(earlier)} files under data/ in the repo are not this run's" in format_push(result)
 
 
 @pytest.mark.slow
