@@ -17,7 +17,7 @@ ROOMS = {
     "rundir": 3,
     "sources": 4,
     "executor": 5, "review": 5, "training": 5,
-    "bench": 6, "sizing": 6,
+    "bench": 6, "sizing": 6, "publish": 6,
     "jobs": 7,
 }
 """Each room's level: it may import from rooms of a lower level and from itself, never from another of its own level

@@ -93,7 +93,7 @@ class Claims:
         dead: its heartbeat older than the lease, seen against this process's own fresh one (`now`, where the caller
         already has it), or its process gone from this host."""
         now = self.now() if now is None else now
-        return all(self._age(path.name, beat, now) > self.lease_s or _gone_from_this_host(path)
+        return all(self._age(path.name, beat, now) > self.lease_s or gone_from_this_host(path)
                    for path, beat in self._beats(owner))
 
     def _age(self, holder: str, beat: float, now: float) -> float:
@@ -240,7 +240,7 @@ class Beat:
 def last_beats(folder: Path) -> list[Beat]:
     """Every holder's last heartbeat in a claims folder: one listing of the heartbeats, a stat each (and a read of
     each that may have run on this host)."""
-    return [Beat(path.name, at, _gone_from_this_host(path)) for path, at in _heartbeats(folder / ALIVE, "*")]
+    return [Beat(path.name, at, gone_from_this_host(path)) for path, at in _heartbeats(folder / ALIVE, "*")]
 
 
 def _heartbeats(alive: Path, owner: str) -> list[tuple[Path, float]]:
@@ -255,7 +255,7 @@ def _heartbeats(alive: Path, owner: str) -> list[tuple[Path, float]]:
     return found
 
 
-def _gone_from_this_host(heartbeat: Path) -> bool:
+def gone_from_this_host(heartbeat: Path) -> bool:
     """The holder ran on this host and its process is gone (a restart need not wait out a dead process's lease)."""
     try:
         where = json.loads(heartbeat.read_text())

@@ -17,6 +17,8 @@
                                    heartbeats (rundir.claims), and each list's frontier hint (rundir.frontier);
                                    ranks/<attempt>/ one launch's rank progress and its tail boards
           report/index.html        the failure report's page
+          push.lock                held while batchvlm-push uploads the run: who pushes it, where to
+          push.staging/            while it does, its copies of the data shards without their later occurrences
           _SUCCESS                 written last, once every unit and bucket is committed: the run's totals
 
 Readers trust only what a manifest lists; a manifest names its files relative to the run (`data/<name>`).
@@ -68,6 +70,14 @@ class RunLayout:
     @property
     def report_page(self) -> Path:
         return self.root / "report" / "index.html"
+
+    @property
+    def push_lock(self) -> Path:
+        return self.root / "push.lock"
+
+    @property
+    def push_staging(self) -> Path:
+        return self.root / "push.staging"
 
     # -- units: shards and manifests --------------------------------------------------------------
     @property

@@ -137,12 +137,16 @@ def _rewrite(path: Path, shard: Shard) -> None:
     metadata = upgraded_metadata(file.schema_arrow)
     schema = shard.schema.with_metadata(metadata)
     tmp = temporary_name(path)
-    compression = file.metadata.row_group(0).column(0).compression if file.metadata.num_row_groups else "ZSTD"
-    compression = "none" if compression == "UNCOMPRESSED" else compression.lower()
-    with pq.ParquetWriter(tmp, schema, compression=compression) as writer:
+    with pq.ParquetWriter(tmp, schema, compression=compression_of(file)) as writer:
         for group in range(file.num_row_groups):
             writer.write_table(conformed(file.read_row_group(group), shard).replace_schema_metadata(metadata))
     publish(tmp, path)
+
+
+def compression_of(file: pq.ParquetFile) -> str:
+    """The codec a shard was written with (output.compression), as ParquetWriter takes it: a rewrite keeps it."""
+    compression = file.metadata.row_group(0).column(0).compression if file.metadata.num_row_groups else "ZSTD"
+    return "none" if compression == "UNCOMPRESSED" else compression.lower()
 
 
 def conformed(table: pa.Table, shard: Shard) -> pa.Table:
