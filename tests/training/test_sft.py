@@ -25,11 +25,12 @@ from batchvlm.training.sft import PackedSFTTrainer  # noqa: E402
 pytestmark = pytest.mark.slow
 
 CONFIG = LoaderConfig(max_tokens=800, shuffle_buffer=4, pack_buffer=8, num_workers=0)
+WIDE = LoaderConfig(max_tokens=4096, shuffle_buffer=4, pack_buffer=8, num_workers=0)  # Kimi's longest record: 1927
 
 
 def sft_config(tmp_path, **overrides) -> trl.SFTConfig:
     settings = {"output_dir": str(tmp_path / "sft"), "use_cpu": True, "bf16": False, "remove_unused_columns": False,
-                "gradient_checkpointing": False, "report_to": [], "save_strategy": "no", "logging_steps": 1,
+                "activation_checkpointing": False, "report_to": [], "save_strategy": "no", "logging_steps": 1,
                 "learning_rate": 1e-4, **overrides}
     return trl.SFTConfig(**settings)
 
@@ -40,19 +41,19 @@ def family_run(request, tmp_path_factory):
     return trained_run(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def trainer_for(checkpoint, run, tmp_path, trainer_class=PackedSFTTrainer, **overrides):
+def trainer_for(checkpoint, run, tmp_path, trainer_class=PackedSFTTrainer, config=CONFIG, **overrides):
     model = pretrained(checkpoint, dtype=torch.float32)
-    return trainer_class(model, sft_config(tmp_path, **overrides), PackedLoader(run, CONFIG),
+    return trainer_class(model, sft_config(tmp_path, **overrides), PackedLoader(run, config),
                          processing_class=AutoTokenizer.from_pretrained(checkpoint))
 
 
 def test_one_steps_loss_through_trls_loss_is_the_models_loss_on_model_inputs(family_run, tmp_path):
     checkpoint, run = family_run
-    first = next(iter(PackedLoader(run, CONFIG)))
+    first = next(iter(PackedLoader(run, WIDE)))
     fresh = pretrained(checkpoint, dtype=torch.float32)
     with torch.no_grad():
         expected = float(fresh(**model_inputs(fresh, first)).loss)  # item 1: the model's own loss
-    trainer = trainer_for(checkpoint, run, tmp_path, max_steps=1)
+    trainer = trainer_for(checkpoint, run, tmp_path, config=WIDE, max_steps=1)
     trainer.model.eval()
     with torch.no_grad():  # TRL's loss (its fused LM head over the model's backbone) on the same batch
         trl_loss = float(trainer.compute_loss(trainer.model, trainer.batch_inputs(first)))
