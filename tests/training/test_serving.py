@@ -15,8 +15,22 @@ from conftest import embed_in_process
 from test_training_equivalence import CHECKPOINTS
 from transformers import AutoConfig
 
+from batchvlm.families import ModelConfig, load_family
 from batchvlm.training.reader import read_run
 from batchvlm.training.serving import SGLANG, VLLM, ServedRun, request, served_run, serving_requests
+
+
+def qwen2_5_checkpoint(folder):
+    from test_qwen2_vl import _tiny_variant, qwen2_5_config  # tests/families, on the path of test_training_equivalence
+
+    qwen = load_family(ModelConfig(family="qwen2_vl"))
+    _tiny_variant(folder, qwen, qwen2_5_config(qwen))
+    return folder
+
+
+SERVED = {"qwen2_vl": CHECKPOINTS["qwen2_vl"], "qwen2_5_vl": qwen2_5_checkpoint, "qwen3_vl": CHECKPOINTS["qwen3_vl"],
+          "kimi_k25": CHECKPOINTS["kimi_k25"]}
+"""The checkpoints whose runs the engines serve: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (the qwen2_vl family), Kimi-K2.5."""
 
 
 def test_an_engine_without_embedding_input_for_a_family_is_refused_naming_why():
@@ -29,13 +43,13 @@ def test_an_engine_without_embedding_input_for_a_family_is_refused_naming_why():
         ServedRun("tgi", "qwen2_vl")
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl", "kimi_k25"])
+@pytest.fixture(scope="module", params=list(SERVED))
 def stored(request, tmp_path_factory):
-    """A family's checkpoint (Qwen3-VL: with deepstack), its config, and the records of the job's run through it
-    with the stored dtype users run (bf16)."""
+    """A checkpoint (Qwen3-VL: with deepstack), its config, and the records of the job's run through it with the
+    stored dtype users run (bf16)."""
     root = tmp_path_factory.mktemp(request.param)
-    checkpoint = CHECKPOINTS[request.param](root / "checkpoint")
-    family = "qwen2_vl" if request.param == "qwen3_vl" else request.param
+    checkpoint = SERVED[request.param](root / "checkpoint")
+    family = "kimi_k25" if request.param == "kimi_k25" else "qwen2_vl"
     run = embed_in_process(root, "serve", f"model.family={family}", f"model.path={checkpoint}", "dataset.limit=8")
     records = [record for record in read_run(run) if len(record.grid_thw)]
     assert any(len(record.grid_thw) > 1 for record in records)  # a record of several images is split too
