@@ -6,6 +6,10 @@ has already prepared, are refused by name; the documented recipe runs as written
 
 from __future__ import annotations
 
+import ast
+import importlib
+import sys
+
 import pytest
 import torch
 from conftest import REPO
@@ -21,9 +25,6 @@ from batchvlm.training.trainer import LOADER_STATE
 trl = pytest.importorskip("trl")  # the dev extra installs it; the package itself never imports it
 from batchvlm.training.sft import PackedSFTTrainer  # noqa: E402
 
-# the job per family, then the full models and TRL's trainer
-pytestmark = pytest.mark.slow
-
 CONFIG = LoaderConfig(max_tokens=800, shuffle_buffer=4, pack_buffer=8, num_workers=0)
 WIDE = LoaderConfig(max_tokens=4096, shuffle_buffer=4, pack_buffer=8, num_workers=0)  # Kimi's longest record: 1927
 
@@ -33,6 +34,23 @@ def sft_config(tmp_path, **overrides) -> trl.SFTConfig:
                 "activation_checkpointing": False, "report_to": [], "save_strategy": "no", "logging_steps": 1,
                 "learning_rate": 1e-4, **overrides}
     return trl.SFTConfig(**settings)
+
+
+def imported_names(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    return [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+
+
+def test_only_the_recipe_module_imports_trl_and_without_trl_it_says_how_to_get_it(monkeypatch):
+    importing = sorted({path.relative_to(REPO).as_posix() for path in (REPO / "batchvlm").rglob("*.py")
+                        for node in ast.walk(ast.parse(path.read_text()))
+                        if any(name.split(".")[0] == "trl" for name in imported_names(node))})
+    assert importing == ["batchvlm/training/sft.py"]
+    monkeypatch.setitem(sys.modules, "trl", None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, "batchvlm.training.sft")
+    with pytest.raises(ImportError, match="pip install trl"):
+        importlib.import_module("batchvlm.training.sft")
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl", "kimi_k25"])
@@ -47,6 +65,7 @@ def trainer_for(checkpoint, run, tmp_path, trainer_class=PackedSFTTrainer, confi
                          processing_class=AutoTokenizer.from_pretrained(checkpoint))
 
 
+@pytest.mark.slow  # the job, then the full model and TRL's trainer
 def test_one_steps_loss_through_trls_loss_is_the_models_loss_on_model_inputs(family_run, tmp_path):
     checkpoint, run = family_run
     first = next(iter(PackedLoader(run, WIDE)))
@@ -65,6 +84,7 @@ def test_one_steps_loss_through_trls_loss_is_the_models_loss_on_model_inputs(fam
     assert trainer.loader.next_pack == 1  # one batch taken, nothing skipped or read ahead
 
 
+@pytest.mark.slow  # the job, then the full model and TRL's trainer
 def test_the_logged_num_tokens_is_the_number_of_tokens_the_packed_batches_hold(qwen_run, tmp_path):
     checkpoint, steps = tiny_checkpoint("qwen2_vl"), 3
     batches = iter(PackedLoader(qwen_run, CONFIG))
@@ -87,6 +107,7 @@ class _WithoutLabels(PackedSFTTrainer):
         return inputs
 
 
+@pytest.mark.slow  # the job, then the full model and TRL's trainer
 def test_a_batch_without_labels_is_refused_before_trls_loss(qwen_run, tmp_path):
     trainer = trainer_for(tiny_checkpoint("qwen2_vl"), qwen_run, tmp_path, _WithoutLabels, max_steps=1)
     with pytest.raises(ValueError, match=r"without labels \(its keys: \['input_ids', 'mm_encoder_outputs', "
@@ -94,6 +115,7 @@ def test_a_batch_without_labels_is_refused_before_trls_loss(qwen_run, tmp_path):
         trainer.train()
 
 
+@pytest.mark.slow  # the job, then the full model and TRL's trainer
 def test_options_that_would_redo_what_the_loader_did_are_refused_by_name(qwen_run, tmp_path):
     checkpoint = tiny_checkpoint("qwen2_vl")
     with pytest.raises(ValueError, match="remove_unused_columns=True would drop") as dropped:
@@ -111,6 +133,7 @@ def test_options_that_would_redo_what_the_loader_did_are_refused_by_name(qwen_ru
                          data_collator=lambda rows: rows)
 
 
+@pytest.mark.slow  # the job, then the full model and TRL's trainer
 def test_the_documented_trl_recipe_trains_on_the_run_and_checkpoints_the_loader(qwen_run, tmp_path, monkeypatch):
     page = (REPO / "docs" / "training.md").read_text()
     section = page[page.index("## Training with TRL"):]
