@@ -18,9 +18,10 @@ from test_training_equivalence import trained_run
 from transformers import AutoTokenizer, TrainingArguments
 
 from batchvlm.families import tiny_checkpoint
-from batchvlm.training import LoaderConfig, PackedLoader
+from batchvlm.training import LoaderConfig, PackedLoader, load_run_dataset, pack
 from batchvlm.training.model_inputs import model_inputs
-from batchvlm.training.trainer import LOADER_STATE
+from batchvlm.training.reader import read_run
+from batchvlm.training.trainer import LOADER_STATE, RowCollator
 
 trl = pytest.importorskip("trl")  # the dev extra installs it; the package itself never imports it
 from batchvlm.training.sft import PackedSFTTrainer  # noqa: E402
@@ -131,6 +132,32 @@ def test_options_that_would_redo_what_the_loader_did_are_refused_by_name(qwen_ru
     with pytest.raises(ValueError, match="data_collator.*override batch_inputs"):
         PackedSFTTrainer(model, sft_config(tmp_path), loader, processing_class=tokenizer,
                          data_collator=lambda rows: rows)
+
+
+@pytest.mark.slow  # the job, then the full model and TRL's trainer
+def test_the_stock_sft_trainer_over_the_runs_rows_with_the_row_collator_trains_and_counts_them(qwen_run, tmp_path):
+    checkpoint = tiny_checkpoint("qwen2_vl")
+    dataset = load_run_dataset(qwen_run, cache_dir=str(tmp_path / "cache")).select([0, 1])
+    by_id = {record.id: record for record in read_run(qwen_run)}
+    chosen = [by_id[record_id] for record_id in dataset["id"]]
+    model = pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        expected = float(model(**model_inputs(model, pack(chosen, 4096))).loss)
+    skipped = {"skip_prepare_dataset": True}  # the rows are tokenized and labelled already
+    trainer = trl.SFTTrainer(model, sft_config(tmp_path, max_steps=1, per_device_train_batch_size=2,
+                                               dataset_kwargs=skipped),
+                             train_dataset=dataset, data_collator=RowCollator(model, dataset, max_tokens=4096),
+                             processing_class=AutoTokenizer.from_pretrained(checkpoint))
+    trainer.train()
+    (logged,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logged["loss"] == pytest.approx(expected, rel=1e-4)
+    assert logged["num_tokens"] == sum(len(record.input_ids) for record in chosen)  # a padded batch has a mask
+    stripping = trl.SFTTrainer(model, sft_config(tmp_path, max_steps=1, remove_unused_columns=True,
+                                                 dataset_kwargs=skipped),
+                               train_dataset=dataset, data_collator=RowCollator(model, dataset, max_tokens=4096),
+                               processing_class=AutoTokenizer.from_pretrained(checkpoint))
+    with pytest.raises(ValueError, match=r"without the columns \['id', 'image_embeds'.*remove_unused_columns=False"):
+        stripping.train()
 
 
 @pytest.mark.slow  # the job, then the full model and TRL's trainer
