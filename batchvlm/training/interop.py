@@ -1,4 +1,5 @@
-"""The output in other libraries' conventions: transformers' token types, `datasets` rows, vLLM's embedding input.
+"""The output in other libraries' conventions: transformers' token types, `datasets` rows (the engines' inputs are
+serving.py's).
 
 token_tags -> mm_token_type_ids: batchvlm tags 0 text, 1 image token, 2 frame token (the
 vision_start / media_begin ... tokens around a span); transformers' `mm_token_type_ids` are 0 text,
@@ -101,15 +102,3 @@ class DatasetRows:
             rope_delta=row.get("rope_delta"),
             loss_mask=torch.tensor(row["loss_mask"], dtype=torch.int8) if row.get("loss_mask") is not None else None,
         )
-
-
-def vllm_qwen2_vl_image_input(record: RecordTensors, merge_size: int = 2) -> dict[str, torch.Tensor]:
-    """vLLM's Qwen2-VL image-embedding input for one record: `multi_modal_data={"image": this}` with the
-    record's prompt. image_embeds is [n_tokens, hidden] over all its images, image_grid_thw [n_images, 3]
-    in patches, as vLLM splits the rows per image by prod(grid) / merge_size**2."""
-    per_image = (record.grid_thw.prod(-1) // merge_size ** 2).tolist()
-    stored = record.image_spans[:, 1].tolist()
-    if per_image != stored or sum(stored) != len(record.image_embeds):
-        raise ValueError(f"record {record.id}: grids give {per_image} tokens per image, its spans {stored} and "
-                         f"image_embeds {len(record.image_embeds)} rows; merge_size={merge_size} is not its checkpoint's")
-    return {"image_embeds": record.image_embeds, "image_grid_thw": record.grid_thw}

@@ -62,7 +62,7 @@ class _TrainingBatches:
         trainer = self.trainer
         while trainer.loader.epoch < trainer.epochs:
             for batch in trainer.loader:
-                yield model_inputs(trainer.model, batch.to(trainer.args.device))
+                yield trainer.batch_inputs(batch.to(trainer.args.device))
 
 
 class PackedTrainer(Trainer):
@@ -70,8 +70,16 @@ class PackedTrainer(Trainer):
     loader epochs; every other Trainer argument but a training dataset works as usual."""
 
     def __init__(self, model, args: TrainingArguments, loader: PackedLoader, **kwargs):
+        self.take_loader(model, args, loader, kwargs)
+        super().__init__(model=model, args=args, **kwargs)
+
+    def take_loader(self, model, args: TrainingArguments, loader: PackedLoader, kwargs: dict) -> None:
+        """The loader as the training data, checked against the arguments before any work; `max_steps` from its plan."""
         if kwargs.get("train_dataset") is not None:
             raise ValueError("train_dataset: the PackedLoader is the training data; pass none")
+        if kwargs.get("data_collator") is not None:
+            raise ValueError("data_collator: the loader's batches become the model's inputs by batch_inputs (model_inputs"
+                             "), so a collator would never be called; override batch_inputs instead")
         if args.remove_unused_columns:
             raise ValueError(f"remove_unused_columns=True would drop the columns {dropped_columns(model, args, loader)}"
                              " that model.forward does not take, and training would run on text alone: pass "
@@ -84,7 +92,11 @@ class PackedTrainer(Trainer):
                              f"num_train_epochs={self.epochs} (of {args.gradient_accumulation_steps} batches each)")
         if args.max_steps <= 0:
             args.max_steps = planned_steps
-        super().__init__(model=model, args=args, **kwargs)
+
+    def batch_inputs(self, batch) -> dict:
+        """The model's inputs for one packed batch (on the training device): `model_inputs`. A subclass adds what its
+        setup needs (on GPU with flash attention, `batch.flash_attn_kwargs()`)."""
+        return model_inputs(self.model, batch)
 
     def get_train_dataloader(self) -> _TrainingBatches:
         return _TrainingBatches(self)

@@ -1,5 +1,5 @@
-"""Interop: the run as a `datasets` dataset whose rows become the reader's tensors, and the inputs that transformers
-and vLLM take."""
+"""Interop: the run as a `datasets` dataset whose rows become the reader's tensors, and the token types transformers
+takes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from transformers import Qwen2VLForConditionalGeneration
 
 from batchvlm.families import ModelConfig
 from batchvlm.families import load_family
-from batchvlm.training import DatasetRows, load_run_dataset, mm_token_type_ids, vllm_qwen2_vl_image_input
+from batchvlm.training import DatasetRows, load_run_dataset, mm_token_type_ids
 from batchvlm.training.reader import read_run
 
 
@@ -110,14 +110,3 @@ def test_a_dataset_whose_features_lost_an_embedding_layout_is_refused_naming_the
     rows = DatasetRows.from_dataset(cast)
     with pytest.raises(ValueError, match="column 'pooled_embeds'"):
         rows.tensors(next(row for row in cast if row["pooled_embeds"] is not None))
-
-
-@pytest.mark.slow
-def test_vllm_input_has_the_embedding_rows_vllm_splits_by_grid(records):
-    record = next(r for r in records if r.id == "space_trio")
-    inputs = vllm_qwen2_vl_image_input(record)
-    assert set(inputs) == {"image_embeds", "image_grid_thw"}
-    assert inputs["image_grid_thw"].shape == (3, 3)
-    assert inputs["image_embeds"].shape == (int((inputs["image_grid_thw"].prod(-1) // 4).sum()), 64)
-    with pytest.raises(ValueError, match="merge_size"):
-        vllm_qwen2_vl_image_input(record, merge_size=1)

@@ -1,0 +1,124 @@
+"""Serving from stored features: each engine's request for a record of a run, the vision tower never run there.
+
+What the engines take (read in their code; docs/training.md names the versions):
+- vLLM (`LLM(..., enable_mm_embeds=True)`), Qwen2/2.5/3-VL: `multi_modal_data={"image": {"image_embeds": [n_tokens,
+  hidden], "image_grid_thw": [n_images, 3]}}`. It splits the rows per image by `prod(grid) // merge_size**2` (its
+  `_create_qwen2vl_field_factory` and `_process_image_input`) and expands each image placeholder of a token prompt
+  into that many image tokens itself, so the prompt carries one placeholder per image. Qwen3-VL's rows are the
+  merger's tokens and then the deepstack levels, side by side on the last dimension in level order
+  (`[n_tokens, hidden * (1 + levels)]`, what its vision tower returns and `_compute_deepstack_embeds` splits).
+  vLLM's Kimi-K2.5 takes pixels only: refused.
+- sglang, Qwen2/2.5/3-VL and Kimi-K2.5: an `image_data` item `{"format": "precomputed_embedding", "feature":
+  [n_tokens, hidden], "image_grid_thw": [n_images, 3]}` beside the expanded `input_ids`: it finds each image as a run
+  of image tokens and keeps every other key as the item's model data (Kimi's reads `image_grid_thw`, one
+  `[t, h, w]` per image, `h * w // merge**2` tokens). Qwen3-VL's feature is laid out as vLLM's
+  (`separate_deepstack_embeds` splits it at the language model's hidden size).
+
+Every tensor keeps the stored dtype (the engines cast to their tower's); grids are int64. A record is checked before
+its request is built: the engine's split of its rows must give exactly its stored image spans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow.parquet as pq
+import torch
+
+from batchvlm.training.reader import RecordTensors, Runs, read_run, trusted_shards
+
+VLLM, SGLANG = "vllm", "sglang"
+FAMILIES = {VLLM: ("qwen2_vl",), SGLANG: ("qwen2_vl", "kimi_k25")}
+"""The batchvlm families whose stored rows each engine takes as embeddings (qwen2_vl covers Qwen2, 2.5 and 3-VL)."""
+WHY_NOT = {(VLLM, "kimi_k25"): "vLLM's Kimi-K2.5 takes pixel_values and grid_thws only (no embedding input)",
+           (VLLM, "siglip2"): "SigLIP2 rows are patch tokens before a projector no engine runs on them",
+           (SGLANG, "siglip2"): "SigLIP2 rows are patch tokens before a projector no engine runs on them"}
+
+
+@dataclass(frozen=True)
+class ServedRun:
+    """What an engine's request depends on beyond a record: the engine, and the family that wrote the run."""
+    engine: str
+    family: str
+    merge_size: int = 2
+
+    def __post_init__(self):
+        if self.engine not in FAMILIES:
+            raise ValueError(f"engine={self.engine!r}: one of {sorted(FAMILIES)}")
+        if self.family not in FAMILIES[self.engine]:
+            why = WHY_NOT.get((self.engine, self.family), "it has no embedding input for this family")
+            raise ValueError(f"{self.engine} cannot serve the stored rows of the {self.family!r} family: {why}; it takes "
+                             f"those of {list(FAMILIES[self.engine])}")
+
+
+def served_run(runs: Runs, engine: str, merge_size: int = 2) -> ServedRun:
+    """The run's family as its shards record it, checked for `engine`; rows stored before the projector (a run with
+    `model.embedding=tower`) are refused: no engine takes them."""
+    shards = trusted_shards(runs)
+    if not shards:
+        raise ValueError(f"{runs} has no committed shards")
+    metadata = pq.read_schema(shards[0].path).metadata
+    embedding = metadata[b"batchvlm.embedding"].decode()
+    if embedding == "tower":
+        raise ValueError(f"{runs}: its image_embeds are the tower's tokens before the projector (model.embedding=tower);"
+                         " an engine takes the projector's output (model.embedding=projector or both)")
+    return ServedRun(engine, metadata[b"batchvlm.family"].decode(), merge_size)
+
+
+def engine_embeds(record: RecordTensors) -> torch.Tensor:
+    """The rows an engine takes: image_embeds, and for Qwen3-VL its deepstack levels beside them on the last dim (the
+    stored deepstack_embeds hold the levels side by side already, in level order)."""
+    deepstack = record.extras.get("deepstack_embeds")
+    return record.image_embeds if deepstack is None else torch.cat([record.image_embeds, deepstack], dim=-1)
+
+
+def checked_split(record: RecordTensors, merge_size: int) -> None:
+    """The engines' split, `prod(grid) // merge_size**2` rows per image, must be the record's image spans."""
+    per_image = (record.grid_thw.prod(-1) // merge_size ** 2).tolist()
+    stored = record.image_spans[:, 1].tolist()
+    if per_image != stored or sum(stored) != len(record.image_embeds):
+        raise ValueError(f"record {record.id}: grids give {per_image} tokens per image, its spans {stored} and "
+                         f"image_embeds {len(record.image_embeds)} rows; merge_size={merge_size} is not its checkpoint's")
+
+
+def vllm_image_input(record: RecordTensors, merge_size: int = 2) -> dict[str, torch.Tensor]:
+    """vLLM's `multi_modal_data["image"]` for the record's images (Qwen2/2.5/3-VL)."""
+    checked_split(record, merge_size)
+    return {"image_embeds": engine_embeds(record), "image_grid_thw": record.grid_thw}
+
+
+def sglang_image_item(record: RecordTensors, merge_size: int = 2) -> dict:
+    """sglang's precomputed-embedding `image_data` item for the record's images (Qwen2/2.5/3-VL, Kimi-K2.5)."""
+    checked_split(record, merge_size)
+    return {"format": "precomputed_embedding", "feature": engine_embeds(record), "image_grid_thw": record.grid_thw}
+
+
+def one_placeholder_per_image(record: RecordTensors) -> list[int]:
+    """The record's input_ids with each image's span of image tokens reduced to its first: the prompt vLLM expands."""
+    keep = torch.ones(len(record.input_ids), dtype=torch.bool)
+    for start, length in record.image_spans.tolist():
+        keep[start + 1:start + length] = False
+    return record.input_ids[keep].tolist()
+
+
+def request(record: RecordTensors, served: ServedRun) -> dict:
+    """The engine's request for one record: `LLM.generate(request)` for vLLM, `Engine.generate(**request)` for
+    sglang. A record without images is a plain token prompt."""
+    has_images = len(record.grid_thw) > 0
+    if served.engine == VLLM:
+        prompt = {"prompt_token_ids": one_placeholder_per_image(record)}
+        if has_images:
+            prompt["multi_modal_data"] = {"image": vllm_image_input(record, served.merge_size)}
+        return prompt
+    prompt = {"input_ids": record.input_ids.tolist()}
+    if has_images:
+        prompt["image_data"] = [sglang_image_item(record, served.merge_size)]
+    return prompt
+
+
+def serving_requests(runs: Runs, engine: str, merge_size: int = 2) -> Iterator[tuple[str, dict]]:
+    """(record id, the engine's request) for every record of a finished run, in `read_run`'s order."""
+    served = served_run(runs, engine, merge_size)
+    for record in read_run(runs):
+        yield record.id, request(record, served)

@@ -1,0 +1,176 @@
+"""PackedSFTTrainer: TRL's SFTTrainer on batchvlm's packed loader. Oracles: one step's loss through TRL's own loss
+(its fused LM head) is the model's loss on model_inputs of the loader's first batch (item 1's), per family with a
+language model; TRL's logged num_tokens after N steps is the number of tokens the N packed batches hold (TRL's own
+count of such a batch, shown here, is 1); a batch without labels, and the options that would act on data the loader
+has already prepared, are refused by name; the documented recipe runs as written."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+from hf_models import pretrained
+from test_training_equivalence import trained_run
+from transformers import AutoTokenizer, TrainingArguments
+
+from batchvlm.families import tiny_checkpoint
+from batchvlm.training import LoaderConfig, PackedLoader, load_run_dataset, pack
+from batchvlm.training.model_inputs import model_inputs
+from batchvlm.training.reader import read_run
+from batchvlm.training.trainer import LOADER_STATE, RowCollator
+
+trl = pytest.importorskip("trl")  # the dev extra installs it; the package itself never imports it
+from batchvlm.training.sft import PackedSFTTrainer  # noqa: E402
+
+CONFIG = LoaderConfig(max_tokens=800, shuffle_buffer=4, pack_buffer=8, num_workers=0)
+WIDE = LoaderConfig(max_tokens=4096, shuffle_buffer=4, pack_buffer=8, num_workers=0)  # Kimi's longest record: 1927
+
+
+def sft_config(tmp_path, **overrides) -> trl.SFTConfig:
+    settings = {"output_dir": str(tmp_path / "sft"), "use_cpu": True, "bf16": False, "remove_unused_columns": False,
+                "activation_checkpointing": False, "report_to": [], "save_strategy": "no", "logging_steps": 1,
+                "learning_rate": 1e-4, **overrides}
+    return trl.SFTConfig(**settings)
+
+
+def imported_names(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    return [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+
+
+def test_only_the_recipe_module_imports_trl_and_without_trl_it_says_how_to_get_it(monkeypatch):
+    importing = sorted({path.relative_to(REPO).as_posix() for path in (REPO / "batchvlm").rglob("*.py")
+                        for node in ast.walk(ast.parse(path.read_text()))
+                        if any(name.split(".")[0] == "trl" for name in imported_names(node))})
+    assert importing == ["batchvlm/training/sft.py"]
+    monkeypatch.setitem(sys.modules, "trl", None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, "batchvlm.training.sft")
+    with pytest.raises(ImportError, match="pip install trl"):
+        importlib.import_module("batchvlm.training.sft")
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl", "kimi_k25"])
+def family_run(request, tmp_path_factory):
+    """A family's checkpoint (Qwen3-VL: with deepstack) and the job's run of 8 demo records through it."""
+    return trained_run(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def trainer_for(checkpoint, run, tmp_path, trainer_class=PackedSFTTrainer, config=CONFIG, **overrides):
+    model = pretrained(checkpoint, dtype=torch.float32)
+    return trainer_class(model, sft_config(tmp_path, **overrides), PackedLoader(run, config),
+                         processing_class=AutoTokenizer.from_pretrained(checkpoint))
+
+
+@pytest.mark.slow  # the job, then the full model and TRL's trainer
+def test_one_steps_loss_through_trls_loss_is_the_models_loss_on_model_inputs(family_run, tmp_path):
+    checkpoint, run = family_run
+    first = next(iter(PackedLoader(run, WIDE)))
+    fresh = pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        expected = float(fresh(**model_inputs(fresh, first)).loss)  # item 1: the model's own loss
+    trainer = trainer_for(checkpoint, run, tmp_path, config=WIDE, max_steps=1)
+    trainer.model.eval()
+    with torch.no_grad():  # TRL's loss (its fused LM head over the model's backbone) on the same batch
+        trl_loss = float(trainer.compute_loss(trainer.model, trainer.batch_inputs(first)))
+    assert trl_loss == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    trainer.model.train()
+    trainer.train()
+    logged = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
+    assert logged == pytest.approx(expected, rel=1e-4)  # the Trainer logs the loss rounded
+    assert trainer.loader.next_pack == 1  # one batch taken, nothing skipped or read ahead
+
+
+@pytest.mark.slow  # the job, then the full model and TRL's trainer
+def test_the_logged_num_tokens_is_the_number_of_tokens_the_packed_batches_hold(qwen_run, tmp_path):
+    checkpoint, steps = tiny_checkpoint("qwen2_vl"), 3
+    batches = iter(PackedLoader(qwen_run, CONFIG))
+    lengths = [next(batches).num_tokens for _ in range(steps)]
+    trainer = trainer_for(checkpoint, qwen_run, tmp_path, max_steps=steps)
+    trainer.train()
+    logged = [entry["num_tokens"] for entry in trainer.state.log_history if "num_tokens" in entry]
+    assert logged == [sum(lengths[:step + 1]) for step in range(steps)]
+    # What TRL itself adds for such a batch: position_ids.size(1) of [4, 1, L], one token a batch.
+    first = next(iter(PackedLoader(qwen_run, CONFIG)))
+    before = trainer._total_train_tokens
+    trl.SFTTrainer.compute_loss(trainer, trainer.model, trainer.batch_inputs(first))
+    assert trainer._total_train_tokens - before == 1 < first.num_tokens
+
+
+class _WithoutLabels(PackedSFTTrainer):
+    def batch_inputs(self, batch) -> dict:
+        inputs = super().batch_inputs(batch)
+        inputs.pop("labels")
+        return inputs
+
+
+@pytest.mark.slow  # the job, then the full model and TRL's trainer
+def test_a_batch_without_labels_is_refused_before_trls_loss(qwen_run, tmp_path):
+    trainer = trainer_for(tiny_checkpoint("qwen2_vl"), qwen_run, tmp_path, _WithoutLabels, max_steps=1)
+    with pytest.raises(ValueError, match=r"without labels \(its keys: \['input_ids', 'mm_encoder_outputs', "
+                                         r"'position_ids', 'use_cache'\]\)"):
+        trainer.train()
+
+
+@pytest.mark.slow  # the job, then the full model and TRL's trainer
+def test_options_that_would_redo_what_the_loader_did_are_refused_by_name(qwen_run, tmp_path):
+    checkpoint = tiny_checkpoint("qwen2_vl")
+    with pytest.raises(ValueError, match="remove_unused_columns=True would drop") as dropped:
+        trainer_for(checkpoint, qwen_run, tmp_path, remove_unused_columns=True)  # SFTConfig's default
+    assert "'image_embeds'" in str(dropped.value)
+    with pytest.raises(ValueError, match=r"packing=.*packed sequences already.*padding_free=.*assistant_only_loss="):
+        trainer_for(checkpoint, qwen_run, tmp_path, packing=True, padding_free=True, assistant_only_loss=True)
+    model, loader = pretrained(checkpoint, dtype=torch.float32), PackedLoader(qwen_run, CONFIG)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    with pytest.raises(TypeError, match="an SFTConfig"):
+        PackedSFTTrainer(model, TrainingArguments(str(tmp_path / "t"), remove_unused_columns=False), loader,
+                         processing_class=tokenizer)
+    with pytest.raises(ValueError, match="data_collator.*override batch_inputs"):
+        PackedSFTTrainer(model, sft_config(tmp_path), loader, processing_class=tokenizer,
+                         data_collator=lambda rows: rows)
+
+
+@pytest.mark.slow  # the job, then the full model and TRL's trainer
+def test_the_stock_sft_trainer_over_the_runs_rows_with_the_row_collator_trains_and_counts_them(qwen_run, tmp_path):
+    checkpoint = tiny_checkpoint("qwen2_vl")
+    dataset = load_run_dataset(qwen_run, cache_dir=str(tmp_path / "cache")).select([0, 1])
+    by_id = {record.id: record for record in read_run(qwen_run)}
+    chosen = [by_id[record_id] for record_id in dataset["id"]]
+    model = pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        expected = float(model(**model_inputs(model, pack(chosen, 4096))).loss)
+    skipped = {"skip_prepare_dataset": True}  # the rows are tokenized and labelled already
+    trainer = trl.SFTTrainer(model, sft_config(tmp_path, max_steps=1, per_device_train_batch_size=2,
+                                               dataset_kwargs=skipped),
+                             train_dataset=dataset, data_collator=RowCollator(model, dataset, max_tokens=4096),
+                             processing_class=AutoTokenizer.from_pretrained(checkpoint))
+    trainer.train()
+    (logged,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logged["loss"] == pytest.approx(expected, rel=1e-4)
+    assert logged["num_tokens"] == sum(len(record.input_ids) for record in chosen)  # a padded batch has a mask
+    stripping = trl.SFTTrainer(model, sft_config(tmp_path, max_steps=1, remove_unused_columns=True,
+                                                 dataset_kwargs=skipped),
+                               train_dataset=dataset, data_collator=RowCollator(model, dataset, max_tokens=4096),
+                               processing_class=AutoTokenizer.from_pretrained(checkpoint))
+    with pytest.raises(ValueError, match=r"without the columns \['id', 'image_embeds'.*remove_unused_columns=False"):
+        stripping.train()
+
+
+@pytest.mark.slow  # the job, then the full model and TRL's trainer
+def test_the_documented_trl_recipe_trains_on_the_run_and_checkpoints_the_loader(qwen_run, tmp_path, monkeypatch):
+    page = (REPO / "docs" / "training.md").read_text()
+    section = page[page.index("## Training with TRL"):]
+    code = section[section.index("```python") + len("```python"):section.index("```\n", section.index("```python"))]
+    monkeypatch.chdir(tmp_path)  # the recipe writes checkpoints/ where it runs
+    scope: dict = {}
+    exec(code.replace('"outputs/demo-qwen2_vl_tiny"', repr(str(qwen_run))), scope)
+    trainer = scope["trainer"]
+    assert isinstance(trainer, PackedSFTTrainer)
+    assert trainer.state.global_step == trainer.args.max_steps > 5
+    assert (tmp_path / "checkpoints" / "checkpoint-5" / LOADER_STATE).exists()
+    logged = [entry["num_tokens"] for entry in trainer.state.log_history if "num_tokens" in entry]
+    assert logged and logged[-1] > trainer.state.global_step  # tokens, not batches
