@@ -49,7 +49,9 @@ SKIPS = {
     "empty_system": "the system turn is empty: LLaMA-Factory renders its default system prompt instead, ms-swift none",
     "empty_answer": "an assistant turn is empty: the stacks train its end-of-turn token, the job trains nothing of it",
     "media_tag_in_text": "a turn's text holds <image>, <video> or <audio>, which the stacks would read as a media slot",
-    "image_in_answer": "an assistant turn holds an image: LLaMA-Factory trains the whole answer, image tokens too",
+    "image_in_answer": "an assistant turn holds an image: LLaMA-Factory trains the whole answer, image tokens too; "
+                       "ms-swift trains none of the image's tokens, its frame (<|vision_start|>, <|vision_end|>) "
+                       "neither, which the job trains as the answer's",
     "answer_starts_with_newline": "an answer begins with a line break (after optional whitespace): the stacks tokenize "
                                   "an answer apart from its header `assistant\\n`, so the line breaks are tokenized "
                                   "apart too, which the job's rendering (one tokenization) merges",
@@ -99,7 +101,7 @@ def conversation_turns(text: str, placeholder: str, kept: int) -> list[Turn]:
     return [Turn(turn["role"], split_placeholders(turn["content"], placeholder)) for turn in json.loads(text)[:kept]]
 
 
-def skip_reason(turns: list[Turn], num_images: int, format: str) -> str | None:
+def skip_reason(turns: list[Turn], num_images: int) -> str | None:
     """Why the stacks would not train this conversation as the job rendered it (a key of SKIPS), or None."""
     roles = [turn.role for turn in turns]
     body = roles[1:] if roles[:1] == ["system"] else roles
@@ -114,7 +116,7 @@ def skip_reason(turns: list[Turn], num_images: int, format: str) -> str | None:
     answers = [turn for turn in turns if turn.role == "assistant"]
     if any(not turn.content for turn in answers):
         return "empty_answer"
-    if format == "llamafactory" and any(turn.num_images for turn in answers):
+    if any(turn.num_images for turn in answers):
         return "image_in_answer"
     if any(re.match(r"\s*[\r\n]", turn.content[0] or "") for turn in answers):
         return "answer_starts_with_newline"
@@ -150,7 +152,7 @@ def check_exportable(run_dir: Path, format: str, out: Path) -> RunLayout:
     return layout
 
 
-def conversations(layout: RunLayout, format: str) -> Iterator[tuple[str, str | None, dict | None]]:
+def conversations(layout: RunLayout) -> Iterator[tuple[str, str | None, dict | None]]:
     """(id, skip reason, exported line) of every record the readers read, a row group at a time, shard by shard."""
     placeholder = run_setting(layout, "dataset.placeholder") or STACK_IMAGE_TAG
     for shard in trusted_shards(layout.root):
@@ -163,7 +165,7 @@ def conversations(layout: RunLayout, format: str) -> Iterator[tuple[str, str | N
                 if row["row"] in shard.skipped:
                     continue
                 turns = conversation_turns(row["text"], placeholder, len(row["turns"] or ()))
-                reason = skip_reason(turns, len(row["grid_thw"]), format)
+                reason = skip_reason(turns, len(row["grid_thw"]))
                 references = [ImageReference(name, index, k) for k in range(len(row["grid_thw"]))]
                 yield row["id"], reason, None if reason else exported_line(row["id"], turns, references)
             at += table.num_rows
@@ -178,7 +180,7 @@ def export_run(run_dir: str | Path, format: str, out: str | Path, name: str | No
     data = out / FILE_NAME[format].format(name=name)
     summary = ExportSummary(out, [data, out / "skipped.jsonl"])
     with open(f"{data}.partial", "w") as lines, open(out / "skipped.jsonl.partial", "w") as skipped:
-        for record_id, reason, line in conversations(layout, format):
+        for record_id, reason, line in conversations(layout):
             if reason:
                 skipped.write(json.dumps({"id": record_id, "reason": reason}, ensure_ascii=False) + "\n")
                 summary.skipped[reason] += 1

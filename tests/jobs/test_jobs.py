@@ -18,7 +18,7 @@ from conftest import REPO, run_embed
 SCRIPTS = {"batchvlm-embed": "batchvlm.jobs.embed:main", "batchvlm-report": "batchvlm.jobs.report:main",
            "batchvlm-verify": "batchvlm.jobs.verify:main", "batchvlm-bench": "batchvlm.jobs.bench:main",
            "batchvlm-estimate": "batchvlm.jobs.estimate:main", "batchvlm-status": "batchvlm.jobs.status:main",
-           "batchvlm-upgrade": "batchvlm.jobs.upgrade:main"}
+           "batchvlm-upgrade": "batchvlm.jobs.upgrade:main", "batchvlm-export": "batchvlm.jobs.export:main"}
 
 
 def run_script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -1,0 +1,249 @@
+"""The export of a run's conversations to LLaMA-Factory and ms-swift: what each stack makes of the exported file is the
+sequence the job wrote, token for token, and trains what the job's loss mask trains.
+
+The oracle is each stack's own Qwen2-VL template, re-implemented from its published sources in
+tests/training/stack_templates.py (which names the files and commits): neither stack installs beside transformers 5.25.
+The job renders with the checkpoint's HF chat template and masks by construction (pipeline/chat.py); the stacks render
+slot strings of their own and mask per prompt/response pair: two independent implementations of one conversation.
+They differ by one convention, checked here as such: both stacks also train the "\\n" after an answer's <|im_end|>,
+the job (as transformers' and TRL's training templates) stops at <|im_end|>."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+import stack_templates
+from batchvlm.config import ConfigError
+from batchvlm.records import Turn
+from batchvlm.training.export import (SKIPS, ImageReference, StoredImages, check_exportable, conversation_turns,
+                                      dataset_info, export_run, skip_reason)
+from batchvlm.training.reader import read_run
+from conftest import committed_shards, embed_in_process, write_llava_dataset
+
+STACKS = {"llamafactory": stack_templates.llamafactory_qwen2_vl, "swift": stack_templates.swift_qwen2_vl}
+CHAT_RECORDS = [
+    {"id": "system_three_images", "image": ["img/cat.png", "img/coffee.jpg", "img/rocket.jpg"], "conversations": [
+        {"from": "system", "value": "You describe photographs precisely."},
+        {"from": "human", "value": "<image>\nWhat is it?"},
+        {"from": "gpt", "value": "A cat, sitting."},
+        {"from": "human", "value": "And now <image> and <image>?"},
+        {"from": "gpt", "value": "Coffee, then a rocket: 3 in all (12+30=42, café, 東京)  "}]},
+    {"id": "default_system", "image": "img/rocket.jpg", "conversations": [
+        {"from": "human", "value": "Describe:<image>"}, {"from": "gpt", "value": "A rocket on its pad."}]},
+    {"id": "answer_newline", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "\nHello."}]},
+    {"id": "empty_system", "conversations": [{"from": "system", "value": ""}, {"from": "human", "value": "Hi"},
+                                             {"from": "gpt", "value": "Yo."}]},
+    {"id": "audio_tag", "conversations": [{"from": "human", "value": "What is <audio>?"},
+                                          {"from": "gpt", "value": "A tag."}]},
+    {"id": "user_last", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yo."},
+                                          {"from": "human", "value": "Bye"}]},
+    {"id": "image_in_answer", "image": "img/cat.png", "conversations": [
+        {"from": "human", "value": "Show me a cat."}, {"from": "gpt", "value": "Here: <image> a cat."}]},
+]
+SKIPPED = {"answer_newline": "answer_starts_with_newline", "empty_system": "empty_system",
+           "audio_tag": "media_tag_in_text", "user_last": "roles", "image_in_answer": "image_in_answer"}
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory, qwen_real_checkpoint):
+    """LLaVA records with system prompts, images in several turns, and each thing a stack renders otherwise; Qwen2-VL's
+    real vocabulary."""
+    folder = write_llava_dataset(tmp_path_factory.mktemp("chat")).parent
+    (folder / "chat.json").write_text(json.dumps(CHAT_RECORDS, ensure_ascii=False))
+    return embed_in_process(tmp_path_factory.mktemp("outputs"), "chat", "dataset=llava",
+                            f"dataset.path={folder / 'chat.json'}", "model=qwen2_vl_tiny",
+                            f"model.path={qwen_real_checkpoint}", "preprocess.backend=reference")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen_real_checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen_real_checkpoint)
+
+
+def data_rows(run_dir) -> dict[str, dict]:
+    return {row["id"]: row for shard in committed_shards(run_dir)
+            for row in pq.read_table(shard, columns=["id", "input_ids", "loss_mask", "turns", "grid_thw"]).to_pylist()}
+
+
+def exported(out, name) -> list[dict]:
+    return [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+
+
+def expected_trained(row: dict, newline: int) -> np.ndarray:
+    """The job's loss mask, plus the "\\n" after each answer's <|im_end|>: what both stacks train."""
+    trained = np.array(row["loss_mask"], dtype=bool)
+    for turn in row["turns"]:
+        if turn["role"] == "assistant":
+            assert row["input_ids"][turn["end"]] == newline  # the template's newline after <|im_end|>
+            trained[turn["end"]] = True
+    return trained
+
+
+def check_stack_reproduces(stack: str, line: dict, row: dict, images: StoredImages, tokenizer) -> None:
+    grids = [images.image(reference)[0].tolist() for reference in line["images"]]
+    ids, labels = STACKS[stack](tokenizer, line, grids)
+    assert ids == row["input_ids"], line["id"]
+    trained = np.array(labels) != stack_templates.IGNORE
+    assert (np.array(labels)[trained] == np.array(ids)[trained]).all()
+    newline = tokenizer.encode("\n", add_special_tokens=False)[0]
+    assert (trained == expected_trained(row, newline)).all(), line["id"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_each_stack_retokenizes_the_exported_conversations_into_the_written_ids_and_mask(stack, chat_run, llava_run,
+                                                                                         tokenizer, tmp_path):
+    for run, name in ((chat_run, "chat"), (llava_run, "llava")):
+        out = tmp_path / name
+        summary = export_run(run, stack, out)
+        lines, rows, images = exported(out, name), data_rows(run), StoredImages(run)
+        assert summary.exported == len(lines) and summary.exported + sum(summary.skipped.values()) == len(rows)
+        for line in lines:
+            check_stack_reproduces(stack, line, rows[line["id"]], images, tokenizer)
+    # multi-turn with a system prompt and three images in two turns; the default system; text only; a record cut to
+    # its first two turns by text.overflow=drop_turns
+    assert {line["id"] for line in exported(tmp_path / "chat", "chat")} == {"system_three_images", "default_system"}
+    llava = {line["id"]: line for line in exported(tmp_path / "llava", "llava")}
+    assert set(llava) == {"two_photos", "text_only", "long"}  # answer_first was quarantined: not exported
+    assert [message["role"] for message in llava["long"]["messages"]] == ["user", "assistant"] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_a_skipped_conversation_is_one_the_stack_would_render_or_mask_otherwise(stack, chat_run, tokenizer, tmp_path):
+    summary = export_run(chat_run, stack, tmp_path / "out")
+    skipped = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
+    assert {entry["id"]: entry["reason"] for entry in skipped} == SKIPPED
+    assert summary.skipped == {reason: 1 for reason in SKIPPED.values()}
+    rows = data_rows(chat_run)
+    texts = {row["id"]: row["text"] for shard in committed_shards(chat_run)
+             for row in pq.read_table(shard, columns=["id", "text"]).to_pylist()}
+    newline = tokenizer.encode("\n", add_special_tokens=False)[0]
+    for record_id in ("answer_newline", "empty_system", "image_in_answer"):
+        turns = conversation_turns(texts[record_id], "<image>", len(rows[record_id]["turns"]))
+        line = {"messages": [{"role": t.role, "content": t.text("<image>")} for t in turns]}
+        ids, labels = STACKS[stack](tokenizer, line, rows[record_id]["grid_thw"])
+        trained = np.array(labels) != stack_templates.IGNORE
+        assert ids != rows[record_id]["input_ids"] or len(trained) != len(rows[record_id]["loss_mask"]) or \
+            (trained != expected_trained(rows[record_id], newline)).any(), record_id
+
+
+@pytest.mark.slow
+def test_an_image_reference_gives_that_images_stored_rows(chat_run, tmp_path):
+    export_run(chat_run, "swift", tmp_path / "out")
+    images = StoredImages(chat_run)
+    records = {record.id: record for record in read_run(chat_run)}
+    for line in exported(tmp_path / "out", "chat"):
+        record = records[line["id"]]
+        assert [images.record(reference).id for reference in line["images"]] == [line["id"]] * len(line["images"])
+        grids, embeds = images.images(line["images"])
+        assert (grids == record.grid_thw).all()
+        assert [len(rows) for rows in embeds] == record.image_spans[:, 1].tolist()
+        assert (torch_cat(embeds, record) == record.image_embeds).all()
+    name = ImageReference.parse(exported(tmp_path / "out", "chat")[0]["images"][0]).shard
+    for wrong in ("config.yaml?row=0&image=0", "data/../config.yaml?row=0&image=0", f"{name}?row=99&image=0",
+                  f"{name}?row=0&image=7", "quarantine/x.parquet?row=0&image=0"):
+        with pytest.raises(ValueError):
+            images.image(wrong)
+
+
+def torch_cat(embeds, record):
+    import torch
+
+    return torch.cat(embeds) if embeds else record.image_embeds[:0]
+
+
+@pytest.mark.slow
+def test_the_llamafactory_export_describes_itself_in_dataset_info(llava_run, tmp_path):
+    summary = export_run(llava_run, "llamafactory", tmp_path / "lf", name="batchvlm_llava")
+    info = json.loads((tmp_path / "lf" / "dataset_info.json").read_text())
+    assert info == dataset_info("batchvlm_llava", "batchvlm_llava.jsonl")
+    assert sorted(p.name for p in (tmp_path / "lf").iterdir()) == ["batchvlm_llava.jsonl", "dataset_info.json",
+                                                                  "skipped.jsonl"]
+    assert summary.exported == 3 and not summary.skipped
+    export_run(llava_run, "swift", tmp_path / "swift")
+    assert sorted(p.name for p in (tmp_path / "swift").iterdir()) == ["llava.jsonl", "skipped.jsonl"]
+
+
+@pytest.mark.slow
+def test_the_export_command_refuses_a_bad_argument_naming_it(llava_run, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    def export(*args):
+        return subprocess.run([sys.executable, str(REPO / "jobs" / "export.py"), *args], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=300)
+
+    assert export(f"run_dir={llava_run}", "format=swift").stderr.strip() == "error: out is required: out=<a new folder>"
+    refused = export(f"run_dir={llava_run}", "format=axolotl", f"out={tmp_path / 'x'}")
+    assert refused.returncode == 2 and "format must be one of llamafactory, swift" in refused.stderr
+    unknown = export(f"run_dir={llava_run}", "format=swift", f"out={tmp_path / 'x'}", "formats=swift")
+    assert unknown.returncode == 2 and "formats" in unknown.stderr
+    done = export(f"run_dir={llava_run}", "format=swift", f"out={tmp_path / 'x'}")
+    assert done.returncode == 0 and "exported 3 conversations" in done.stdout
+    again = export(f"run_dir={llava_run}", "format=swift", f"out={tmp_path / 'x'}")
+    assert again.returncode == 2 and "out:" in again.stderr
+    assert not (tmp_path / "outputs").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["x"]
+
+
+# -- unit tests ---------------------------------------------------------------------------------------------------
+def test_a_plain_text_run_or_a_bad_format_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="^format must be one of llamafactory, swift"):
+        check_exportable(tmp_path, "sharegpt", tmp_path / "out")
+    with pytest.raises(ConfigError, match="^run_dir: .* is not a batchvlm run directory"):
+        check_exportable(tmp_path, "swift", tmp_path / "out")
+    (tmp_path / "config.yaml").write_text("dataset:\n  format: text\n")
+    with pytest.raises(ConfigError, match=r"^run_dir: .* holds plain texts \(dataset.format=text\)"):
+        check_exportable(tmp_path, "swift", tmp_path / "out")
+    (tmp_path / "config.yaml").write_text("dataset:\n  format: messages\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("a user's file")
+    with pytest.raises(ConfigError, match="^out: .* already exists"):
+        check_exportable(tmp_path, "swift", tmp_path / "out")
+    assert (tmp_path / "out" / "mine.txt").read_text() == "a user's file"
+
+
+def turn(role, *content):
+    return Turn(role, content)
+
+
+@pytest.mark.parametrize("turns, images, reason", [
+    ([turn("user", "Hi"), turn("assistant", "Yo")], 0, None),
+    ([turn("system", "Be brief."), turn("user", None, "Hi"), turn("assistant", "Yo")], 1, None),
+    ([turn("user", "Hi")], 0, "roles"),
+    ([turn("user", "Hi"), turn("assistant", "Yo"), turn("tool", "{}"), turn("assistant", "Ok")], 0, "roles"),
+    ([turn("user", "Hi"), turn("user", "Hi"), turn("assistant", "Yo")], 0, "roles"),
+    ([turn("system", "x"), turn("system", "y"), turn("user", "Hi"), turn("assistant", "Yo")], 0, "roles"),
+    ([turn("system"), turn("user", "Hi"), turn("assistant", "Yo")], 0, "empty_system"),
+    ([turn("user", "Hi <video>"), turn("assistant", "Yo")], 0, "media_tag_in_text"),
+    ([turn("user", "Hi", None, None), turn("assistant", "Yo")], 1, "media_tag_in_text"),
+    ([turn("user", "Hi"), turn("assistant")], 0, "empty_answer"),
+    ([turn("user", "Hi"), turn("assistant", " \n Yo")], 0, "answer_starts_with_newline"),
+    ([turn("user", "Hi"), turn("assistant", " Yo\n")], 0, None),
+    ([turn("user", "\nHi"), turn("assistant", "Yo")], 0, None),
+])
+def test_a_conversation_the_stacks_render_otherwise_gets_a_named_reason(turns, images, reason):
+    assert skip_reason(turns, images) == reason
+    assert reason is None or reason in SKIPS
+
+
+@pytest.mark.parametrize("answer", [("Here:", None), (None,), (None, "\nA cat.")])
+def test_an_image_in_an_answer_is_skipped(answer):
+    assert skip_reason([turn("user", "Show me."), turn("assistant", *answer)], 1) == "image_in_answer"
+
+
+def test_an_image_reference_reads_back_as_written():
+    reference = ImageReference("data/u-0001.c5a.parquet", 12, 3)
+    assert str(reference) == "data/u-0001.c5a.parquet?row=12&image=3"
+    assert ImageReference.parse(str(reference)) == reference
+    for wrong in ("data/u.parquet?row=-1&image=0", "/etc/passwd", "data/a/b.parquet?row=1&image=0", None):
+        with pytest.raises(ValueError):
+            ImageReference.parse(wrong)
