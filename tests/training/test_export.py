@@ -247,3 +247,43 @@ def test_an_image_reference_reads_back_as_written():
     for wrong in ("data/u.parquet?row=-1&image=0", "/etc/passwd", "data/a/b.parquet?row=1&image=0", None):
         with pytest.raises(ValueError):
             ImageReference.parse(wrong)
+
+
+@pytest.mark.slow
+def test_a_stack_batch_of_the_export_fed_the_stored_rows_gives_the_logits_of_batchvlms_own_step(llava_run, tokenizer,
+                                                                                                qwen_real_checkpoint,
+                                                                                                tmp_path):
+    """What a LLaMA-Factory plugin subclass feeds (docs/training.md): the collator's padded batch of the stack's own
+    ids, positions recomputed as its collator does (get_rope_index from image_grid_thw, the text row prepended), and
+    StoredImages' grids and rows as `mm_encoder_outputs`: the positions are the stored ones and every record's logits
+    are those of model_inputs on batchvlm's padded batch."""
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from batchvlm.training import model_inputs, pad
+
+    export_run(llava_run, "llamafactory", tmp_path / "lf")
+    lines, images = exported(tmp_path / "lf", "llava"), StoredImages(llava_run)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(qwen_real_checkpoint, dtype=torch.float32).eval()
+    encoded = [STACKS["llamafactory"](tokenizer, line, [images.image(r)[0].tolist() for r in line["images"]])[0]
+               for line in lines]
+    length = max(map(len, encoded))
+    input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (length - len(ids)) for ids in encoded])
+    attention_mask = torch.tensor([[1] * len(ids) + [0] * (length - len(ids)) for ids in encoded])
+    grids, embeds = images.images([reference for line in lines for reference in line["images"]])
+    mm_token_type_ids = (input_ids == model.config.image_token_id).long()
+    positions, _ = model.model.get_rope_index(input_ids=input_ids, mm_token_type_ids=mm_token_type_ids,
+                                              image_grid_thw=grids, attention_mask=attention_mask)
+    positions = torch.cat([positions[:1], positions])  # LLaMA-Factory's collator: [4, B, L], the text row first
+    records = {record.id: record for record in read_run(llava_run)}
+    ours = pad([records[line["id"]] for line in lines], max_tokens=length)
+    with torch.no_grad():
+        stack = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False,
+                      image_grid_thw=grids, mm_encoder_outputs={"image": BaseModelOutputWithPooling(
+                          pooler_output=embeds)}).logits
+        expected = model(**{**model_inputs(model, ours), "labels": None}).logits
+    for row, ids in enumerate(encoded):
+        assert (positions[1:, row, :len(ids)] == records[lines[row]["id"]].position_ids).all()
+        scale = expected[row, :len(ids)].abs().max()
+        assert (stack[row, :len(ids)] - expected[row, :len(ids)]).abs().max() <= 1e-4 * scale, lines[row]["id"]
