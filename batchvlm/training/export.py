@@ -198,8 +198,9 @@ def export_run(run_dir: str | Path, format: str, out: str | Path, name: str | No
 
 class StoredImages:
     """The stored rows behind exported image references: each image's grid (t, h, w) and its rows of image_embeds, read
-    from the shards the run's manifests list (a reference to any other file is refused), one row group kept at a
-    time (references come in the order of the exported file, so a stack's pass over it reads each group once)."""
+    from the shards the run's manifests list (a reference to any other file is refused). A reference is read with its
+    row group (up to 64 MB), one group kept at a time: references in the exported file's order read each group once;
+    in a shuffled order an image may cost a read of its group."""
 
     def __init__(self, run_dir: str | Path):
         layout = RunLayout(Path(run_dir))
