@@ -51,7 +51,7 @@ def test_an_installed_job_composes_its_packaged_configs_from_any_folder(tmp_path
     assert list(tmp_path.iterdir()) == []  # --cfg runs nothing, writes nothing
 
 
-@pytest.mark.parametrize("job", ["report", "verify", "status"])
+@pytest.mark.parametrize("job", ["report", "verify", "status", "export"])
 @pytest.mark.slow
 def test_a_job_without_run_dir_says_how_to_give_it(job, tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "jobs" / f"{job}.py")], cwd=tmp_path, capture_output=True,
