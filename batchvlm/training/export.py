@@ -32,11 +32,13 @@ import torch
 import yaml
 
 from batchvlm.config import ConfigError
+from batchvlm.format.schema import FormatError
 from batchvlm.records import Turn
 from batchvlm.rundir.layout import DATA, RunLayout
-from batchvlm.rundir.manifest import checked_shards
+from batchvlm.rundir.manifest import DamagedFile, checked_shards
 from batchvlm.sources.conversations import split_placeholders
-from batchvlm.training.reader import RecordTensors, checked_file, read_tensor_group, tensors_of, trusted_shards
+from batchvlm.training.reader import (RecordTensors, RunNotFinished, TrustedShard, checked_file, read_tensor_group,
+                                      tensors_of, trusted_shards)
 
 FORMATS = ("llamafactory", "swift")
 STACK_IMAGE_TAG = "<image>"
@@ -137,10 +139,12 @@ def dataset_info(name: str, file_name: str) -> dict:
                             "assistant_tag": "assistant", "system_tag": "system"}}}
 
 
-def check_exportable(run_dir: Path, format: str, out: Path) -> RunLayout:
-    """Bad arguments, before anything is read or written: ConfigError naming the key."""
+def check_exportable(run_dir: Path, format: str, out: Path, name: str | None = None) -> list[TrustedShard]:
+    """Bad arguments, before anything is written: ConfigError naming the key. The run's shards the readers read."""
     if format not in FORMATS:
         raise ConfigError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
+    if name is not None and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", str(name)):
+        raise ConfigError(f"name must be a plain file stem (letters, digits, _ . -), not {name!r}")
     layout = RunLayout(run_dir)
     if not layout.config.exists():
         raise ConfigError(f"run_dir: {run_dir} is not a batchvlm run directory (no {layout.name_of(layout.config)})")
@@ -149,13 +153,16 @@ def check_exportable(run_dir: Path, format: str, out: Path) -> RunLayout:
                           "nothing to export in a chat format")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"out: {out} already exists and is not an empty folder (an export never writes over files)")
-    return layout
+    try:
+        return trusted_shards(layout.root)
+    except (RunNotFinished, FormatError, DamagedFile) as error:  # a run the readers refuse: before `out` is made
+        raise ConfigError(f"run_dir: {error}") from None
 
 
-def conversations(layout: RunLayout) -> Iterator[tuple[str, str | None, dict | None]]:
+def conversations(layout: RunLayout, shards: list[TrustedShard]) -> Iterator[tuple[str, str | None, dict | None]]:
     """(id, skip reason, exported line) of every record the readers read, a row group at a time, shard by shard."""
     placeholder = run_setting(layout, "dataset.placeholder") or STACK_IMAGE_TAG
-    for shard in trusted_shards(layout.root):
+    for shard in shards:
         name = layout.name_of(shard.path)
         file = checked_file(shard.path)
         at = 0
@@ -174,13 +181,14 @@ def conversations(layout: RunLayout) -> Iterator[tuple[str, str | None, dict | N
 def export_run(run_dir: str | Path, format: str, out: str | Path, name: str | None = None) -> ExportSummary:
     """Write the run's conversations to `out` (a new folder) in `format`; files appear under their names once whole."""
     run_dir, out = Path(run_dir), Path(out)
-    layout = check_exportable(run_dir, format, out)
-    name = name or run_dir.resolve().name
+    shards = check_exportable(run_dir, format, out, name)
+    layout = RunLayout(run_dir)
+    name = name or re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.resolve().name)
     out.mkdir(parents=True, exist_ok=True)
     data = out / FILE_NAME[format].format(name=name)
     summary = ExportSummary(out, [data, out / "skipped.jsonl"])
     with open(f"{data}.partial", "w") as lines, open(out / "skipped.jsonl.partial", "w") as skipped:
-        for record_id, reason, line in conversations(layout):
+        for record_id, reason, line in conversations(layout, shards):
             if reason:
                 skipped.write(json.dumps({"id": record_id, "reason": reason}, ensure_ascii=False) + "\n")
                 summary.skipped[reason] += 1

@@ -198,12 +198,18 @@ def test_the_export_command_refuses_a_bad_argument_naming_it(llava_run, tmp_path
 def test_a_plain_text_run_or_a_bad_format_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match="^format must be one of llamafactory, swift"):
         check_exportable(tmp_path, "sharegpt", tmp_path / "out")
+    for name in ("../x", "a/b", "", ".hidden"):
+        with pytest.raises(ConfigError, match="^name must be a plain file stem"):
+            check_exportable(tmp_path, "swift", tmp_path / "out", name)
     with pytest.raises(ConfigError, match="^run_dir: .* is not a batchvlm run directory"):
         check_exportable(tmp_path, "swift", tmp_path / "out")
     (tmp_path / "config.yaml").write_text("dataset:\n  format: text\n")
     with pytest.raises(ConfigError, match=r"^run_dir: .* holds plain texts \(dataset.format=text\)"):
         check_exportable(tmp_path, "swift", tmp_path / "out")
     (tmp_path / "config.yaml").write_text("dataset:\n  format: messages\n")
+    with pytest.raises(ConfigError, match="^run_dir: .* has no _SUCCESS: the run is unfinished"):
+        check_exportable(tmp_path, "swift", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("a user's file")
     with pytest.raises(ConfigError, match="^out: .* already exists"):
