@@ -293,3 +293,10 @@ def test_a_stack_batch_of_the_export_fed_the_stored_rows_gives_the_logits_of_bat
         assert (positions[1:, row, :len(ids)] == records[lines[row]["id"]].position_ids).all()
         scale = expected[row, :len(ids)].abs().max()
         assert (stack[row, :len(ids)] - expected[row, :len(ids)]).abs().max() <= 1e-4 * scale, lines[row]["id"]
+
+
+@pytest.mark.slow
+def test_a_run_of_plain_texts_is_refused_before_anything_is_written(qwen_run, tmp_path):
+    with pytest.raises(ConfigError, match=r"^run_dir: .* holds plain texts \(dataset.format=text\)"):
+        export_run(qwen_run, "llamafactory", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
