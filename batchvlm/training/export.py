@@ -46,11 +46,12 @@ STACK_MEDIA_TAGS = ("<image>", "<video>", "<audio>")
 """What both stacks read as a media slot wherever it appears in a message's text (LLaMA-Factory's
 IMAGE/VIDEO/AUDIO_PLACEHOLDER defaults, ms-swift's Template.special_tokens)."""
 SKIPS = {
-    "roles": "the turns are not an optional system turn, then user and assistant turns by turns, ending with an "
+    "roles": "the turns are not an optional system turn, then user and assistant turns in turn, ending with an "
              "assistant turn (LLaMA-Factory drops such an example; ms-swift pairs a query with each response)",
     "empty_system": "the system turn is empty: LLaMA-Factory renders its default system prompt instead, ms-swift none",
     "empty_answer": "an assistant turn is empty: the stacks train its end-of-turn token, the job trains nothing of it",
-    "media_tag_in_text": "a turn's text holds <image>, <video> or <audio>, which the stacks would read as a media slot",
+    "media_tag_in_text": "a turn's text holds <image>, <video> or <audio> (or the run's own placeholder), which the "
+                         "stacks would read as a media slot",
     "image_in_answer": "an assistant turn holds an image: LLaMA-Factory trains the whole answer, image tokens too; "
                        "ms-swift trains none of the image's tokens, its frame (<|vision_start|>, <|vision_end|>) "
                        "neither, which the job trains as the answer's",
@@ -59,8 +60,10 @@ SKIPS = {
                                   "apart too, which the job's rendering (one tokenization) merges",
 }
 """Why a conversation is not exported: reason -> what the stack would do with it."""
-FILE_NAME = {"llamafactory": "{name}.jsonl", "swift": "{name}.jsonl"}
-REFERENCE = re.compile(r"^(?P<shard>data/[^/?]+\.parquet)\?row=(?P<row>[0-9]+)&image=(?P<image>[0-9]+)$")
+SKIPPED = "skipped"
+"""The stem of the file naming each conversation left out and why."""
+REFERENCE = re.compile(r"^(?P<shard>[^/?]+/[^/?]+\.parquet)\?row=(?P<row>[0-9]+)&image=(?P<image>[0-9]+)$")
+"""A data shard as its manifest names it (a folder of the run, the file), the row in it, the image in the row."""
 
 
 @dataclass(frozen=True)
@@ -143,8 +146,9 @@ def check_exportable(run_dir: Path, format: str, out: Path, name: str | None = N
     """Bad arguments, before anything is written: ConfigError naming the key. The run's shards the readers read."""
     if format not in FORMATS:
         raise ConfigError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
-    if name is not None and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", str(name)):
-        raise ConfigError(f"name must be a plain file stem (letters, digits, _ . -), not {name!r}")
+    if name is not None and (not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", str(name)) or name == SKIPPED):
+        raise ConfigError(f"name must be a plain file stem (letters, digits, _ . -) other than {SKIPPED!r}, not "
+                          f"{name!r}")
     layout = RunLayout(run_dir)
     if not layout.config.exists():
         raise ConfigError(f"run_dir: {run_dir} is not a batchvlm run directory (no {layout.name_of(layout.config)})")
@@ -185,9 +189,9 @@ def export_run(run_dir: str | Path, format: str, out: str | Path, name: str | No
     layout = RunLayout(run_dir)
     name = name or re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.resolve().name)
     out.mkdir(parents=True, exist_ok=True)
-    data = out / FILE_NAME[format].format(name=name)
-    summary = ExportSummary(out, [data, out / "skipped.jsonl"])
-    with open(f"{data}.partial", "w") as lines, open(out / "skipped.jsonl.partial", "w") as skipped:
+    data = out / f"{name}.jsonl"
+    summary = ExportSummary(out, [data, out / f"{SKIPPED}.jsonl"])
+    with open(f"{data}.partial", "w") as lines, open(f"{summary.files[1]}.partial", "w") as skipped:
         for record_id, reason, line in conversations(layout, shards):
             if reason:
                 skipped.write(json.dumps({"id": record_id, "reason": reason}, ensure_ascii=False) + "\n")

@@ -198,7 +198,7 @@ def test_the_export_command_refuses_a_bad_argument_naming_it(llava_run, tmp_path
 def test_a_plain_text_run_or_a_bad_format_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match="^format must be one of llamafactory, swift"):
         check_exportable(tmp_path, "sharegpt", tmp_path / "out")
-    for name in ("../x", "a/b", "", ".hidden"):
+    for name in ("../x", "a/b", "", ".hidden", "skipped"):
         with pytest.raises(ConfigError, match="^name must be a plain file stem"):
             check_exportable(tmp_path, "swift", tmp_path / "out", name)
     with pytest.raises(ConfigError, match="^run_dir: .* is not a batchvlm run directory"):
