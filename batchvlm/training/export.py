@@ -58,6 +58,8 @@ SKIPS = {
     "answer_starts_with_newline": "an answer begins with a line break (after optional whitespace): the stacks tokenize "
                                   "an answer apart from its header `assistant\\n`, so the line breaks are tokenized "
                                   "apart too, which the job's rendering (one tokenization) merges",
+    "round_field_in_text": "(ms-swift) a user text holds {{ROUND0}} or {{ROUND1}}, which its template replaces by the "
+                           "round's number",
 }
 """Why a conversation is not exported: reason -> what the stack would do with it."""
 SKIPPED = "skipped"
@@ -106,7 +108,11 @@ def conversation_turns(text: str, placeholder: str, kept: int) -> list[Turn]:
     return [Turn(turn["role"], split_placeholders(turn["content"], placeholder)) for turn in json.loads(text)[:kept]]
 
 
-def skip_reason(turns: list[Turn], num_images: int) -> str | None:
+SWIFT_ROUND_FIELDS = ("{{ROUND0}}", "{{ROUND1}}")
+"""What ms-swift's template fills in a user turn's text after the text is put in (its _concat_context_list)."""
+
+
+def skip_reason(turns: list[Turn], num_images: int, format: str) -> str | None:
     """Why the stacks would not train this conversation as the job rendered it (a key of SKIPS), or None."""
     roles = [turn.role for turn in turns]
     body = roles[1:] if roles[:1] == ["system"] else roles
@@ -125,6 +131,9 @@ def skip_reason(turns: list[Turn], num_images: int) -> str | None:
         return "image_in_answer"
     if any(re.match(r"\s*[\r\n]", turn.content[0] or "") for turn in answers):
         return "answer_starts_with_newline"
+    if format == "swift" and any(field in part for turn in turns if turn.role == "user" for part in turn.content
+                                 if part is not None for field in SWIFT_ROUND_FIELDS):
+        return "round_field_in_text"
     return None
 
 
@@ -163,7 +172,8 @@ def check_exportable(run_dir: Path, format: str, out: Path, name: str | None = N
         raise ConfigError(f"run_dir: {error}") from None
 
 
-def conversations(layout: RunLayout, shards: list[TrustedShard]) -> Iterator[tuple[str, str | None, dict | None]]:
+def conversations(layout: RunLayout, shards: list[TrustedShard],
+                  format: str) -> Iterator[tuple[str, str | None, dict | None]]:
     """(id, skip reason, exported line) of every record the readers read, a row group at a time, shard by shard."""
     placeholder = run_setting(layout, "dataset.placeholder") or STACK_IMAGE_TAG
     for shard in shards:
@@ -176,7 +186,7 @@ def conversations(layout: RunLayout, shards: list[TrustedShard]) -> Iterator[tup
                 if row["row"] in shard.skipped:
                     continue
                 turns = conversation_turns(row["text"], placeholder, len(row["turns"] or ()))
-                reason = skip_reason(turns, len(row["grid_thw"]))
+                reason = skip_reason(turns, len(row["grid_thw"]), format)
                 references = [ImageReference(name, index, k) for k in range(len(row["grid_thw"]))]
                 yield row["id"], reason, None if reason else exported_line(row["id"], turns, references)
             at += table.num_rows
@@ -192,7 +202,7 @@ def export_run(run_dir: str | Path, format: str, out: str | Path, name: str | No
     data = out / f"{name}.jsonl"
     summary = ExportSummary(out, [data, out / f"{SKIPPED}.jsonl"])
     with open(f"{data}.partial", "w") as lines, open(f"{summary.files[1]}.partial", "w") as skipped:
-        for record_id, reason, line in conversations(layout, shards):
+        for record_id, reason, line in conversations(layout, shards, format):
             if reason:
                 skipped.write(json.dumps({"id": record_id, "reason": reason}, ensure_ascii=False) + "\n")
                 summary.skipped[reason] += 1

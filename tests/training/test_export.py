@@ -237,13 +237,19 @@ def turn(role, *content):
     ([turn("user", "\nHi"), turn("assistant", "Yo")], 0, None),
 ])
 def test_a_conversation_the_stacks_render_otherwise_gets_a_named_reason(turns, images, reason):
-    assert skip_reason(turns, images) == reason
+    assert skip_reason(turns, images, "swift") == skip_reason(turns, images, "llamafactory") == reason
     assert reason is None or reason in SKIPS
+
+
+def test_a_round_field_in_a_user_text_is_skipped_for_swift_only():
+    turns = [turn("user", "Fill {{ROUND0}} in"), turn("assistant", "{{ROUND1}} stays in an answer")]
+    assert (skip_reason(turns, 0, "swift"), skip_reason(turns, 0, "llamafactory")) == ("round_field_in_text", None)
+    assert skip_reason([turn("user", "Hi"), turns[1]], 0, "swift") is None
 
 
 @pytest.mark.parametrize("answer", [("Here:", None), (None,), (None, "\nA cat.")])
 def test_an_image_in_an_answer_is_skipped(answer):
-    assert skip_reason([turn("user", "Show me."), turn("assistant", *answer)], 1) == "image_in_answer"
+    assert skip_reason([turn("user", "Show me."), turn("assistant", *answer)], 1, "swift") == "image_in_answer"
 
 
 def test_an_image_reference_reads_back_as_written():
