@@ -32,17 +32,19 @@ CHAT_RECORDS = [
         {"from": "gpt", "value": "A cat, sitting."},
         {"from": "human", "value": "And now <image> and <image>?"},
         {"from": "gpt", "value": "Coffee, then a rocket: 3 in all (12+30=42, café, 東京)  "}]},
-    {"id": "default_system", "image": "img/rocket.jpg", "conversations": [
-        {"from": "human", "value": "Describe:<image>"}, {"from": "gpt", "value": "A rocket on its pad."}]},
     {"id": "answer_newline", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "\nHello."}]},
     {"id": "empty_system", "conversations": [{"from": "system", "value": ""}, {"from": "human", "value": "Hi"},
                                              {"from": "gpt", "value": "Yo."}]},
     {"id": "audio_tag", "conversations": [{"from": "human", "value": "What is <audio>?"},
                                           {"from": "gpt", "value": "A tag."}]},
+    {"id": "default_system", "image": "img/rocket.jpg", "conversations": [
+        {"from": "human", "value": "Describe:<image>"}, {"from": "gpt", "value": "A rocket on its pad."}]},
     {"id": "user_last", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yo."},
                                           {"from": "human", "value": "Bye"}]},
     {"id": "image_in_answer", "image": "img/cat.png", "conversations": [
         {"from": "human", "value": "Show me a cat."}, {"from": "gpt", "value": "Here: <image> a cat."}]},
+    {"id": "default_system", "conversations": [  # the id again: the dedup pass leaves this one out of the readers
+        {"from": "human", "value": "Again?"}, {"from": "gpt", "value": "A second record under the same id."}]},
 ]
 SKIPPED = {"answer_newline": "answer_starts_with_newline", "empty_system": "empty_system",
            "audio_tag": "media_tag_in_text", "user_last": "roles", "image_in_answer": "image_in_answer"}
@@ -56,7 +58,8 @@ def chat_run(tmp_path_factory, qwen_real_checkpoint):
     (folder / "chat.json").write_text(json.dumps(CHAT_RECORDS, ensure_ascii=False))
     return embed_in_process(tmp_path_factory.mktemp("outputs"), "chat", "dataset=llava",
                             f"dataset.path={folder / 'chat.json'}", "model=qwen2_vl_tiny",
-                            f"model.path={qwen_real_checkpoint}", "preprocess.backend=reference")
+                            f"model.path={qwen_real_checkpoint}", "preprocess.backend=reference",
+                            "dataset.unit_records=3")  # three units: the duplicate id is the dedup pass's
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +70,12 @@ def tokenizer(qwen_real_checkpoint):
 
 
 def data_rows(run_dir) -> dict[str, dict]:
-    return {row["id"]: row for shard in committed_shards(run_dir)
-            for row in pq.read_table(shard, columns=["id", "input_ids", "loss_mask", "turns", "grid_thw"]).to_pylist()}
+    """The first row written under each id (a later one is a duplicate the readers leave out)."""
+    rows: dict[str, dict] = {}
+    for shard in committed_shards(run_dir):
+        for row in pq.read_table(shard, columns=["id", "input_ids", "loss_mask", "turns", "grid_thw"]).to_pylist():
+            rows.setdefault(row["id"], row)
+    return rows
 
 
 def exported(out, name) -> list[dict]:
@@ -107,8 +114,13 @@ def test_each_stack_retokenizes_the_exported_conversations_into_the_written_ids_
         for line in lines:
             check_stack_reproduces(stack, line, rows[line["id"]], images, tokenizer)
     # multi-turn with a system prompt and three images in two turns; the default system; text only; a record cut to
-    # its first two turns by text.overflow=drop_turns
-    assert {line["id"] for line in exported(tmp_path / "chat", "chat")} == {"system_three_images", "default_system"}
+    # its first two turns by text.overflow=drop_turns; a duplicate id once, its first record
+    chat = exported(tmp_path / "chat", "chat")
+    assert sorted(line["id"] for line in chat) == ["default_system", "system_three_images"]
+    written = [row["id"] for shard in committed_shards(chat_run)
+               for row in pq.read_table(shard, columns=["id"]).to_pylist()]
+    assert written.count("default_system") == 2
+    assert next(line for line in chat if line["id"] == "default_system")["messages"][0]["content"] == "Describe:<image>"
     llava = {line["id"]: line for line in exported(tmp_path / "llava", "llava")}
     assert set(llava) == {"two_photos", "text_only", "long"}  # answer_first was quarantined: not exported
     assert [message["role"] for message in llava["long"]["messages"]] == ["user", "assistant"] * 2
