@@ -1,6 +1,7 @@
-"""`python jobs/export.py run_dir=outputs/<run> format=llamafactory|swift out=<new folder>`: the run's conversations in
-LLaMA-Factory's ShareGPT format (with dataset_info.json) or ms-swift's messages/images format, each image a reference
-to its stored rows (batchvlm/training/export.py). Exit 0; 2 on a bad argument, naming the key."""
+"""`python jobs/export.py run_dir=outputs/<run> format=llamafactory|swift out=<new folder>` [name=...]
+[shuffle_seed=...]: the run's conversations in LLaMA-Factory's ShareGPT format (with dataset_info.json) or ms-swift's
+messages/images format, each image a reference to its stored rows (batchvlm/training/export.py). Exit 0; 2 on a bad
+argument, naming the key."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def main(cfg: DictConfig) -> None:
         run_dir = required_path(cfg, "run_dir", "run_dir=outputs/<run>")
         format = str(required_path(cfg, "format", "format=llamafactory|swift"))
         out = required_path(cfg, "out", "out=<a new folder>")
-        summary = export_run(run_dir, format, out, cfg.name)
+        summary = export_run(run_dir, format, out, cfg.name, cfg.shuffle_seed)
     skipped = ", ".join(f"{count} {reason}" for reason, count in sorted(summary.skipped.items())) or "none"
     print(f"exported {summary.exported} conversations of {run_dir} to {summary.out} ({format}); skipped: {skipped}")
     for reason in sorted(summary.skipped):

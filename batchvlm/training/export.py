@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -151,10 +152,13 @@ def dataset_info(name: str, file_name: str) -> dict:
                             "assistant_tag": "assistant", "system_tag": "system"}}}
 
 
-def check_exportable(run_dir: Path, format: str, out: Path, name: str | None = None) -> list[TrustedShard]:
+def check_exportable(run_dir: Path, format: str, out: Path, name: str | None = None,
+                     shuffle_seed: int | None = None) -> list[TrustedShard]:
     """Bad arguments, before anything is written: ConfigError naming the key. The run's shards the readers read."""
     if format not in FORMATS:
         raise ConfigError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
+    if shuffle_seed is not None and (not isinstance(shuffle_seed, int) or isinstance(shuffle_seed, bool)):
+        raise ConfigError(f"shuffle_seed must be an integer or null, not {shuffle_seed!r}")
     if name is not None and (not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", str(name)) or name == SKIPPED):
         raise ConfigError(f"name must be a plain file stem (letters, digits, _ . -) other than {SKIPPED!r}, not "
                           f"{name!r}")
@@ -172,37 +176,54 @@ def check_exportable(run_dir: Path, format: str, out: Path, name: str | None = N
         raise ConfigError(f"run_dir: {error}") from None
 
 
-def conversations(layout: RunLayout, shards: list[TrustedShard],
-                  format: str) -> Iterator[tuple[str, str | None, dict | None]]:
-    """(id, skip reason, exported line) of every record the readers read, a row group at a time, shard by shard."""
-    placeholder = run_setting(layout, "dataset.placeholder") or STACK_IMAGE_TAG
+def row_groups(shards: list[TrustedShard], shuffle_seed: int | None) -> list[tuple[TrustedShard, int, int]]:
+    """(shard, row group, its first row in the shard) of every row group, in the run's order or, with a seed, in an
+    order drawn from it: from the files' metadata, without reading a row."""
+    groups = []
     for shard in shards:
+        metadata = checked_file(shard.path).metadata
+        sizes = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+        groups += [(shard, g, sum(sizes[:g])) for g in range(len(sizes))]
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(groups)
+    return groups
+
+
+def conversations(layout: RunLayout, shards: list[TrustedShard], format: str,
+                  shuffle_seed: int | None = None) -> Iterator[tuple[str, str | None, dict | None]]:
+    """(id, skip reason, exported line) of every record the readers read, a row group at a time: in the run's order,
+    or with `shuffle_seed` the row groups in a drawn order and each group's records shuffled (a stack reading the
+    file in order then reads each group's stored rows once, the records mixed across the run)."""
+    placeholder = run_setting(layout, "dataset.placeholder") or STACK_IMAGE_TAG
+    draw = random.Random(shuffle_seed)
+    for shard, group, at in row_groups(shards, shuffle_seed):
         name = layout.name_of(shard.path)
-        file = checked_file(shard.path)
-        at = 0
-        for group in range(file.num_row_groups):
-            table = file.read_row_group(group, columns=["id", "row", "text", "turns", "grid_thw"])
-            for index, row in enumerate(table.to_pylist(), at):
-                if row["row"] in shard.skipped:
-                    continue
-                turns = conversation_turns(row["text"], placeholder, len(row["turns"] or ()))
-                reason = skip_reason(turns, len(row["grid_thw"]), format)
-                references = [ImageReference(name, index, k) for k in range(len(row["grid_thw"]))]
-                yield row["id"], reason, None if reason else exported_line(row["id"], turns, references)
-            at += table.num_rows
+        table = checked_file(shard.path).read_row_group(group, columns=["id", "row", "text", "turns", "grid_thw"])
+        rows = list(enumerate(table.to_pylist(), at))
+        if shuffle_seed is not None:
+            draw.shuffle(rows)
+        for index, row in rows:
+            if row["row"] in shard.skipped:
+                continue
+            turns = conversation_turns(row["text"], placeholder, len(row["turns"] or ()))
+            reason = skip_reason(turns, len(row["grid_thw"]), format)
+            references = [ImageReference(name, index, k) for k in range(len(row["grid_thw"]))]
+            yield row["id"], reason, None if reason else exported_line(row["id"], turns, references)
 
 
-def export_run(run_dir: str | Path, format: str, out: str | Path, name: str | None = None) -> ExportSummary:
-    """Write the run's conversations to `out` (a new folder) in `format`; files appear under their names once whole."""
+def export_run(run_dir: str | Path, format: str, out: str | Path, name: str | None = None,
+               shuffle_seed: int | None = None) -> ExportSummary:
+    """Write the run's conversations to `out` (a new folder) in `format`, in the run's order or shuffled by row group
+    (`conversations`); files appear under their names once whole."""
     run_dir, out = Path(run_dir), Path(out)
-    shards = check_exportable(run_dir, format, out, name)
+    shards = check_exportable(run_dir, format, out, name, shuffle_seed)
     layout = RunLayout(run_dir)
     name = name or re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.resolve().name)
     out.mkdir(parents=True, exist_ok=True)
     data = out / f"{name}.jsonl"
     summary = ExportSummary(out, [data, out / f"{SKIPPED}.jsonl"])
     with open(f"{data}.partial", "w") as lines, open(f"{summary.files[1]}.partial", "w") as skipped:
-        for record_id, reason, line in conversations(layout, shards, format):
+        for record_id, reason, line in conversations(layout, shards, format, shuffle_seed):
             if reason:
                 skipped.write(json.dumps({"id": record_id, "reason": reason}, ensure_ascii=False) + "\n")
                 summary.skipped[reason] += 1
@@ -221,8 +242,9 @@ def export_run(run_dir: str | Path, format: str, out: str | Path, name: str | No
 class StoredImages:
     """The stored rows behind exported image references: each image's grid (t, h, w) and its rows of image_embeds, read
     from the shards the run's manifests list (a reference to any other file is refused). A reference is read with its
-    row group (up to 64 MB), one group kept at a time: references in the exported file's order read each group once;
-    in a shuffled order an image may cost a read of its group."""
+    row group (up to 64 MB), one group kept at a time: references in the exported file's order read each group once
+    (export with shuffle_seed for a shuffled order that keeps this); in a random order an image may cost a read of
+    its group."""
 
     def __init__(self, run_dir: str | Path):
         layout = RunLayout(Path(run_dir))

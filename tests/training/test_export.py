@@ -19,9 +19,10 @@ import pytest
 import stack_templates
 from batchvlm.config import ConfigError
 from batchvlm.records import Turn
+from batchvlm.rundir.layout import RunLayout
 from batchvlm.training.export import (SKIPS, ImageReference, StoredImages, check_exportable, conversation_turns,
-                                      dataset_info, export_run, skip_reason)
-from batchvlm.training.reader import read_run
+                                      conversations, dataset_info, export_run, skip_reason)
+from batchvlm.training.reader import read_run, trusted_shards
 from conftest import committed_shards, embed_in_process, write_llava_dataset
 
 STACKS = {"llamafactory": stack_templates.llamafactory_qwen2_vl, "swift": stack_templates.swift_qwen2_vl}
@@ -210,6 +211,8 @@ def test_the_export_command_refuses_a_bad_argument_naming_it(llava_run, tmp_path
 def test_a_plain_text_run_or_a_bad_format_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match="^format must be one of llamafactory, swift"):
         check_exportable(tmp_path, "sharegpt", tmp_path / "out")
+    with pytest.raises(ConfigError, match="^shuffle_seed must be an integer or null, not 'x'"):
+        check_exportable(tmp_path, "swift", tmp_path / "out", shuffle_seed="x")
     for name in ("../x", "a/b", "", ".hidden", "skipped"):
         with pytest.raises(ConfigError, match="^name must be a plain file stem"):
             check_exportable(tmp_path, "swift", tmp_path / "out", name)
@@ -311,6 +314,27 @@ def test_a_stack_batch_of_the_export_fed_the_stored_rows_gives_the_logits_of_bat
         assert (positions[1:, row, :len(ids)] == records[lines[row]["id"]].position_ids).all()
         scale = expected[row, :len(ids)].abs().max()
         assert (stack[row, :len(ids)] - expected[row, :len(ids)]).abs().max() <= 1e-4 * scale, lines[row]["id"]
+
+
+@pytest.mark.slow
+def test_a_shuffled_export_mixes_the_row_groups_and_keeps_each_groups_records_together(chat_run, tmp_path):
+    shard_of: dict[str, str] = {}
+    for shard in committed_shards(chat_run):  # in plan order: an id's first record is the one read
+        for row in pq.read_table(shard, columns=["id"]).to_pylist():
+            shard_of.setdefault(row["id"], shard.name)
+    in_order = [record_id for record_id, _, _ in conversations(RunLayout(chat_run), trusted_shards(chat_run), "swift")]
+    orders = {seed: [record_id for record_id, _, _ in conversations(RunLayout(chat_run), trusted_shards(chat_run),
+                                                                     "swift", seed)] for seed in range(6)}
+    for order in orders.values():
+        assert sorted(order) == sorted(in_order)
+        groups = [shard_of[record_id] for record_id in order]
+        assert len([k for k in range(len(groups)) if k == 0 or groups[k] != groups[k - 1]]) == len(set(groups))
+    assert len({tuple(order) for order in orders.values()} | {tuple(in_order)}) > 2
+    assert [r for r, _, _ in conversations(RunLayout(chat_run), trusted_shards(chat_run), "swift", 3)] == orders[3]
+    summary = export_run(chat_run, "swift", tmp_path / "out", shuffle_seed=3)
+    assert [line["id"] for line in exported(tmp_path / "out", "chat")] == [
+        record_id for record_id in orders[3] if record_id in {"system_three_images", "default_system"}]
+    assert summary.exported == 2
 
 
 @pytest.mark.slow
