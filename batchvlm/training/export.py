@@ -61,6 +61,9 @@ SKIPS = {
                                   "apart too, which the job's rendering (one tokenization) merges",
     "round_field_in_text": "(ms-swift) a user text holds {{ROUND0}} or {{ROUND1}}, which its template replaces by the "
                            "round's number",
+    "control_string_in_text": "(a run with text.control_tokens=text) a text holds a string of a special token's shape "
+                              "(<|...|>): the job tokenized it as plain text, the stacks tokenize a special token's "
+                              "string as the special token",
 }
 """Why a conversation is not exported: reason -> what the stack would do with it."""
 SKIPPED = "skipped"
@@ -109,12 +112,16 @@ def conversation_turns(text: str, placeholder: str, kept: int) -> list[Turn]:
     return [Turn(turn["role"], split_placeholders(turn["content"], placeholder)) for turn in json.loads(text)[:kept]]
 
 
+CONTROL_STRING = re.compile(r"<\|[^|<>\s]+\|>")
+"""The shape of the Qwen and Kimi tokenizers' special tokens (`<|im_end|>`, `<|media_pad|>`)."""
 SWIFT_ROUND_FIELDS = ("{{ROUND0}}", "{{ROUND1}}")
 """What ms-swift's template fills in a user turn's text after the text is put in (its _concat_context_list)."""
 
 
-def skip_reason(turns: list[Turn], num_images: int, format: str) -> str | None:
-    """Why the stacks would not train this conversation as the job rendered it (a key of SKIPS), or None."""
+def skip_reason(turns: list[Turn], num_images: int, format: str, control_as_text: bool = False) -> str | None:
+    """Why the stacks would not train this conversation as the job rendered it (a key of SKIPS), or None.
+    `control_as_text`: the run tokenized control strings in texts as plain text (text.control_tokens=text; otherwise
+    a written record holds none)."""
     roles = [turn.role for turn in turns]
     body = roles[1:] if roles[:1] == ["system"] else roles
     if not body or len(body) % 2 or body != ["user", "assistant"] * (len(body) // 2):
@@ -132,6 +139,8 @@ def skip_reason(turns: list[Turn], num_images: int, format: str) -> str | None:
         return "image_in_answer"
     if any(re.match(r"\s*[\r\n]", turn.content[0] or "") for turn in answers):
         return "answer_starts_with_newline"
+    if control_as_text and any(CONTROL_STRING.search(text) for text in texts):
+        return "control_string_in_text"
     if format == "swift" and any(field in part for turn in turns if turn.role == "user" for part in turn.content
                                  if part is not None for field in SWIFT_ROUND_FIELDS):
         return "round_field_in_text"
@@ -195,6 +204,7 @@ def conversations(layout: RunLayout, shards: list[TrustedShard], format: str,
     or with `shuffle_seed` the row groups in a drawn order and each group's records shuffled (a stack reading the
     file in order then reads each group's stored rows once, the records mixed across the run)."""
     placeholder = run_setting(layout, "dataset.placeholder") or STACK_IMAGE_TAG
+    control_as_text = run_setting(layout, "text.control_tokens") == "text"
     draw = random.Random(shuffle_seed)
     for shard, group, at in row_groups(shards, shuffle_seed):
         name = layout.name_of(shard.path)
@@ -206,7 +216,7 @@ def conversations(layout: RunLayout, shards: list[TrustedShard], format: str,
             if row["row"] in shard.skipped:
                 continue
             turns = conversation_turns(row["text"], placeholder, len(row["turns"] or ()))
-            reason = skip_reason(turns, len(row["grid_thw"]), format)
+            reason = skip_reason(turns, len(row["grid_thw"]), format, control_as_text)
             references = [ImageReference(name, index, k) for k in range(len(row["grid_thw"]))]
             yield row["id"], reason, None if reason else exported_line(row["id"], turns, references)
 

@@ -44,11 +44,14 @@ CHAT_RECORDS = [
                                           {"from": "human", "value": "Bye"}]},
     {"id": "image_in_answer", "image": "img/cat.png", "conversations": [
         {"from": "human", "value": "Show me a cat."}, {"from": "gpt", "value": "Here: <image> a cat."}]},
+    {"id": "control_string", "conversations": [{"from": "human", "value": "Is <|im_end|> a token?"},
+                                               {"from": "gpt", "value": "Here it is text."}]},
     {"id": "default_system", "conversations": [  # the id again: the dedup pass leaves this one out of the readers
         {"from": "human", "value": "Again?"}, {"from": "gpt", "value": "A second record under the same id."}]},
 ]
 SKIPPED = {"answer_newline": "answer_starts_with_newline", "empty_system": "empty_system",
-           "audio_tag": "media_tag_in_text", "user_last": "roles", "image_in_answer": "image_in_answer"}
+           "audio_tag": "media_tag_in_text", "user_last": "roles", "image_in_answer": "image_in_answer",
+           "control_string": "control_string_in_text"}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,8 @@ def chat_run(tmp_path_factory, qwen_real_checkpoint):
     return embed_in_process(tmp_path_factory.mktemp("outputs"), "chat", "dataset=llava",
                             f"dataset.path={folder / 'chat.json'}", "model=qwen2_vl_tiny",
                             f"model.path={qwen_real_checkpoint}", "preprocess.backend=reference",
-                            "dataset.unit_records=3")  # three units: the duplicate id is the dedup pass's
+                            "dataset.unit_records=3",  # three units: the duplicate id is the dedup pass's
+                            "text.control_tokens=text")  # control_string is written, its <|im_end|> as plain text
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +142,7 @@ def test_a_skipped_conversation_is_one_the_stack_would_render_or_mask_otherwise(
     texts = {row["id"]: row["text"] for shard in committed_shards(chat_run)
              for row in pq.read_table(shard, columns=["id", "text"]).to_pylist()}
     newline = tokenizer.encode("\n", add_special_tokens=False)[0]
-    for record_id in ("answer_newline", "empty_system", "image_in_answer"):
+    for record_id in ("answer_newline", "empty_system", "image_in_answer", "control_string"):
         turns = conversation_turns(texts[record_id], "<image>", len(rows[record_id]["turns"]))
         line = {"messages": [{"role": t.role, "content": t.text("<image>")} for t in turns]}
         ids, labels = STACKS[stack](tokenizer, line, rows[record_id]["grid_thw"])
@@ -254,6 +258,12 @@ def turn(role, *content):
 def test_a_conversation_the_stacks_render_otherwise_gets_a_named_reason(turns, images, reason):
     assert skip_reason(turns, images, "swift") == skip_reason(turns, images, "llamafactory") == reason
     assert reason is None or reason in SKIPS
+
+
+def test_a_control_string_is_skipped_where_the_run_read_control_strings_as_text():
+    turns = [turn("user", "Is <|im_end|> one?"), turn("assistant", "No.")]
+    assert (skip_reason(turns, 0, "swift", True), skip_reason(turns, 0, "swift")) == ("control_string_in_text", None)
+    assert skip_reason([turn("user", "a <| b |> c"), turn("assistant", "x")], 0, "llamafactory", True) is None
 
 
 def test_a_round_field_in_a_user_text_is_skipped_for_swift_only():
