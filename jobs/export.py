@@ -5,7 +5,7 @@ argument, naming the key."""
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from batchvlm.config import exit_on_config_error, job_main, required_path
 from batchvlm.training.export import SKIPS, export_run
@@ -14,7 +14,9 @@ from batchvlm.training.export import SKIPS, export_run
 @job_main("export")
 def main(cfg: DictConfig) -> None:
     with exit_on_config_error():
-        run_dir = required_path(cfg, "run_dir", "run_dir=outputs/<run>")
+        # a run, or a run and its requeue runs as one dataset: run_dir=[outputs/<run>,outputs/<run>-requeue]
+        run_dir = [str(run) for run in cfg.run_dir] if isinstance(cfg.get("run_dir"), ListConfig) else \
+            required_path(cfg, "run_dir", "run_dir=outputs/<run>")
         format = str(required_path(cfg, "format", "format=llamafactory|swift"))
         out = required_path(cfg, "out", "out=<a new folder>")
         summary = export_run(run_dir, format, out, cfg.name, cfg.shuffle_seed)

@@ -9,9 +9,11 @@ column: the turns as the job read them, images as the run's placeholder), so a q
 duplicate the dedup pass left out is not either, and a record `text.overflow=drop_turns` cut keeps only the turns
 its row was rendered with.
 
-An image reference names a data shard of the run (as its manifest lists it), the row in that shard, and the image in
-the row: `data/<shard>.parquet?row=12&image=0`. `StoredImages(run_dir)` turns a reference into the image's grid and its
-rows of `image_embeds`: what a stack's plugin or template subclass feeds instead of pixels (docs/training.md).
+An image reference names a data shard (one a manifest lists), the row in that shard, and the image in the row:
+`data/<shard>.parquet?row=12&image=0`, a path from the run directory (a run and its requeue runs export as one dataset,
+as the readers read them; a requeue run's shards are then `../<requeue run>/data/...`). `StoredImages(runs)` turns a
+reference into the image's grid and its rows of `image_embeds`: what a stack's plugin or template subclass feeds
+instead of pixels (docs/training.md).
 
 A record the stacks would render or mask otherwise than the job did is left out and counted by its reason (SKIPS),
 each one named in `skipped.jsonl`; the rules are the stacks' own, read in their sources (docs/training.md).
@@ -38,8 +40,8 @@ from batchvlm.records import Turn
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.rundir.manifest import DamagedFile, checked_shards
 from batchvlm.sources.conversations import split_placeholders
-from batchvlm.training.reader import (RecordTensors, RunNotFinished, TrustedShard, checked_file, read_tensor_group,
-                                      tensors_of, trusted_shards)
+from batchvlm.training.reader import (RecordTensors, Runs, RunNotFinished, TrustedShard, checked_file,
+                                      read_tensor_group, run_layouts, tensors_of, trusted_shards)
 
 FORMATS = ("llamafactory", "swift")
 STACK_IMAGE_TAG = "<image>"
@@ -68,13 +70,14 @@ SKIPS = {
 """Why a conversation is not exported: reason -> what the stack would do with it."""
 SKIPPED = "skipped"
 """The stem of the file naming each conversation left out and why."""
-REFERENCE = re.compile(r"^(?P<shard>[^/?]+/[^/?]+\.parquet)\?row=(?P<row>[0-9]+)&image=(?P<image>[0-9]+)$")
-"""A data shard as its manifest names it (a folder of the run, the file), the row in it, the image in the row."""
+REFERENCE = re.compile(r"^(?P<shard>[^?]+\.parquet)\?row=(?P<row>[0-9]+)&image=(?P<image>[0-9]+)$")
+"""A data shard's path from the (first) run directory, the row in it, the image in the row."""
 
 
 @dataclass(frozen=True)
 class ImageReference:
-    """An image of a written record: the data shard (as the manifests name it), the record's row in it, the image."""
+    """An image of a written record: the data shard (its path from the first run directory: `data/<file>`, or
+    `../<requeue run>/data/<file>`), the record's row in it, the image."""
 
     shard: str
     row: int
@@ -161,9 +164,10 @@ def dataset_info(name: str, file_name: str) -> dict:
                             "assistant_tag": "assistant", "system_tag": "system"}}}
 
 
-def check_exportable(run_dir: Path, format: str, out: Path, name: str | None = None,
+def check_exportable(runs: Runs, format: str, out: Path, name: str | None = None,
                      shuffle_seed: int | None = None) -> list[TrustedShard]:
-    """Bad arguments, before anything is written: ConfigError naming the key. The run's shards the readers read."""
+    """Bad arguments, before anything is written: ConfigError naming the key. The shards the readers read of the run
+    (or of a run and its requeue runs, as read_run takes them)."""
     if format not in FORMATS:
         raise ConfigError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
     if shuffle_seed is not None and (not isinstance(shuffle_seed, int) or isinstance(shuffle_seed, bool)):
@@ -171,6 +175,7 @@ def check_exportable(run_dir: Path, format: str, out: Path, name: str | None = N
     if name is not None and (not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", str(name)) or name == SKIPPED):
         raise ConfigError(f"name must be a plain file stem (letters, digits, _ . -) other than {SKIPPED!r}, not "
                           f"{name!r}")
+    run_dir = first_run(runs)
     layout = RunLayout(run_dir)
     if not layout.config.exists():
         raise ConfigError(f"run_dir: {run_dir} is not a batchvlm run directory (no {layout.name_of(layout.config)})")
@@ -180,9 +185,18 @@ def check_exportable(run_dir: Path, format: str, out: Path, name: str | None = N
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"out: {out} already exists and is not an empty folder (an export never writes over files)")
     try:
-        return trusted_shards(layout.root)
-    except (RunNotFinished, FormatError, DamagedFile) as error:  # a run the readers refuse: before `out` is made
+        return trusted_shards(runs)
+    except (RunNotFinished, FormatError, DamagedFile, ValueError) as error:  # runs the readers refuse: before `out`
         raise ConfigError(f"run_dir: {error}") from None
+
+
+def first_run(runs: Runs) -> Path:
+    return Path(runs if isinstance(runs, (str, Path)) else runs[0])
+
+
+def shard_name(first: Path, path: Path) -> str:
+    """A shard's path from the first run directory: what a reference names."""
+    return Path(os.path.relpath(path, first)).as_posix()
 
 
 def row_groups(shards: list[TrustedShard], shuffle_seed: int | None) -> list[tuple[TrustedShard, int, int]]:
@@ -198,16 +212,16 @@ def row_groups(shards: list[TrustedShard], shuffle_seed: int | None) -> list[tup
     return groups
 
 
-def conversations(layout: RunLayout, shards: list[TrustedShard], format: str,
+def conversations(first: Path, shards: list[TrustedShard], format: str,
                   shuffle_seed: int | None = None) -> Iterator[tuple[str, str | None, dict | None]]:
     """(id, skip reason, exported line) of every record the readers read, a row group at a time: in the run's order,
     or with `shuffle_seed` the row groups in a drawn order and each group's records shuffled (a stack reading the
     file in order then reads each group's stored rows once, the records mixed across the run)."""
-    placeholder = run_setting(layout, "dataset.placeholder") or STACK_IMAGE_TAG
-    control_as_text = run_setting(layout, "text.control_tokens") == "text"
     draw = random.Random(shuffle_seed)
     for shard, group, at in row_groups(shards, shuffle_seed):
-        name = layout.name_of(shard.path)
+        placeholder = run_setting(shard.run, "dataset.placeholder") or STACK_IMAGE_TAG
+        control_as_text = run_setting(shard.run, "text.control_tokens") == "text"
+        name = shard_name(first, shard.path)
         table = checked_file(shard.path).read_row_group(group, columns=["id", "row", "text", "turns", "grid_thw"])
         rows = list(enumerate(table.to_pylist(), at))
         if shuffle_seed is not None:
@@ -221,19 +235,19 @@ def conversations(layout: RunLayout, shards: list[TrustedShard], format: str,
             yield row["id"], reason, None if reason else exported_line(row["id"], turns, references)
 
 
-def export_run(run_dir: str | Path, format: str, out: str | Path, name: str | None = None,
+def export_run(runs: Runs, format: str, out: str | Path, name: str | None = None,
                shuffle_seed: int | None = None) -> ExportSummary:
-    """Write the run's conversations to `out` (a new folder) in `format`, in the run's order or shuffled by row group
-    (`conversations`); files appear under their names once whole."""
-    run_dir, out = Path(run_dir), Path(out)
-    shards = check_exportable(run_dir, format, out, name, shuffle_seed)
-    layout = RunLayout(run_dir)
-    name = name or re.sub(r"[^A-Za-z0-9_.-]", "_", run_dir.resolve().name)
+    """Write the conversations of a run (or of a run and its requeue runs, read as one dataset) to `out` (a new folder)
+    in `format`, in the runs' order or shuffled by row group (`conversations`); files appear under their names once
+    whole."""
+    out = Path(out)
+    shards = check_exportable(runs, format, out, name, shuffle_seed)
+    name = name or re.sub(r"[^A-Za-z0-9_.-]", "_", first_run(runs).resolve().name)
     out.mkdir(parents=True, exist_ok=True)
     data = out / f"{name}.jsonl"
     summary = ExportSummary(out, [data, out / f"{SKIPPED}.jsonl"])
     with open(f"{data}.partial", "w") as lines, open(f"{summary.files[1]}.partial", "w") as skipped:
-        for record_id, reason, line in conversations(layout, shards, format, shuffle_seed):
+        for record_id, reason, line in conversations(first_run(runs), shards, format, shuffle_seed):
             if reason:
                 skipped.write(json.dumps({"id": record_id, "reason": reason}, ensure_ascii=False) + "\n")
                 summary.skipped[reason] += 1
@@ -256,9 +270,10 @@ class StoredImages:
     (export with shuffle_seed for a shuffled order that keeps this); in a random order an image may cost a read of
     its group."""
 
-    def __init__(self, run_dir: str | Path):
-        layout = RunLayout(Path(run_dir))
-        self.shards = {layout.name_of(path): path for _, path in checked_shards(layout, DATA)}
+    def __init__(self, runs: Runs):
+        first = first_run(runs)
+        self.shards = {shard_name(first, path): path for layout in run_layouts(runs)
+                       for _, path in checked_shards(layout, DATA)}
         self._starts: dict[str, list[int]] = {}
         self._group: tuple[str, int, object] | None = None
 

@@ -11,6 +11,8 @@ the job (as transformers' and TRL's training templates) stops at <|im_end|>."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -20,11 +22,10 @@ import torch
 import stack_templates
 from batchvlm.config import ConfigError
 from batchvlm.records import Turn
-from batchvlm.rundir.layout import RunLayout
 from batchvlm.training.export import (SKIPS, ImageReference, StoredImages, check_exportable, conversation_turns,
                                       conversations, dataset_info, export_run, skip_reason)
 from batchvlm.training.reader import read_run, trusted_shards
-from conftest import committed_shards, embed_in_process, write_llava_dataset
+from conftest import REPO, committed_shards, embed_in_process, write_llava_dataset
 
 STACKS = {"llamafactory": stack_templates.llamafactory_qwen2_vl, "swift": stack_templates.swift_qwen2_vl}
 CHAT_RECORDS = [
@@ -187,11 +188,6 @@ def test_the_llamafactory_export_describes_itself_in_dataset_info(llava_run, tmp
 
 @pytest.mark.slow
 def test_the_export_command_refuses_a_bad_argument_naming_it(llava_run, tmp_path):
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
     def export(*args):
         return subprocess.run([sys.executable, str(REPO / "jobs" / "export.py"), *args], capture_output=True, text=True,
                               cwd=tmp_path, timeout=300)
@@ -278,7 +274,8 @@ def test_an_image_reference_reads_back_as_written():
     reference = ImageReference("data/u-0001.c5a.parquet", 12, 3)
     assert str(reference) == "data/u-0001.c5a.parquet?row=12&image=3"
     assert ImageReference.parse(str(reference)) == reference
-    for wrong in ("data/u.parquet?row=-1&image=0", "/etc/passwd", "data/a/b.parquet?row=1&image=0", None):
+    for wrong in ("data/u.parquet?row=-1&image=0", "/etc/passwd", "data/u.parquet?row=1", "data/u?row=1&image=0",
+                  None):
         with pytest.raises(ValueError):
             ImageReference.parse(wrong)
 
@@ -328,19 +325,54 @@ def test_a_shuffled_export_mixes_the_row_groups_and_keeps_each_groups_records_to
     for shard in committed_shards(chat_run):  # in plan order: an id's first record is the one read
         for row in pq.read_table(shard, columns=["id"]).to_pylist():
             shard_of.setdefault(row["id"], shard.name)
-    in_order = [record_id for record_id, _, _ in conversations(RunLayout(chat_run), trusted_shards(chat_run), "swift")]
-    orders = {seed: [record_id for record_id, _, _ in conversations(RunLayout(chat_run), trusted_shards(chat_run),
-                                                                     "swift", seed)] for seed in range(6)}
+    in_order = [record_id for record_id, _, _ in conversations(chat_run, trusted_shards(chat_run), "swift")]
+    orders = {seed: [record_id for record_id, _, _ in conversations(chat_run, trusted_shards(chat_run), "swift",
+                                                                     seed)] for seed in range(6)}
     for order in orders.values():
         assert sorted(order) == sorted(in_order)
         groups = [shard_of[record_id] for record_id in order]
         assert len([k for k in range(len(groups)) if k == 0 or groups[k] != groups[k - 1]]) == len(set(groups))
     assert len({tuple(order) for order in orders.values()} | {tuple(in_order)}) > 2
-    assert [r for r, _, _ in conversations(RunLayout(chat_run), trusted_shards(chat_run), "swift", 3)] == orders[3]
+    assert [r for r, _, _ in conversations(chat_run, trusted_shards(chat_run), "swift", 3)] == orders[3]
     summary = export_run(chat_run, "swift", tmp_path / "out", shuffle_seed=3)
     assert [line["id"] for line in exported(tmp_path / "out", "chat")] == [
         record_id for record_id in orders[3] if record_id in {"system_three_images", "default_system"}]
     assert summary.exported == 2
+
+
+@pytest.mark.slow
+def test_a_run_and_its_requeue_run_export_as_one_dataset(qwen_real_checkpoint, tokenizer, tmp_path):
+    """A record quarantined (two <image> for one image), fixed in the dataset and requeued: exported with the run's,
+    its images referenced in the requeue run's folder."""
+    folder = write_llava_dataset(tmp_path / "data").parent
+    records = [{"id": "fine", "image": "img/cat.png", "conversations": [
+                   {"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A cat."}]},
+               {"id": "fixed", "image": "img/rocket.jpg", "conversations": [
+                   {"from": "human", "value": "<image> and <image>?"}, {"from": "gpt", "value": "One rocket."}]}]
+    (folder / "req.json").write_text(json.dumps(records))
+    job = ("dataset=llava", f"dataset.path={folder / 'req.json'}", "model=qwen2_vl_tiny",
+           f"model.path={qwen_real_checkpoint}", "preprocess.backend=reference")
+    run = embed_in_process(tmp_path / "outputs", "req", *job)
+    records[1]["conversations"][0]["value"] = "<image> and nothing else?"
+    (folder / "req.json").write_text(json.dumps(records))
+    requeue = embed_in_process(tmp_path / "outputs", "req-requeue", *job, f"requeue_from={run}")
+    summary = export_run([run, requeue], "llamafactory", tmp_path / "out")
+    lines = {line["id"]: line for line in exported(tmp_path / "out", "req")}
+    assert summary.exported == 2 and set(lines) == {"fine", "fixed"}
+    assert lines["fine"]["images"][0].startswith("data/")
+    assert lines["fixed"]["images"][0].startswith("../req-requeue/data/")
+    images, rows = StoredImages([run, requeue]), {**data_rows(run), **data_rows(requeue)}
+    for line in lines.values():
+        check_stack_reproduces("llamafactory", line, rows[line["id"]], images, tokenizer)
+    with pytest.raises(ValueError, match="no manifest of the run lists"):
+        StoredImages(run).image(lines["fixed"]["images"][0])
+    with pytest.raises(ConfigError, match="^run_dir: .* is not a requeue run"):
+        export_run([requeue, run], "swift", tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+    done = subprocess.run([sys.executable, str(REPO / "jobs" / "export.py"), f"run_dir=[{run},{requeue}]",
+                           "format=swift", f"out={tmp_path / 'cli'}"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "exported 2 conversations" in done.stdout, done.stderr[-2000:]
+    assert [line["id"] for line in exported(tmp_path / "cli", "req")] == [line["id"] for line in lines.values()]
 
 
 @pytest.mark.slow
