@@ -218,8 +218,9 @@ def conversations(first: Path, shards: list[TrustedShard], format: str,
     or with `shuffle_seed` the row groups in a drawn order and each group's records shuffled (a stack reading the
     file in order then reads each group's stored rows once, the records mixed across the run)."""
     draw = random.Random(shuffle_seed)
-    settings = {shard.run.root: (run_setting(shard.run, "dataset.placeholder") or STACK_IMAGE_TAG,
-                                 run_setting(shard.run, "text.control_tokens") == "text") for shard in shards}
+    runs = {shard.run.root: shard.run for shard in shards}.values()
+    settings = {run.root: (run_setting(run, "dataset.placeholder") or STACK_IMAGE_TAG,
+                           run_setting(run, "text.control_tokens") == "text") for run in runs}
     for shard, group, at in row_groups(shards, shuffle_seed):
         placeholder, control_as_text = settings[shard.run.root]
         name = shard_name(first, shard.path)
