@@ -18,7 +18,8 @@ from conftest import REPO, run_embed
 SCRIPTS = {"batchvlm-embed": "batchvlm.jobs.embed:main", "batchvlm-report": "batchvlm.jobs.report:main",
            "batchvlm-verify": "batchvlm.jobs.verify:main", "batchvlm-bench": "batchvlm.jobs.bench:main",
            "batchvlm-estimate": "batchvlm.jobs.estimate:main", "batchvlm-status": "batchvlm.jobs.status:main",
-           "batchvlm-upgrade": "batchvlm.jobs.upgrade:main", "batchvlm-push": "batchvlm.jobs.push:main"}
+           "batchvlm-upgrade": "batchvlm.jobs.upgrade:main", "batchvlm-push": "batchvlm.jobs.push:main",
+           "batchvlm-export": "batchvlm.jobs.export:main"}
 
 
 def run_script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -51,7 +52,7 @@ def test_an_installed_job_composes_its_packaged_configs_from_any_folder(tmp_path
     assert list(tmp_path.iterdir()) == []  # --cfg runs nothing, writes nothing
 
 
-@pytest.mark.parametrize("job", ["report", "verify", "status"])
+@pytest.mark.parametrize("job", ["report", "verify", "status", "export"])
 @pytest.mark.slow
 def test_a_job_without_run_dir_says_how_to_give_it(job, tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "jobs" / f"{job}.py")], cwd=tmp_path, capture_output=True,
