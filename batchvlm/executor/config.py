@@ -15,6 +15,7 @@ from batchvlm.families import ModelConfig
 from batchvlm.pipeline.chat import Overflow, TextConfig, TrainOn
 from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.pipeline.preprocess import PreprocessConfig
+from batchvlm.pipeline.video import VideoConfig
 from batchvlm.rundir.claims import LEASE_S
 from batchvlm.rundir.sink import OutputConfig
 from batchvlm.sources.config import SCHEMAS, DatasetConfig, DemoDataset, TextFormat
@@ -73,6 +74,7 @@ class JobConfig(Config):
     dataset: DatasetConfig = field(default_factory=DemoDataset)
     model: ModelConfig = field(default_factory=ModelConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    video: VideoConfig = field(default_factory=VideoConfig)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     checks: ChecksConfig = field(default_factory=ChecksConfig)

@@ -118,7 +118,7 @@ def test_an_upgraded_run_reads_as_the_run_it_was(qwen_run, tmp_path, marker):
         for manifest in all_manifests(layout):
             for listing in manifest.shards(kind):
                 written = pq.read_schema(layout.listed(listing.path))
-                assert written.remove_metadata() == schema and written.metadata[FORMAT_KEY.encode()] == b"2"
+                assert written.remove_metadata() == schema and written.metadata[FORMAT_KEY.encode()] == str(FORMAT_VERSION).encode()
     before, after = list(read_run(qwen_run)), list(read_run(older))
     assert [r.id for r in after] == [r.id for r in before]
     for old, new in zip(before, after):
