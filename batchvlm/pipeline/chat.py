@@ -425,23 +425,27 @@ class ChatRenderer:
         rendered = self.tokenize(turns)
         ids = rendered.ids
         is_image = ids == self.family.image_token_id
-        is_video = ids == (-1 if self.video_token_id is None else self.video_token_id)
-        mask = self._mask(turns, rendered, is_image | is_video)
+        # (a record without clips pays nothing for them: tokenize has found none of its ids a video token)
+        is_video = ids == self.video_token_id if clip_plans else None
+        mask = self._mask(turns, rendered, is_image if is_video is None else is_image | is_video)
         # Each image (clip) token becomes its grid-sized span: every index after it moves by the span's length - 1.
         repeats = np.ones(len(ids), dtype=np.int64)
         repeats[is_image] = [plan.num_tokens for plan in plans]
-        repeats[is_video] = [plan.num_tokens for plan in clip_plans]
+        if is_video is not None:
+            repeats[is_video] = [plan.num_tokens for plan in clip_plans]
         moved = np.concatenate([[0], np.cumsum(repeats)])
         expanded = np.repeat(ids, repeats)
         tags = np.where(self.is_frame[expanded], FRAME, TEXT).astype(np.int8)
         images = expanded == self.family.image_token_id
         tags[images] = IMAGE
-        videos = np.repeat(is_video, repeats)
-        tags[videos] = VIDEO
         spans = [TurnSpan(turn.role, int(moved[start]), int(moved[end]))
                  for turn, start, end in zip(turns, [0, *rendered.ends[:-1]], rendered.ends)]
         loss_mask = np.repeat(mask, repeats)
-        loss_mask[images | videos] = 0
+        loss_mask[images] = 0
+        if is_video is not None:
+            videos = np.repeat(is_video, repeats)
+            tags[videos] = VIDEO
+            loss_mask[videos] = 0
         if not loss_mask.any():
             raise CheckFailed("text.no_trained_tokens", f"no token of the conversation is trained (text.train_on="
                               f"{self.train_on}; roles {[turn.role for turn in turns]})",
