@@ -105,7 +105,7 @@ DATA_COLUMNS = (
     Column("rope_delta", pa.int32(), "max position + 1 - sequence length (where decoding continues)", "qwen2_vl",
            read=True),
     Column("video_spans", pa.list_(pa.struct([("start", pa.int32()), ("length", pa.int32())])),
-           "each clip's run of video tokens in `input_ids`, in clip order", CLIPS),
+           "each clip's run of video tokens in `input_ids`, in clip order", CLIPS, read=True),
     Column("video_grid_thw", pa.list_(pa.list_(pa.int32())), "per clip (t, h, w) in patches (transformers' "
            "`video_grid_thw`)", CLIPS),
     Column("second_per_grid_ts", pa.list_(pa.float64()), "per clip, the seconds one temporal patch spans: "
@@ -117,7 +117,7 @@ DATA_COLUMNS = (
     Column("video_frame_times", pa.list_(pa.list_(pa.float64())), "per clip, the sampled frames' times in seconds "
            "from its first frame (from their pts)", CLIPS),
     Column("video_embeds", pa.large_binary(), "all clips' tokens in span order, `[sum(video_num_tokens), hidden]` "
-           "(the hidden size of `image_embeds`)", CLIPS, embedding=True),
+           "(the hidden size of `image_embeds`)", CLIPS, read=True, embedding=True),
 )
 """A data shard's row: one per record written."""
 

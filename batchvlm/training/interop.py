@@ -100,6 +100,10 @@ class DatasetRows:
             position_ids=torch.tensor(positions, dtype=torch.int64) if positions is not None else None,
             rope_delta=row.get("rope_delta"),
             loss_mask=torch.tensor(row["loss_mask"], dtype=torch.int8) if row.get("loss_mask") is not None else None,
+            video_embeds=self._embeddings(row["video_embeds"], "image_embeds")  # as wide as the images'
+            if row.get("video_embeds") is not None else None,
+            video_spans=torch.tensor([(s["start"], s["length"]) for s in row["video_spans"]], dtype=torch.int64
+                                     ).reshape(-1, 2) if row.get("video_spans") is not None else None,
         )
 
 

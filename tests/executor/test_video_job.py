@@ -195,3 +195,25 @@ def test_a_truncated_clip_and_a_clip_without_its_placeholder_are_quarantined_nam
         "truncated": "video.truncated", "unplaced": "text.placeholder_count"}
     assert quarantined["truncated"]["video_index"] == 0 and quarantined["truncated"]["image_index"] is None
     assert "1 video placeholder" in quarantined["unplaced"]["message"]
+
+
+def test_a_stored_clip_row_trains_with_the_loss_the_model_gives_on_its_pixels(video_run):
+    """training.model_inputs on the stored rows (the clips' tokens as `mm_encoder_outputs["video"]`, the stored
+    positions), against the model's own forward on the processor's `pixel_values_videos` (its own positions), with
+    the same labels."""
+    from batchvlm.training.model_inputs import model_inputs
+    from batchvlm.training.packing import pack
+    from batchvlm.training.reader import read_run
+
+    version, checkpoint, folder, run = video_run
+    model = model_of(version, checkpoint)
+    stored = {record.id: record for record in read_run(run)}
+    for record in RECORDS[:2]:
+        batch = pack([stored[record["id"]]], 4096)
+        assert batch.video_embeds is not None and len(batch.video_embeds) == (batch.token_tags == VIDEO).sum()
+        reference = reference_inputs(version, checkpoint, folder, record)
+        with torch.inference_mode():
+            ours = model(**model_inputs(model, batch)).loss
+            theirs = model(**{key: value for key, value in reference.items() if key != "attention_mask"},
+                           labels=batch.labels, use_cache=False).loss
+        assert torch.isfinite(ours) and abs(float(ours) - float(theirs)) <= 1e-4 * abs(float(theirs)), record["id"]
