@@ -217,3 +217,23 @@ def test_a_stored_clip_row_trains_with_the_loss_the_model_gives_on_its_pixels(vi
             theirs = model(**{key: value for key, value in reference.items() if key != "attention_mask"},
                            labels=batch.labels, use_cache=False).loss
         assert torch.isfinite(ours) and abs(float(ours) - float(theirs)) <= 1e-4 * abs(float(theirs)), record["id"]
+
+
+def test_the_estimate_sizes_clip_records_from_their_headers_alone(video_run, tmp_path):
+    """batchvlm-estimate on the same records: each clip probed and sampled, none decoded; the grids it plans are the
+    job's, its rows as wide as the job's (their clip tokens counted), the bad records quarantined as the job does (the
+    cut clip by its packets, short of its stated duration)."""
+    from batchvlm.families import ModelConfig
+    from batchvlm.rundir.sink import OutputConfig
+    from batchvlm.sizing.estimate import EstimateConfig, estimate
+    from batchvlm.sources.config import dataset_config
+
+    version, checkpoint, folder, run = video_run
+    result = estimate(EstimateConfig(
+        dataset=dataset_config(kind="json", format="llava", images_column="image", text_column="conversations",
+                               path=str(folder / "llava.json")),
+        model=ModelConfig(family="qwen2_vl", path=str(checkpoint)), output=OutputConfig(embed_dtype="float32"),
+        records=len(RECORDS)))
+    assert result.sampled == len(RECORDS) and result.quarantined == 2
+    written = rows_of(run, "data")
+    assert result.data_bytes_per_record > min(len(row["video_embeds"]) for row in written.values())
