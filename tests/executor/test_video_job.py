@@ -251,3 +251,14 @@ def test_the_estimate_sizes_clip_records_from_their_headers_alone(video_run, tmp
     assert result.sampled == len(RECORDS) and result.quarantined == 2
     written = rows_of(run, "data")
     assert result.data_bytes_per_record > min(len(row["video_embeds"]) for row in written.values())
+
+
+def test_the_demos_clips_embed_and_its_cut_clip_is_quarantined_with_its_check(tmp_path):
+    """`dataset=demo_clips model=qwen2_vl_tiny`: camera moves over the demo's photographs (mp4 and WebM), one with a
+    photo, one record with two clips; the clip cut short quarantined as video.truncated."""
+    run = embed_in_process(tmp_path, "demo-clips", "dataset=demo_clips", "model=qwen2_vl_tiny")
+    written, quarantined = rows_of(run, "data"), rows_of(run, "quarantine")
+    assert set(written) == {"astronaut_pan", "coffee_zoom_and_cat", "moon_and_astronaut"}
+    assert {key: row["check"] for key, row in quarantined.items()} == {"bad_cut_short": "video.truncated"}
+    assert [len(written[key]["video_grid_thw"]) for key in sorted(written)] == [1, 1, 2]
+    assert written["coffee_zoom_and_cat"]["grid_thw"] and written["moon_and_astronaut"]["video_embeds"]
