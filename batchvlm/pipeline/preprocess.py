@@ -375,7 +375,7 @@ def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: Preproc
             in zip(owners, images, plans, grids, rows, finite)]
     clip_rows = [checked_clip_rows(record, index, plan, part, all_finite) for (record, index, _, plan), part, all_finite
                  in zip(clips, clip_rows, finite[len(rows):])]
-    pixel_values = torch.cat(in_record_order(records, rows, clip_rows))
+    pixel_values = torch.cat(in_record_order(records, rows, clip_rows) if clip_rows else rows)
     grid_thw = torch.tensor([plan.grid_thw for record in records for plan in record.media_plans], dtype=torch.int64)
     require(pixel_values.shape[0] == int(grid_thw.prod(-1).sum()), "preprocess.feature_length",
             "packed pixel rows do not match the batch's grids",
