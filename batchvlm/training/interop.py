@@ -1,9 +1,9 @@
 """The output in other libraries' conventions: transformers' token types, `datasets` rows, vLLM's embedding input.
 
 token_tags -> mm_token_type_ids: batchvlm tags 0 text, 1 image token, 2 frame token (the
-vision_start / media_begin ... tokens around a span); transformers' `mm_token_type_ids` are 0 text,
+vision_start / media_begin ... tokens around a span), 3 video token; transformers' `mm_token_type_ids` are 0 text,
 1 image, 2 video, and a frame token is text to it (`get_rope_index` gives it a text position). So
-image tokens map to 1 and everything else to 0; batchvlm writes no video.
+image tokens map to 1, video tokens to 2 and everything else to 0.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from batchvlm.format.hf_features import EMBED_ID_PREFIX, embedding_layouts
 from batchvlm.rundir.dedup import duplicate_rows
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.training.reader import RecordTensors, Runs, trusted_shards
-from batchvlm.format.schema import IMAGE
+from batchvlm.format.schema import IMAGE, VIDEO
 
 
 def mm_token_type_ids(token_tags: torch.Tensor) -> torch.Tensor:
     """transformers' `mm_token_type_ids` (int64, same shape) for batchvlm `token_tags`."""
-    return (token_tags == IMAGE).long()
+    return (token_tags == IMAGE).long() + 2 * (token_tags == VIDEO).long()
 
 
 def load_run_dataset(runs: Runs, allow_unfinished: bool = False, checksums: bool = False, **kwargs):

@@ -20,6 +20,7 @@ from PIL import Image
 
 from batchvlm.format.schema import FRAME, VIDEO
 from batchvlm.pipeline.video import VideoConfig, decode_frames, probe
+from batchvlm.training.interop import mm_token_type_ids
 from clips import make_clip
 from photos import photo_of_size
 
@@ -180,8 +181,7 @@ def test_a_clip_and_an_image_are_stored_as_the_checkpoints_processor_and_model_g
             theirs = torch.cat(model.model.get_video_features(reference["pixel_values_videos"],
                                                              reference["video_grid_thw"]).pooler_output)
             extra = {"second_per_grid_ts": reference["second_per_grid_ts"]} if version == "qwen2_5_vl" else {}
-            types = torch.tensor([[1 if t == model.config.image_token_id else 2 if t == model.config.video_token_id
-                                   else 0 for t in row["input_ids"]]])
+            types = mm_token_type_ids(torch.tensor([row["token_tags"]], dtype=torch.int8))  # 2 on clip tokens
             positions, delta = model.model.get_rope_index(
                 reference["input_ids"], types, image_grid_thw=reference.get("image_grid_thw"),
                 video_grid_thw=reference["video_grid_thw"], **extra)
