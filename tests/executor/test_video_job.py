@@ -262,3 +262,18 @@ def test_the_demos_clips_embed_and_its_cut_clip_is_quarantined_with_its_check(tm
     assert {key: row["check"] for key, row in quarantined.items()} == {"bad_cut_short": "video.truncated"}
     assert [len(written[key]["video_grid_thw"]) for key in sorted(written)] == [1, 1, 2]
     assert written["coffee_zoom_and_cat"]["grid_thw"] and written["moon_and_astronaut"]["video_embeds"]
+
+
+def test_the_packed_loader_puts_each_clip_token_row_where_its_token_is(video_run):
+    """PackedLoader over the run: both clip records in one pack, each clip token's stored row at its place."""
+    from batchvlm.training.loader import LoaderConfig, PackedLoader
+
+    version, _, _, run = video_run
+    rows = rows_of(run, "data")
+    (batch,) = list(PackedLoader(run, LoaderConfig(max_tokens=4096, shuffle_buffer=1, num_workers=0)))
+    assert sorted(batch.ids) == sorted(rows)
+    hidden, dtype = batch.image_embeds.shape[-1], RUNS[version][0]
+    stored = torch.cat([embeds(rows[key], "video_embeds", hidden, dtype) for key in batch.ids])
+    assert torch.equal(batch.video_embeds.float(), stored)
+    tags = batch.token_tags[0]
+    assert torch.equal(batch.video_positions, torch.nonzero(tags == VIDEO).flatten())
