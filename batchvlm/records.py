@@ -7,6 +7,7 @@ batches into Outcomes (encoded or quarantined records), and outcomes into Rows f
 from __future__ import annotations
 
 import enum
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -82,9 +83,9 @@ class Turn:
     def num_videos(self) -> int:
         return sum(part is Slot.VIDEO for part in self.content)
 
-    @property
+    @functools.cached_property  # (written past the frozen dataclass's __setattr__: a cache, not a field)
     def has_media(self) -> bool:
-        return any(not isinstance(part, str) for part in self.content)
+        return not all(type(part) is str for part in self.content)
 
     def text(self, placeholder: str) -> str:
         """The turn's text with `placeholder` where each image sits and `<video>` where each clip does (what a

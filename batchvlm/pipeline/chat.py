@@ -137,6 +137,7 @@ def messages_of(turns: list[Turn], texts: list[str] | None = None) -> list[dict]
             for turn in turns]
 
 
+NONE = np.zeros(0, dtype=np.int64)
 PROBE_IMAGE = (56, 56)
 """The size of the image in the conversation the tokenizer is probed with at start."""
 SHAPES = 4096
@@ -355,8 +356,10 @@ class ChatRenderer:
         return self._turns(turns, encoded.ids, slots, ranges, {None: images, Slot.VIDEO: videos})
 
     def _media_tokens(self, ids: np.ndarray, token: int | None, count: int, kind: str) -> np.ndarray:
-        """Where the template rendered each image's (or clip's) token: one per image (clip), else text.chat_template."""
-        found = np.flatnonzero(ids == token) if token is not None else np.zeros(0, dtype=np.int64)
+        """Where the template rendered each image's (or clip's) token: one per image (clip), else text.chat_template. A
+        conversation without clips is not searched for clip tokens: the template renders one only for a {type: video}
+        block, and a text's own is text.control_token (or plain text) before this."""
+        found = np.flatnonzero(ids == token) if token is not None and (count or kind == "image") else NONE
         if len(found) != count:
             raise CheckFailed("text.chat_template", f"the chat template renders {len(found)} {kind} token(s) for "
                               f"{count} {kind}(s)", expected=count, observed=len(found))
