@@ -277,3 +277,30 @@ def test_the_packed_loader_puts_each_clip_token_row_where_its_token_is(video_run
     assert torch.equal(batch.video_embeds.float(), stored)
     tags = batch.token_tags[0]
     assert torch.equal(batch.video_positions, torch.nonzero(tags == VIDEO).flatten())
+
+
+def test_messages_records_with_video_blocks_and_a_videos_column_store_what_their_llava_twins_do(video_run, tmp_path):
+    """The same conversations as HF/TRL messages in Parquet (`{type: video}` blocks, clips in `videos`, the images
+    in `images`, as LLaMA-Factory's sharegpt takes them): the same ids, grids, positions and clip tokens."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    version, checkpoint, folder, run = video_run
+    dtype, overrides = RUNS[version]
+    rows = []
+    for record in RECORDS[:2]:
+        messages = [{"role": {"human": "user", "gpt": "assistant"}[turn["from"]], "content": blocks(turn["value"])}
+                    for turn in record["conversations"]]
+        videos = [record["video"]] if isinstance(record["video"], str) else record["video"]
+        images = [record["image"]] if isinstance(record["image"], str) else record["image"]
+        rows.append({"id": record["id"], "messages": json.dumps(messages), "videos": videos, "images": images})
+    pq.write_table(pa.Table.from_pylist(rows), folder / "messages.parquet")
+    twins = embed_in_process(tmp_path, "messages", "dataset=messages", f"dataset.path={folder / 'messages.parquet'}",
+                             "model=qwen2_vl_tiny", f"model.path={checkpoint}", f"output.embed_dtype={dtype}",
+                             *overrides)
+    ours, theirs = rows_of(twins, "data"), rows_of(run, "data")
+    assert set(ours) == set(theirs) == {"clip_and_image", "two_clips"}
+    for key in ours:
+        for column in ("input_ids", "video_spans", "video_grid_thw", "position_ids", "video_frame_indices",
+                       "video_embeds", "token_tags", "loss_mask"):
+            assert ours[key][column] == theirs[key][column], (key, column)
