@@ -139,6 +139,8 @@ QUARANTINE_COLUMNS = (
     Column("image_bytes", pa.list_(pa.large_binary()), "per image, its original bytes up to "
            "`output.quarantine_bytes_cap` (else null)"),
     Column("image_paths", pa.list_(pa.string()), "per image, the path it was read from (null for bytes)"),
+    Column("video_paths", pa.list_(pa.string()), "per clip, the path it was read from (null for bytes)",
+           "a record that names clips"),
     Column("text", pa.string(), "the record's text as read (a conversation's turns as JSON)"),
     Column("turns", pa.list_(pa.struct([("role", pa.string()), ("text", pa.string())])),
            "a conversation's turns as read, images as the placeholder", CONVERSATION),

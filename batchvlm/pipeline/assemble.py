@@ -122,6 +122,7 @@ def quarantine_row(item: QuarantinedRecord, bytes_cap: int, fingerprint: str, pl
         "image_bytes": [ref.data if ref.data is not None and len(ref.data) <= bytes_cap else None
                         for ref in source.images],
         "image_paths": [ref.path for ref in source.images],
+        "video_paths": [ref.path for ref in source.videos] if source.videos else None,
         "text": source.text,
         "turns": [{"role": turn.role, "text": turn.text(placeholder)} for turn in source.turns]
         if source.turns is not None else None,

@@ -207,6 +207,7 @@ def test_a_truncated_clip_and_a_clip_without_its_placeholder_are_quarantined_nam
     assert {key: row["check"] for key, row in quarantined.items()} == {
         "truncated": "video.truncated", "unplaced": "text.placeholder_count"}
     assert quarantined["truncated"]["video_index"] == 0 and quarantined["truncated"]["image_index"] is None
+    assert [Path(path).name for path in quarantined["truncated"]["video_paths"]] == ["cut.webm"]
     assert "1 video placeholder" in quarantined["unplaced"]["message"]
 
 

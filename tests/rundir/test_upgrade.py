@@ -159,7 +159,7 @@ def test_a_format_2_shard_is_rewritten_with_the_clip_columns_null(tmp_path):
     from rows import data_row, quarantine_row
 
     clip_columns = {"video_spans", "video_grid_thw", "second_per_grid_ts", "video_num_tokens", "video_frame_indices",
-                    "video_frame_times", "video_embeds", "video_index"}
+                    "video_frame_times", "video_embeds", "video_index", "video_paths"}
     for kind, row in ((DATA, data_row(id="a", input_ids=[1, 2])), (QUARANTINE, quarantine_row(id="b", check="x"))):
         schema = pa.schema([field for field in SHARDS[kind].schema if field.name not in clip_columns],
                            metadata={FORMAT_KEY: "2"})
