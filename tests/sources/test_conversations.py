@@ -233,3 +233,21 @@ def test_a_record_naming_a_clip_without_its_placeholder_fails_the_placeholder_co
     with pytest.raises(CheckFailed) as caught:
         place_conversation_images(records["clip"].turns, 0, "prepend", len(records["clip"].videos))
     assert caught.value.check == "text.placeholder_count" and "1 video placeholder" in caught.value.message
+
+
+def test_clip_bytes_in_a_parquet_videos_column_are_read_as_the_records_clips(tmp_path):
+    """messages' `videos` holding the clips themselves (binary, or HF's {bytes, path} structs) as images may."""
+    turns = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What?"}]},
+             {"role": "assistant", "content": "A ball."}]
+    rows = [{"id": "raw", "messages": json.dumps(turns), "images": [], "videos": [b"\x00\x00\x00\x18ftypmp42"]},
+            {"id": "struct", "messages": json.dumps(turns), "images": [],
+             "videos": [{"bytes": b"\x1aE\xdf\xa3", "path": "clip.webm"}]}]
+    for index, row in enumerate(rows):
+        folder = tmp_path / str(index)
+        folder.mkdir()
+        cfg = dataset_config(**write_parquet(folder, [row]), format="messages", images_column="images",
+                             text_column="messages", id_column="id")
+        source = make_source(cfg)
+        (record,) = [r for unit in source.plan() for r in source.records(unit)]
+        assert record.failure is None and record.turns[0].num_videos == 1
+        assert [ref.data for ref in record.videos] == [b"\x00\x00\x00\x18ftypmp42" if index == 0 else b"\x1aE\xdf\xa3"]
