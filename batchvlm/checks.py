@@ -117,7 +117,8 @@ CATALOGUE: dict[str, Check] = {
               "sampled frame", "a partly copied clip whose missing frames would be sampled as others, or a dropped frame "
               "shifting every later one", "re-fetch the file; the codec's error is kept"),
         Check("text.placeholder_count", "placeholders in the text (a conversation: in all its turns, `<image>` "
-              "placeholders or `{type: image}` blocks) == images of the record",
+              "placeholders or `{type: image}` blocks) == images of the record, and a conversation's `<video>` "
+              "placeholders or `{type: video}` blocks == its clips",
               "an image with no place in the sequence, or a placeholder with no image",
               "fix the text, or set dataset.missing_placeholder=prepend for image-first datasets"),
         Check("text.roles", "a conversation's roles are system, user, assistant or tool (llava: human, gpt, system), "
@@ -130,10 +131,11 @@ CATALOGUE: dict[str, Check] = {
               "record's text (or null)",
               "a number rendered as its str(), a null as an empty turn, a list or object reaching the tokenizer",
               "fix the record's turns"),
-        Check("text.video", "no turn holds a video (a `<video>` placeholder or a `{type: video}` block) and the record "
-              "names none (llava's `video`, messages' `videos` column): video is not supported yet",
-              "a video's placeholder embedded as plain text and its frames never, or a named clip dropped unseen",
-              "leave video records out of the run until video is supported"),
+        Check("text.video", "a record holds a clip (a `<video>` placeholder, a `{type: video}` block, a clip in llava's "
+              "`video` or messages' `videos` column) only where its format and family take clips: llava or "
+              "messages, and a family with a video rule (Qwen2-VL, Qwen2.5-VL; not yet SigLIP2, Kimi-K2.5 or "
+              "Qwen3-VL)", "a video's placeholder embedded as plain text and its frames never, or a clip dropped unseen",
+              "leave video records out of runs of those families and formats until their clips are supported"),
         Check("text.control_token", "no text of a record (any turn's content, a plain text) tokenizes into one of the "
               "tokenizer's special tokens (`<|im_end|>`, `<|im_start|>`, `<|image_pad|>`...)",
               "a record forging turns or images with the template's control strings, and a mask that trains them",
@@ -193,7 +195,7 @@ class CheckFailed(Exception):
     """Raised when a record breaks an invariant. Carries the check, the stage and both sides."""
 
     def __init__(self, check: str, message: str, expected: object = "", observed: object = "",
-                 image_index: int | None = None, turn_index: int | None = None):
+                 image_index: int | None = None, turn_index: int | None = None, video_index: int | None = None):
         if check not in CATALOGUE:
             raise KeyError(f"unknown check {check!r}; add it to batchvlm.checks.CATALOGUE")
         super().__init__(f"[{check}] {message}")
@@ -204,16 +206,17 @@ class CheckFailed(Exception):
         self.observed = str(observed)
         self.image_index = image_index
         self.turn_index = turn_index
+        self.video_index = video_index
         self.record = None  # set where a batch-level stage knows which record an image belongs to
 
     def __reduce__(self):  # crosses process boundaries (decode sandbox, DataLoader workers)
         return (type(self), (self.check, self.message, self.expected, self.observed, self.image_index,
-                             self.turn_index))
+                             self.turn_index, self.video_index))
 
     def to_failure(self) -> Failure:
         return Failure(check=self.check, stage=self.stage, message=self.message, expected=self.expected,
                        observed=self.observed, exception_type=type(self).__name__, image_index=self.image_index,
-                       turn_index=self.turn_index)
+                       turn_index=self.turn_index, video_index=self.video_index)
 
 
 def require(condition: bool, check: str, message: str, expected: object = "", observed: object = "",

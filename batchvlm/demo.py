@@ -117,6 +117,76 @@ def demo_dataset() -> Path:
     return build_once(home() / f"demo-{DEMO_VERSION}" / "data", _write_dataset)
 
 
+# -- clips -------------------------------------------------------------------------------------------
+def camera_move(photo: np.ndarray, frames: int, height: int, width: int, zoom: bool = False) -> np.ndarray:
+    """(frames, height, width, 3) uint8: a camera panning across a photograph (or zooming into it), frame by frame."""
+    rows, cols = photo.shape[:2]
+    out = np.empty((frames, height, width, 3), dtype=np.uint8)
+    for index in range(frames):
+        step = index / max(frames - 1, 1)
+        scale = 1.0 - 0.5 * step if zoom else 0.6
+        h, w = int(rows * scale), int(cols * scale)
+        top, left = ((rows - h) // 2, (cols - w) // 2) if zoom else ((rows - h) // 2, int((cols - w) * step))
+        crop = photo[top:top + h, left:left + w]
+        y, x = np.arange(height) * h // height, np.arange(width) * w // width
+        out[index] = crop[y][:, x]
+    return out
+
+
+def encode_clip(frames: np.ndarray, fps: int, codec: str = "libx264", container: str = "mp4") -> bytes:
+    """The frames encoded with PyAV (its wheels bundle FFmpeg's encoders)."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format=container) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.height, stream.width, stream.pix_fmt = frames.shape[1], frames.shape[2], "yuv420p"
+        for pixels in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buffer.getvalue()
+
+
+def _write_clips(folder: Path) -> None:
+    """LLaVA records with clips (made from the photographs) and a photo, one clip cut short (video.truncated)."""
+    import json
+
+    from PIL import Image
+
+    data = photographs()
+    gray = lambda a: np.repeat(a[..., None], 3, axis=-1)  # noqa: E731
+    clips = {"astronaut_pan.mp4": encode_clip(camera_move(data.astronaut(), 24, 112, 168), 8),
+             "coffee_zoom.webm": encode_clip(camera_move(data.coffee(), 16, 112, 140, zoom=True), 8, "libvpx", "webm"),
+             "moon_pan.mp4": encode_clip(camera_move(gray(data.moon()), 20, 84, 140), 10)}
+    cut = encode_clip(camera_move(data.rocket(), 40, 84, 112), 10, "libvpx", "webm")
+    clips["bad_cut_short.webm"] = cut[:len(cut) * 2 // 3]
+    for name, clip in clips.items():
+        (folder / name).write_bytes(clip)
+    Image.fromarray(data.chelsea()[::2, ::2]).save(folder / "chelsea.jpg", quality=90)
+
+    def record(rid: str, videos: list[str], images: list[str], question: str, answer: str) -> dict:
+        return {"id": rid, "video": videos, "image": images,
+                "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
+
+    records = [
+        record("astronaut_pan", ["astronaut_pan.mp4"], [], "<video>\nWhat does the camera show?",
+               "It pans across an astronaut in a white suit."),
+        record("coffee_zoom_and_cat", ["coffee_zoom.webm"], ["chelsea.jpg"],
+               "<video> zooms into a cup; <image> is a cat. What do they share?", "Both are seen up close."),
+        record("moon_and_astronaut", ["moon_pan.mp4", "astronaut_pan.mp4"], [], "Compare <video> with <video>.",
+               "Craters first, then an astronaut."),
+        record("bad_cut_short", ["bad_cut_short.webm"], [], "<video> What happens at the launch?", "A rocket."),
+    ]
+    (folder / "clips.json").write_text(json.dumps(records, indent=1))
+
+
+def demo_clips() -> str:
+    """The demo's clip records (LLaVA JSON, `dataset=demo_clips`), built on first use."""
+    return str(build_once(home() / f"demo-clips-{DEMO_VERSION}", _write_clips) / "clips.json")
+
+
 # -- what the tiny checkpoints' tokenizers learn -------------------------------------------------------
 def caption_corpus() -> list[str]:
     """The demo captions and sized phrases: what the tiny checkpoints' tokenizers are trained on."""

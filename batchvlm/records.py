@@ -6,6 +6,8 @@ batches into Outcomes (encoded or quarantined records), and outcomes into Rows f
 
 from __future__ import annotations
 
+import enum
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -57,21 +59,39 @@ ROLES = ("system", "user", "assistant", "tool")
 """The roles a conversation's turns may have (HF / TRL `messages`); other formats' roles are mapped onto them."""
 
 
+class Slot(enum.Enum):
+    """A clip's place in a turn's content (an image's is None). An enum, so that it is itself again once a record has
+    crossed to another process."""
+
+    VIDEO = "<video>"
+
+
 @dataclass(frozen=True)
 class Turn:
-    """One message of a conversation: its role, and its content in order: text pieces, and None where an image sits
-    (the k-th None of the conversation takes the record's k-th image)."""
+    """One message of a conversation: its role, and its content in order: text pieces, None where an image sits and
+    Slot.VIDEO where a clip sits (the k-th None of the conversation takes the record's k-th image, the k-th
+    Slot.VIDEO its k-th clip)."""
 
     role: str
-    content: tuple[str | None, ...]
+    content: tuple[str | Slot | None, ...]
 
     @property
     def num_images(self) -> int:
         return sum(part is None for part in self.content)
 
+    @property
+    def num_videos(self) -> int:
+        return sum(part is Slot.VIDEO for part in self.content)
+
+    @functools.cached_property  # (written past the frozen dataclass's __setattr__: a cache, not a field)
+    def has_media(self) -> bool:
+        return not all(type(part) is str for part in self.content)
+
     def text(self, placeholder: str) -> str:
-        """The turn's text with `placeholder` where each image sits (what a quarantine row and the report show)."""
-        return "".join(placeholder if part is None else part for part in self.content)
+        """The turn's text with `placeholder` where each image sits and `<video>` where each clip does (what a
+        quarantine row and the report show)."""
+        return "".join(placeholder if part is None else part.value if part is Slot.VIDEO else part
+                       for part in self.content)
 
 
 @dataclass
@@ -85,6 +105,7 @@ class SourceRecord:
     seq: int = 0  # position within its unit: shards list records in this order
     failure: "Failure | None" = None  # a source.* check this record failed as it was read
     turns: list[Turn] | None = None  # a conversation (dataset.format other than text)
+    videos: list[ImageRef] = field(default_factory=list)  # its clips (a conversation format's video column)
 
 
 @dataclass
@@ -110,6 +131,29 @@ class DecodedImage:
     @property
     def has_alpha(self) -> bool:
         return self.pixels.shape[2] == 4
+
+
+@dataclass
+class DecodedClip:
+    """A clip's sampled frames, (n, H, W, 3) uint8 RGB, upright, in presentation order (`pixels`, as an image's, so
+    that they cross from a worker as an image's pixels do), with what its plan and its row need of its header."""
+
+    pixels: np.ndarray | torch.Tensor
+    indices: tuple[int, ...]  # the sampled frames' positions among the clip's frames
+    timestamps_s: tuple[float, ...]  # their times from the clip's first frame, from the pts
+    total_frames: int
+    fps: float
+
+    def on_host(self) -> np.ndarray:
+        return self.pixels.cpu().numpy() if isinstance(self.pixels, torch.Tensor) else self.pixels
+
+    @property
+    def height(self) -> int:
+        return int(self.pixels.shape[1])
+
+    @property
+    def width(self) -> int:
+        return int(self.pixels.shape[2])
 
 
 @dataclass
@@ -151,6 +195,7 @@ class TokenLayout:
     position_ids: np.ndarray | None = None  # [3, seq] M-RoPE positions, for families that use them
     rope_delta: int | None = None  # max position + 1 - seq: where decoding continues
     chat: "ChatLayout | None" = None  # a conversation: which tokens are trained, where each turn lies
+    video_spans: list[tuple[int, int]] = field(default_factory=list)  # (start, length) per clip, in clip order
 
 
 @dataclass
@@ -197,10 +242,21 @@ class PreparedRecord:
     plans: list[ImagePlan]
     layout: TokenLayout
     preprocess: PreprocessStats = field(default_factory=PreprocessStats)
+    clips: list[DecodedClip] = field(default_factory=list)
+    clip_plans: list = field(default_factory=list)  # the family's VideoPlan of each clip
+
+    @property
+    def media(self) -> list[DecodedImage | EncodedJpeg | DecodedClip]:
+        """What the tower encodes for the record, in the order its outputs come back: its images, then its clips."""
+        return [*self.images, *self.clips] if self.clips else self.images
+
+    @property
+    def media_plans(self) -> list:
+        return [*self.plans, *self.clip_plans] if self.clip_plans else self.plans
 
     @property
     def num_patches(self) -> int:
-        return sum(plan.num_patches for plan in self.plans)
+        return sum(plan.num_patches for plan in self.media_plans)
 
 
 @dataclass
@@ -209,6 +265,7 @@ class EncodedRecord:
     image_embeds: list[torch.Tensor]  # one [num_tokens_i, hidden] tensor per image
     extras: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     """Further outputs per image where the family has them (see format.schema.EXTRA_OUTPUTS)."""
+    video_embeds: list[torch.Tensor] = field(default_factory=list)  # one [num_tokens_i, hidden] tensor per clip
 
 
 @dataclass
@@ -223,6 +280,7 @@ class Failure:
     exception_type: str
     image_index: int | None = None
     turn_index: int | None = None  # a conversation: the turn the failure is about (e.g. where max_tokens falls)
+    video_index: int | None = None  # the clip the failure is about
 
 
 @dataclass

@@ -26,11 +26,11 @@ class TokenBudgetBatcher:
     def add(self, record: PreparedRecord) -> list[PreparedRecord] | None:
         """Add a record; return the batch it closes, if any."""
         full = self.records and (self.patches + record.num_patches > self.token_budget
-                                 or self.images + len(record.plans) > self.max_images)
+                                 or self.images + len(record.media_plans) > self.max_images)
         closed = self.flush() if full else None
         self.records.append(record)
         self.patches += record.num_patches
-        self.images += len(record.plans)
+        self.images += len(record.media_plans)
         return closed
 
     def flush(self) -> list[PreparedRecord]:

@@ -15,6 +15,7 @@ from batchvlm.families import ModelConfig
 from batchvlm.pipeline.chat import Overflow, TextConfig, TrainOn
 from batchvlm.pipeline.decode import DecodeConfig
 from batchvlm.pipeline.preprocess import PreprocessConfig
+from batchvlm.pipeline.video import VideoConfig
 from batchvlm.rundir.claims import LEASE_S
 from batchvlm.rundir.sink import OutputConfig
 from batchvlm.sources.config import SCHEMAS, DatasetConfig, DemoDataset, TextFormat
@@ -73,6 +74,7 @@ class JobConfig(Config):
     dataset: DatasetConfig = field(default_factory=DemoDataset)
     model: ModelConfig = field(default_factory=ModelConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    video: VideoConfig = field(default_factory=VideoConfig)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     checks: ChecksConfig = field(default_factory=ChecksConfig)
@@ -123,10 +125,17 @@ def default_run_name(requeue_from: str | None, default: str) -> str:
     return f"{Path(requeue_from).name}-requeue" if requeue_from else default
 
 
+def _demo_clips() -> str:
+    """conf/dataset/demo_clips.yaml's path: the demo's clip records, built on first use."""
+    from batchvlm.demo import demo_clips
+
+    return demo_clips()
+
+
 def register_schemas(name: str = "embed_schema", job: type[JobConfig] = JobConfig) -> None:
     """Register a job's schema under `name` (its YAML names it first in its defaults list: embed_schema, or the
     estimate's), each kind of dataset's schema under `dataset_schema/<kind>` (which a YAML under conf/dataset/ names in
-    its own defaults), and run_name's resolver.
+    its own defaults), and the resolvers of run_name and the demo's clips.
 
     The other groups need no entries of their own: the job's schema types their nodes, so each YAML merged onto it is
     checked key by key. A `schema` option per group would also show in `--help` and tab completion, and
@@ -135,6 +144,7 @@ def register_schemas(name: str = "embed_schema", job: type[JobConfig] = JobConfi
     from omegaconf import MISSING, OmegaConf
 
     OmegaConf.register_new_resolver("batchvlm.default_run_name", default_run_name, replace=True)
+    OmegaConf.register_new_resolver("batchvlm.demo_clips", _demo_clips, replace=True)
     store = ConfigStore.instance()
     for kind, dataset in SCHEMAS.items():
         store.store(group=DATASET_SCHEMA, name=str(kind), node=dataset)

@@ -22,6 +22,7 @@ from batchvlm.families import TINY
 from batchvlm.pipeline.chat import template_digest
 from batchvlm.pipeline.jpeg import decoder_of
 from batchvlm.sources.config import TextFormat
+from batchvlm.sources.rows import VIDEO_COLUMNS
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -37,13 +38,37 @@ def config_digest(checkpoint: Path) -> str:
     return hashlib.sha256(file.read_bytes()).hexdigest() if file.exists() else ""
 
 
+def takes_clips(job: JobConfig) -> bool:
+    """Whether the job's dataset format can name clips (a video column and `<video>` / `{type: video}` in its turns)."""
+    return job.dataset.format in VIDEO_COLUMNS
+
+
+def _settings(job: JobConfig) -> dict:
+    """The written settings; the `video` group's only where the format can name a clip: a run of another format
+    reads none, and keeps the fingerprint it had before clips were read (its resume is not refused)."""
+    settings = fingerprinted(job)
+    if not takes_clips(job):
+        settings.pop("video", None)
+    return settings
+
+
+def _video(job: JobConfig, family) -> dict:
+    """The family's clip rule (sampling, sizes, prompt, positions, read from the checkpoint), where the format can
+    name clips; a family without one quarantines them (text.video), and says so here."""
+    if not takes_clips(job):
+        return {}
+    rule = getattr(family, "video_fingerprint", None)
+    return {"video_rule": rule() if rule is not None else None}
+
+
 def run_fingerprint(job: JobConfig, family, encoder) -> dict:
     """The fingerprint of a job whose `auto` choices are resolved (executor.job.resolve_auto: the backends' pixels
     differ by a level, nvJPEG's are not libjpeg-turbo's)."""
     conversations = job.dataset.format != TextFormat.text
     return {
-        "settings": fingerprinted(job),
+        "settings": _settings(job),
         **family.fingerprint(),  # the processor's parameters as the checkpoint and model.processor resolve them
+        **_video(job, family),
         "checkpoint": "tiny" if job.model.path == TINY else "local",  # the demo's tiny one is never a real model
         "model_config_sha256": config_digest(family.checkpoint),
         "weights_sha256": weights_digest(encoder),

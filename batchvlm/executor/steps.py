@@ -58,7 +58,7 @@ class Decided(Step):
 
 
 class Batching(Step):
-    """Prepared records grouped into token-budget batches; a record without images is encoded as it is."""
+    """Prepared records grouped into token-budget batches; a record without images or clips is encoded as it is."""
 
     takes, gives = PreparedRecord, (Batch, Outcomes)
 
@@ -66,7 +66,7 @@ class Batching(Step):
         self.batcher = batcher
 
     def __call__(self, record: PreparedRecord) -> Iterator[Batch | Outcomes]:
-        if not record.plans:
+        if not record.media_plans:
             yield Outcomes([EncodedRecord(record, [])])
         elif (closed := self.batcher.add(record)) is not None:
             yield Batch(closed)

@@ -84,7 +84,7 @@ class Tally:
             if row.kind == QUARANTINE:
                 self.quarantined += 1
             else:
-                self.image_tokens += row.values["num_image_tokens"]
+                self.image_tokens += row.values["num_image_tokens"] + sum(row.values.get("video_num_tokens") or ())
         reason = over_limit(self.quarantined, self.seen, self.checks)
         if self.seen >= self.checks.min_records and reason:
             raise JobAborted(f"{reason}; committed units are kept; batchvlm-report shows the reasons")

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from batchvlm.records import DecodedImage, PreparedRecord, UnitEnd
+from batchvlm.records import DecodedClip, DecodedImage, PreparedRecord, UnitEnd
 
 log = logging.getLogger("batchvlm")
 
@@ -205,12 +205,12 @@ def chunked(items: Iterable, patch_budget: int, records: int, ring: RingWriter |
         yield shared(pending, ring)
 
 
-def host_images(items: list) -> Iterator[tuple[int, int, DecodedImage]]:
-    """(item, image, image) of each decoded image whose pixels are a host array."""
+def host_images(items: list) -> Iterator[tuple[int, int, DecodedImage | DecodedClip]]:
+    """(item, index among its media, image) of each decoded image (or clip's frames) whose pixels are a host array."""
     for position, item in enumerate(items):
         if isinstance(item, PreparedRecord):
-            for index, image in enumerate(item.images):
-                if isinstance(image, DecodedImage) and isinstance(image.pixels, np.ndarray):
+            for index, image in enumerate(item.media):
+                if isinstance(image, (DecodedImage, DecodedClip)) and isinstance(image.pixels, np.ndarray):
                     yield position, index, image
 
 
@@ -248,12 +248,12 @@ def unchunked(chunks: Iterable[Chunk], rings: Rings | None = None) -> Iterator:
     """The items of each chunk in order, each decoded image's pixels a view of its ring or of the chunk's block."""
     for chunk in chunks:
         for position, index, offset, shape in chunk.places:
-            chunk.items[position].images[index].pixels = chunk.block[offset:offset + int(np.prod(shape))].view(shape)
+            chunk.items[position].media[index].pixels = chunk.block[offset:offset + int(np.prod(shape))].view(shape)
         if rings is not None:
             rings.arrived(chunk)
             for position, index, start, shape in chunk.in_ring:
                 offset = rings_offset(rings, chunk, start, shape)
-                chunk.items[position].images[index].pixels = rings.view(chunk.worker, start, offset, shape)
+                chunk.items[position].media[index].pixels = rings.view(chunk.worker, start, offset, shape)
         yield from chunk.items
 
 

@@ -23,7 +23,8 @@ from batchvlm.faults import crash_point
 from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.text import TextSide, laid_out, text_side
 from batchvlm.pipeline.tokens import attach_positions
-from batchvlm.records import PreparedRecord, QuarantinedRecord, SourceRecord, Turn, UnitEnd, UnitStart, WorkUnit
+from batchvlm.records import (DecodedClip, ImageRef, PreparedRecord, QuarantinedRecord, SourceRecord, Turn, UnitEnd,
+                              UnitStart, WorkUnit)
 from batchvlm.rundir.claims import Claim
 from batchvlm.sources import Source
 
@@ -39,21 +40,49 @@ def prepare(record: SourceRecord, family, job: JobConfig, decoder: Decoder,
     try:
         content = text.placed(record)
         images = [decoder(ref, index) for index, ref in enumerate(record.images)]
-        return plan_and_lay_out(record, content, images, family, job, text)
+        clips = [decoded_clip(decoder, ref, index, family) for index, ref in enumerate(record.videos)] \
+            if record.videos else []
+        return plan_and_lay_out(record, content, images, family, job, text, clips)
     except CheckFailed as failed:
         return QuarantinedRecord(record, failed.to_failure())
 
 
+def decoded_clip(decoder: Decoder, ref: ImageRef, index: int, family) -> DecodedClip:
+    """A record's clip `index`, its frames sampled by the family's rule (text.placed has refused a clip to a family
+    without one); a failure names the clip by its index."""
+    try:
+        clip = decoder.clip(ref, index, family.video_sampler())
+    except CheckFailed as failed:
+        failed.video_index, failed.image_index = index, None
+        raise
+    decoded = clip.decoded
+    return DecodedClip(pixels=decoded.frames, indices=decoded.indices, timestamps_s=decoded.timestamps_s,
+                       total_frames=clip.header.frames, fps=clip.header.fps)
+
+
+def clip_plan(clip: DecodedClip, index: int, family):
+    """The family's plan of a record's clip `index` (a failure names the clip)."""
+    try:
+        return family.plan_video(list(clip.indices), clip.total_frames, clip.fps, clip.height, clip.width)
+    except CheckFailed as failed:
+        failed.video_index = index
+        raise
+
+
 def plan_and_lay_out(record: SourceRecord, content: str | list[Turn], images: list, family, job: JobConfig,
-                     text: TextSide) -> PreparedRecord:
-    """The plan of each decoded image and the record's token layout, whatever its text's format (raises
+                     text: TextSide, clips: list[DecodedClip] = ()) -> PreparedRecord:
+    """The plan of each decoded image (and clip) and the record's token layout, whatever its text's format (raises
     CheckFailed)."""
     plans = [family.plan(image.height, image.width) for image in images]
-    layout = laid_out(text, content, plans, job.text)
+    clip_plans = [clip_plan(clip, index, family) for index, clip in enumerate(clips)]
+    layout = laid_out(text, content, plans, job.text, clip_plans)
     kept = len(layout.image_spans)  # the images of turns that text.overflow=drop_turns left out are not embedded
     images, plans = images[:kept], plans[:kept]
-    attach_positions(layout, plans, family)
-    return PreparedRecord(source=record, images=images, plans=plans, layout=layout)
+    kept_clips = len(layout.video_spans)
+    clips, clip_plans = list(clips[:kept_clips]), clip_plans[:kept_clips]
+    attach_positions(layout, plans, family, clip_plans)
+    return PreparedRecord(source=record, images=images, plans=plans, layout=layout, clips=clips,
+                          clip_plans=clip_plans)
 
 
 def checked_id(record: SourceRecord, unit: WorkUnit, seen: set) -> QuarantinedRecord | None:
@@ -80,7 +109,7 @@ class PreparedStream(IterableDataset):
     def __init__(self, source: Source, units: Iterable[tuple[WorkUnit, Claim]], family, job: JobConfig,
                  text: TextSide):
         self.source, self.units, self.family, self.job, self.text = source, units, family, job, text
-        self.decoder = Decoder(job.decode)
+        self.decoder = Decoder(job.decode, job.video)
 
     def __iter__(self):
         try:

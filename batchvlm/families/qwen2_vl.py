@@ -171,6 +171,10 @@ class VideoPlan:
     second_per_grid_t: float
     """Seconds one temporal patch spans (Qwen2.5-VL's second_per_grid_ts): temporal_patch_size / sampled_fps."""
 
+    @property
+    def num_patches(self) -> int:
+        return math.prod(self.grid_thw)
+
 
 def qwen_sample_frames(total: int, video_fps: float, params: QwenProcessorParams, video: QwenVideoParams) -> list[int]:
     """video.fps frames per second of the clip, clamped to [min_frames, max_frames] and the clip's frames, floored to
@@ -394,6 +398,15 @@ class Qwen2VL(PatchFamily):
     def fingerprint(self) -> dict:
         return {"family": self.name, "version": self.version, "processor": dataclasses.asdict(self.params),
                 "embedding": self.embedding, "tokenizer": tokenizer_digest(self.tokenizer)}
+
+    def video_fingerprint(self) -> dict | None:
+        """What a clip's output depends on beyond the image processor: the rule, its parameters as the checkpoint
+        gives them, Qwen2.5-VL's tokens_per_second and the positions' rule (the authors' `mrope_positions`, not
+        transformers 5.25's `get_rope_index`, which differs after a long clip: docs/video.md). None: no clip taken."""
+        if self.video_rule is None:
+            return None
+        return {"rule": self.video_rule, "params": dataclasses.asdict(self.video_params),
+                "tokens_per_second": self.tokens_per_second, "positions": "mrope_positions (the authors' rule)"}
 
 
 def _video_token_id(tokenizer, raw: dict) -> int | None:

@@ -15,16 +15,16 @@ import torch
 import batchvlm
 from batchvlm.config import Choice
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The output format: a run directory's marker and every data and quarantine shard's schema metadata carry it
-(FORMAT_KEY). 1 is every run written before the format had a version; rundir/upgrade.py brings one up to this."""
+(FORMAT_KEY). 1 is every run written before the format had a version, 2 every run written before clips; rundir/upgrade.py
+brings one up to this."""
 FORMAT_KEY = "batchvlm.format_version"
 
 TEXT, IMAGE, FRAME = 0, 1, 2
 """token_tags values: text, an image-embedding position, a frame token around an image's span."""
 VIDEO = 3
-"""The token_tags value of a clip-embedding position (Qwen2/2.5-VL's `<|video_pad|>`). No written row holds it yet:
-the job does not take clips (docs/video.md)."""
+"""The token_tags value of a clip-embedding position (Qwen2/2.5-VL's `<|video_pad|>`)."""
 
 
 class Dtype(Choice):
@@ -66,6 +66,7 @@ class Column:
 
 _SIZE = pa.list_(pa.int32(), 2)
 CONVERSATION = "a conversation (`dataset.format` other than text)"
+CLIPS = "a record with clips (qwen2_vl: Qwen2-VL, Qwen2.5-VL)"
 
 DATA_COLUMNS = (
     Column("id", pa.string(), "the dataset's own id", read=True),
@@ -77,7 +78,8 @@ DATA_COLUMNS = (
            "a conversation: rendered with its chat template)", read=True),
     Column("image_spans", pa.list_(pa.struct([("start", pa.int32()), ("length", pa.int32())])),
            "each image's run of image tokens in `input_ids`", read=True),
-    Column("token_tags", pa.list_(pa.int8()), "per token: 0 text, 1 image token, 2 frame token", read=True),
+    Column("token_tags", pa.list_(pa.int8()), "per token: 0 text, 1 image token, 2 frame token, 3 video token",
+           read=True),
     Column("num_tokens", pa.int32(), "`len(input_ids)`: what the loader reads at start-up"),
     Column("loss_mask", pa.list_(pa.int8()), "1 where a trainer learns the token (`text.train_on`)", CONVERSATION,
            read=True),
@@ -102,6 +104,20 @@ DATA_COLUMNS = (
            "`num_tokens`", "qwen2_vl", read=True),
     Column("rope_delta", pa.int32(), "max position + 1 - sequence length (where decoding continues)", "qwen2_vl",
            read=True),
+    Column("video_spans", pa.list_(pa.struct([("start", pa.int32()), ("length", pa.int32())])),
+           "each clip's run of video tokens in `input_ids`, in clip order", CLIPS, read=True),
+    Column("video_grid_thw", pa.list_(pa.list_(pa.int32())), "per clip (t, h, w) in patches (transformers' "
+           "`video_grid_thw`)", CLIPS),
+    Column("second_per_grid_ts", pa.list_(pa.float64()), "per clip, the seconds one temporal patch spans: "
+           "temporal_patch_size / the sampled frame rate (Qwen2.5-VL's M-RoPE time step, with tokens_per_second)",
+           CLIPS),
+    Column("video_num_tokens", pa.list_(pa.int32()), "per clip, its LLM tokens", CLIPS),
+    Column("video_frame_indices", pa.list_(pa.list_(pa.int32())), "per clip, the sampled frames' positions among its "
+           "frames (presentation order)", CLIPS),
+    Column("video_frame_times", pa.list_(pa.list_(pa.float64())), "per clip, the sampled frames' times in seconds "
+           "from its first frame (from their pts)", CLIPS),
+    Column("video_embeds", pa.large_binary(), "all clips' tokens in span order, `[sum(video_num_tokens), hidden]` "
+           "(the hidden size of `image_embeds`)", CLIPS, read=True, embedding=True),
 )
 """A data shard's row: one per record written."""
 
@@ -118,9 +134,13 @@ QUARANTINE_COLUMNS = (
     Column("observed", pa.string(), "what it found"),
     Column("exception_type", pa.string(), "the exception behind the failure (CheckFailed for a check's own)"),
     Column("image_index", pa.int32(), "the image the failure is about", "a failure about one image"),
+    Column("video_index", pa.int32(), "the clip the failure is about (`video.*`, a clip's span or rows)",
+           "a failure about one clip"),
     Column("image_bytes", pa.list_(pa.large_binary()), "per image, its original bytes up to "
            "`output.quarantine_bytes_cap` (else null)"),
     Column("image_paths", pa.list_(pa.string()), "per image, the path it was read from (null for bytes)"),
+    Column("video_paths", pa.list_(pa.string()), "per clip, the path it was read from (null for bytes)",
+           "a record that names clips"),
     Column("text", pa.string(), "the record's text as read (a conversation's turns as JSON)"),
     Column("turns", pa.list_(pa.struct([("role", pa.string()), ("text", pa.string())])),
            "a conversation's turns as read, images as the placeholder", CONVERSATION),
@@ -161,7 +181,7 @@ DATA_SHARD, QUARANTINE_SHARD = Shard(DATA_COLUMNS), Shard(QUARANTINE_COLUMNS)
 DATA_SCHEMA, QUARANTINE_SCHEMA = DATA_SHARD.schema, QUARANTINE_SHARD.schema
 
 EXTRA_OUTPUTS = {column.name: column.meaning for column in DATA_COLUMNS
-                 if column.embedding and column.name != "image_embeds"}
+                 if column.embedding and column.name not in ("image_embeds", "video_embeds")}
 """Outputs an encoder may return beside `image_embeds`; each is stored in its own column."""
 TENSOR_COLUMNS = tuple(column.name for column in DATA_COLUMNS if column.read)
 """The columns the training readers take; a reader that only wants tensors need not read the others."""

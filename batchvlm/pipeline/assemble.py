@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from batchvlm.checks import require
-from batchvlm.format.schema import EXTRA_OUTPUTS, IMAGE
+from batchvlm.format.schema import EXTRA_OUTPUTS, IMAGE, VIDEO
 from batchvlm.format.strings import escaped_value, unencodable_fields
 from batchvlm.records import ChatLayout, EncodedRecord, QuarantinedRecord, SourceRecord, TokenLayout
 
@@ -32,8 +32,9 @@ def checked_chat(layout: TokenLayout, train_on: str | None) -> ChatLayout | None
     mask = np.asarray(chat.loss_mask, dtype=bool)
     require(len(mask) == len(layout.input_ids), "assemble.loss_mask", "the loss mask must cover the full sequence",
             expected=len(layout.input_ids), observed=len(mask))
-    on_images = int((mask & (np.asarray(layout.token_tags) == IMAGE)).sum())
-    require(on_images == 0, "assemble.loss_mask", f"{on_images} image token(s) are trained", expected=0,
+    tags = np.asarray(layout.token_tags)
+    on_images = int((mask & ((tags == IMAGE) | (tags == VIDEO))).sum())
+    require(on_images == 0, "assemble.loss_mask", f"{on_images} image or video token(s) are trained", expected=0,
             observed=on_images)
     if train_on != "all":
         assistant = np.zeros(len(mask), dtype=bool)
@@ -77,6 +78,26 @@ def data_row(encoded: EncodedRecord, dtype: torch.dtype, hidden_sizes: dict[str,
            for name in EXTRA_OUTPUTS},
         "position_ids": layout.position_ids.tolist() if layout.position_ids is not None else None,
         "rope_delta": layout.rope_delta,
+        **(clip_columns(encoded, dtype, hidden_sizes["image_embeds"]) if record.clips else NO_CLIPS),
+    }
+
+
+NO_CLIPS = dict.fromkeys(("video_spans", "video_grid_thw", "second_per_grid_ts", "video_num_tokens",
+                          "video_frame_indices", "video_frame_times", "video_embeds"))
+
+
+def clip_columns(encoded: EncodedRecord, dtype: torch.dtype, hidden_size: int) -> dict:
+    """A record's clips' columns: their spans, grids, time steps, sampled frames and tokens."""
+    record = encoded.prepared
+    plans = record.clip_plans
+    return {
+        "video_spans": [{"start": start, "length": length} for start, length in record.layout.video_spans],
+        "video_grid_thw": [list(plan.grid_thw) for plan in plans],
+        "second_per_grid_ts": [plan.second_per_grid_t for plan in plans],
+        "video_num_tokens": [plan.num_tokens for plan in plans],
+        "video_frame_indices": [list(clip.indices) for clip in record.clips],
+        "video_frame_times": [list(clip.timestamps_s) for clip in record.clips],
+        "video_embeds": embed_bytes(encoded.video_embeds, dtype, hidden_size),
     }
 
 
@@ -97,9 +118,11 @@ def quarantine_row(item: QuarantinedRecord, bytes_cap: int, fingerprint: str, pl
         "observed": failure.observed,
         "exception_type": failure.exception_type,
         "image_index": failure.image_index,
+        "video_index": failure.video_index,
         "image_bytes": [ref.data if ref.data is not None and len(ref.data) <= bytes_cap else None
                         for ref in source.images],
         "image_paths": [ref.path for ref in source.images],
+        "video_paths": [ref.path for ref in source.videos] if source.videos else None,
         "text": source.text,
         "turns": [{"role": turn.role, "text": turn.text(placeholder)} for turn in source.turns]
         if source.turns is not None else None,

@@ -34,9 +34,9 @@ import numpy as np
 
 from batchvlm.checks import CheckFailed, require
 from batchvlm.config import Choice, Config, ConfigError, positive, written
-from batchvlm.format.schema import FRAME, IMAGE, TEXT
+from batchvlm.format.schema import FRAME, IMAGE, TEXT, VIDEO
 from batchvlm.pipeline.tokens import checked_spans, special_ids, specials_as_text
-from batchvlm.records import ROLES, ChatLayout, ImagePlan, TokenLayout, Turn, TurnSpan
+from batchvlm.records import ROLES, ChatLayout, ImagePlan, Slot, TokenLayout, Turn, TurnSpan
 
 
 class TrainOn(Choice):
@@ -113,26 +113,31 @@ def check_roles(turns: list[Turn]) -> None:
 
 
 def text_slots(turns: list[Turn]) -> list[tuple[int, str]]:
-    """(turn index, text) of each text the template renders, in order: a turn without images is one text (its parts
-    joined, maybe empty), a turn with images one text per text part."""
+    """(turn index, text) of each text the template renders, in order: a turn without images or clips is one text
+    (its parts joined, maybe empty), a turn with some one text per text part."""
     return [(index, part) for index, turn in enumerate(turns)
-            for part in (turn.content if turn.num_images else ("".join(turn.content),)) if part is not None]
+            for part in (turn.content if turn.has_media else ("".join(turn.content),)) if isinstance(part, str)]
 
 
 def messages_of(turns: list[Turn], texts: list[str] | None = None) -> list[dict]:
-    """HF `messages`: a turn without images as a string, one with images as text and `{type: image}` blocks; with
-    `texts`, the turns' texts (text_slots' order) replaced by them."""
+    """HF `messages`: a turn without images or clips as a string, one with some as text, `{type: image}` and
+    `{type: video}` blocks; with `texts`, the turns' texts (text_slots' order) replaced by them."""
     replaced = iter(texts) if texts is not None else None
 
     def text(part: str) -> str:
         return part if replaced is None else next(replaced)
 
+    def block(part: str | Slot | None) -> dict:
+        if part is None:
+            return {"type": "image"}
+        return {"type": "video"} if part is Slot.VIDEO else {"type": "text", "text": text(part)}
+
     return [{"role": turn.role,
-             "content": text("".join(turn.content)) if not turn.num_images else
-             [{"type": "image"} if part is None else {"type": "text", "text": text(part)} for part in turn.content]}
+             "content": [block(part) for part in turn.content] if turn.has_media else text("".join(turn.content))}
             for turn in turns]
 
 
+NONE = np.zeros(0, dtype=np.int64)
 PROBE_IMAGE = (56, 56)
 """The size of the image in the conversation the tokenizer is probed with at start."""
 SHAPES = 4096
@@ -204,6 +209,10 @@ class ChatRenderer:
         self.is_special[sorted(special_ids(tokenizer))] = True
         self.closes = self.is_special & ~self.is_frame
         self.closes[family.image_token_id] = False
+        # A family with a clip rule has a video token: a clip's place, never a turn's end (-1: no clip is rendered).
+        self.video_token_id = getattr(family, "video_token_id", None) if getattr(family, "video_rule", None) else None
+        if self.video_token_id is not None:
+            self.closes[self.video_token_id] = False
         self.bos = tokenizer.bos_token
         self.template_chars = set(template)
         self.shapes: dict[tuple, tuple[str, ...]] = {}  # _around's
@@ -272,8 +281,8 @@ class ChatRenderer:
         each text replaced by a marker (`mark`, the text's index, `mark`). It depends on the turns' roles and where
         their images sit, not on their texts: kept by that shape, so a dataset's conversations, mostly of a few
         shapes, cost one rendering each."""
-        shape = (mark, *((turn.role, turn.num_images and tuple(part is None for part in turn.content))
-                         for turn in turns))
+        shape = (mark, *((turn.role, turn.has_media and tuple("text" if isinstance(part, str) else part
+                                                              for part in turn.content)) for turn in turns))
         if (around := self.shapes.get(shape)) is not None:
             return around
         marked = self.render(turns, [f"{mark}{k}{mark}" for k in range(count)])
@@ -342,12 +351,19 @@ class ChatRenderer:
                 raise self._forged(encoded, forged[0], ranges, slots)
             encoded = self._as_text(text, encoded, inside)
             ranges = [encoded.span(*span) for span in spans]
-        images = np.flatnonzero(encoded.ids == self.family.image_token_id)
-        if len(images) != sum(turn.num_images for turn in turns):
-            raise CheckFailed("text.chat_template", f"the chat template renders {len(images)} image token(s) for "
-                              f"{sum(turn.num_images for turn in turns)} image(s)",
-                              expected=sum(turn.num_images for turn in turns), observed=len(images))
-        return self._turns(turns, encoded.ids, slots, ranges, images)
+        images = self._media_tokens(encoded.ids, self.family.image_token_id, sum(t.num_images for t in turns), "image")
+        videos = self._media_tokens(encoded.ids, self.video_token_id, sum(t.num_videos for t in turns), "video")
+        return self._turns(turns, encoded.ids, slots, ranges, {None: images, Slot.VIDEO: videos})
+
+    def _media_tokens(self, ids: np.ndarray, token: int | None, count: int, kind: str) -> np.ndarray:
+        """Where the template rendered each image's (or clip's) token: one per image (clip), else text.chat_template. A
+        conversation without clips is not searched for clip tokens: the template renders one only for a {type: video}
+        block, and a text's own is text.control_token (or plain text) before this."""
+        found = np.flatnonzero(ids == token) if token is not None and (count or kind == "image") else NONE
+        if len(found) != count:
+            raise CheckFailed("text.chat_template", f"the chat template renders {len(found)} {kind} token(s) for "
+                              f"{count} {kind}(s)", expected=count, observed=len(found))
+        return found
 
     def _forged(self, encoded: Encoded, token: int, ranges: list[tuple[int, int]],
                 slots: list[tuple[int, str]]) -> CheckFailed:
@@ -358,13 +374,15 @@ class ChatRenderer:
                            "plain text)", expected="plain text", observed=name, turn_index=index)
 
     def _turns(self, turns: list[Turn], ids: np.ndarray, slots: list[tuple[int, str]],
-               ranges: list[tuple[int, int]], images: np.ndarray) -> Rendered:
-        """Each turn's tokens: from its first text or image token to its last, then its end-of-turn token, the first
-        special token after them that is no image or frame token (before the next turn's)."""
+               ranges: list[tuple[int, int]], media: dict) -> Rendered:
+        """Each turn's tokens: from its first text, image or clip token to its last, then its end-of-turn token, the
+        first special token after them that is no image, clip or frame token (before the next turn's). `media`: the
+        image (None) and clip (Slot.VIDEO) tokens' places."""
         bounds = [[len(ids), 0] for _ in turns]
-        pieces = [*zip((index for index, _ in slots), ranges),
-                  *zip((index for index, turn in enumerate(turns) for part in turn.content if part is None),
-                       ((int(i), int(i) + 1) for i in images))]
+        pieces = list(zip((index for index, _ in slots), ranges))
+        for kind, places in media.items():
+            pieces += zip((index for index, turn in enumerate(turns) for part in turn.content if part is kind),
+                          ((int(i), int(i) + 1) for i in places))
         for index, (first, last) in pieces:
             bounds[index] = [min(bounds[index][0], first), max(bounds[index][1], last)]
         closing = np.flatnonzero(self.closes[ids])
@@ -382,12 +400,12 @@ class ChatRenderer:
         return Rendered(ids, content, ends)
 
     # -- expand and mask ------------------------------------------------------------------------------
-    def lay_out(self, turns: list[Turn], plans: list[ImagePlan]) -> TokenLayout:
+    def lay_out(self, turns: list[Turn], plans: list[ImagePlan], clip_plans: list = ()) -> TokenLayout:
         """The conversation's token layout, with its loss mask and turns; over text.max_tokens with
         text.overflow=drop_turns, cut to fewer whole turns where some prefix fits. Whether it is within the limit is
         tokens.require_fits's to say, for every text (pipeline.text.laid_out)."""
         check_roles(turns)
-        layout = self._expanded(turns, plans)
+        layout = self._expanded(turns, plans, clip_plans)
         limit = self.text.max_tokens
         if limit is None or len(layout.input_ids) <= limit or self.text.overflow != Overflow.drop_turns:
             return layout
@@ -399,20 +417,25 @@ class ChatRenderer:
         for keep in range(over, 0, -1):
             if turns[keep - 1].role != "assistant":
                 continue
-            kept = self._expanded(turns[:keep], plans[:sum(t.num_images for t in turns[:keep])])
+            kept = self._expanded(turns[:keep], plans[:sum(t.num_images for t in turns[:keep])],
+                                  clip_plans[:sum(t.num_videos for t in turns[:keep])])
             if len(kept.input_ids) <= limit:
                 kept.chat.dropped_turns = len(turns) - keep
                 return kept
         return layout
 
-    def _expanded(self, turns: list[Turn], plans: list[ImagePlan]) -> TokenLayout:
+    def _expanded(self, turns: list[Turn], plans: list[ImagePlan], clip_plans: list = ()) -> TokenLayout:
         rendered = self.tokenize(turns)
         ids = rendered.ids
         is_image = ids == self.family.image_token_id
-        mask = self._mask(turns, rendered, is_image)
-        # Each image token becomes its grid-sized span: every index after it moves by the span's length - 1.
+        # (a record without clips pays nothing for them: tokenize has found none of its ids a video token)
+        is_video = ids == self.video_token_id if clip_plans else None
+        mask = self._mask(turns, rendered, is_image if is_video is None else is_image | is_video)
+        # Each image (clip) token becomes its grid-sized span: every index after it moves by the span's length - 1.
         repeats = np.ones(len(ids), dtype=np.int64)
         repeats[is_image] = [plan.num_tokens for plan in plans]
+        if is_video is not None:
+            repeats[is_video] = [plan.num_tokens for plan in clip_plans]
         moved = np.concatenate([[0], np.cumsum(repeats)])
         expanded = np.repeat(ids, repeats)
         tags = np.where(self.is_frame[expanded], FRAME, TEXT).astype(np.int8)
@@ -422,17 +445,23 @@ class ChatRenderer:
                  for turn, start, end in zip(turns, [0, *rendered.ends[:-1]], rendered.ends)]
         loss_mask = np.repeat(mask, repeats)
         loss_mask[images] = 0
+        if is_video is not None:
+            videos = np.repeat(is_video, repeats)
+            tags[videos] = VIDEO
+            loss_mask[videos] = 0
         if not loss_mask.any():
             raise CheckFailed("text.no_trained_tokens", f"no token of the conversation is trained (text.train_on="
                               f"{self.train_on}; roles {[turn.role for turn in turns]})",
                               expected="at least one trained token", observed=0)
+        video_spans = checked_spans(expanded, clip_plans, self.family, self.video_token_id) if clip_plans else []
         return TokenLayout(input_ids=expanded.tolist(), image_spans=checked_spans(expanded, plans, self.family),
-                           token_tags=tags.tolist(), chat=ChatLayout(loss_mask.tolist(), spans))
+                           token_tags=tags.tolist(), chat=ChatLayout(loss_mask.tolist(), spans),
+                           video_spans=video_spans)
 
-    def _mask(self, turns: list[Turn], rendered: Rendered, is_image: np.ndarray) -> np.ndarray:
-        """Per rendered token, 1 where text.train_on trains it."""
+    def _mask(self, turns: list[Turn], rendered: Rendered, is_media: np.ndarray) -> np.ndarray:
+        """Per rendered token, 1 where text.train_on trains it (never an image's or a clip's token)."""
         if self.train_on == "all":
-            return (~is_image).astype(np.int8)
+            return (~is_media).astype(np.int8)
         mask = np.zeros(len(rendered.ids), dtype=np.int8)
         assistant = [i for i, turn in enumerate(turns) if turn.role == "assistant" and rendered.content[i] is not None]
         for index in assistant[-1:] if self.train_on == "last_assistant" else assistant:

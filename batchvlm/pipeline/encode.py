@@ -63,8 +63,8 @@ def launch_batch(encoder, batch: PixelBatch, out_dtype: torch.dtype | None = Non
     stream that lets the tower of the next batch start at once). The shapes are checked here, on the host."""
     check_packing(batch)
     outputs = encoder(batch.pixel_values, batch.grid_thw)
-    plans = [plan for record in batch.records for plan in record.plans]
-    owners = [(record, index) for record in batch.records for index in range(len(record.plans))]
+    plans = [plan for record in batch.records for plan in record.media_plans]
+    owners = [(record, index) for record in batch.records for index in range(len(record.media_plans))]
     for name, tensors in outputs.items():
         require(len(tensors) == len(plans), "encode.output_tokens", f"the tower returned {name} for a different "
                 "number of images", expected=len(plans), observed=len(tensors))
@@ -83,7 +83,7 @@ def finish_batch(launched: Launched, syncs: Syncs) -> list[EncodedRecord]:
     record."""
     syncs.wait(launched.ready)
     batch, flags = launched.batch, launched.flags.tolist()
-    owners = [(record, index) for record in batch.records for index in range(len(record.plans))]
+    owners = [(record, index) for record in batch.records for index in range(len(record.media_plans))]
     counted = len(owners) * len(launched.host)
     if any(flags[counted:]):
         raise PixelsNotFinite(f"{sum(flags[counted:])} images of the batch hold pixel values never written or not "
@@ -95,10 +95,12 @@ def finish_batch(launched: Launched, syncs: Syncs) -> list[EncodedRecord]:
     per_image = {name: list(joined.split(launched.sizes[name])) for name, joined in launched.host.items()}
     encoded, cursor = [], 0
     for record in batch.records:
-        mine = {name: tensors[cursor:cursor + len(record.plans)] for name, tensors in per_image.items()}
-        cursor += len(record.plans)
+        images, media = len(record.plans), len(record.media_plans)
+        mine = {name: tensors[cursor:cursor + images] for name, tensors in per_image.items()}
+        clips = per_image["image_embeds"][cursor + images:cursor + media]  # the tower's other outputs: images only
+        cursor += media
         embeds = mine.pop("image_embeds")
-        encoded.append(EncodedRecord(prepared=record, image_embeds=embeds, extras=mine))
+        encoded.append(EncodedRecord(prepared=record, image_embeds=embeds, extras=mine, video_embeds=clips))
     return encoded
 
 

@@ -28,7 +28,7 @@ from batchvlm.config import Choice, Config, ConfigError, operational, positive, 
 from batchvlm.faults import fault
 from batchvlm.kernels.reference import composite, resize_image
 from batchvlm.devices import Syncs, images_on, to_device
-from batchvlm.records import DecodedImage, ImagePlan, PixelBatch, PreparedRecord, PreprocessStats
+from batchvlm.records import DecodedClip, DecodedImage, ImagePlan, PixelBatch, PreparedRecord, PreprocessStats
 
 
 class Backend(Choice):
@@ -363,18 +363,55 @@ def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: Preproc
     require(len(rows) == len(plans), "preprocess.feature_length", "the backend returned pixels for a different "
             "number of images than the batch has", expected=len(plans), observed=len(rows))
     owners = [(record, index) for record in records for index in range(len(record.plans))]
-    on_device = torch.stack([torch.isfinite(image_rows).all() for image_rows in rows]) if rows else None
-    finite = syncs.read(on_device) if syncs is not None and rows else [True] * len(rows)
+    clips = [(record, index, clip, plan) for record in records
+             for index, (clip, plan) in enumerate(zip(record.clips, record.clip_plans))]
+    clip_rows = [frame_rows(frames_on(clip, preprocessor.device), plan.resized, preprocessor.family.layout,
+                            preprocessor.family, preprocessor.family.resample) for _, _, clip, plan in clips]
+    every = rows + clip_rows
+    on_device = torch.stack([torch.isfinite(part).all() for part in every]) if every else None
+    finite = syncs.read(on_device) if syncs is not None and every else [True] * len(every)
     rows = [guard.checked_rows(record, index, image, plan, grid, image_rows, all_finite)
             for (record, index), image, plan, grid, image_rows, all_finite
             in zip(owners, images, plans, grids, rows, finite)]
-    pixel_values = torch.cat(rows)
-    grid_thw = torch.tensor([plan.grid_thw for plan in plans], dtype=torch.int64)
+    clip_rows = [checked_clip_rows(record, index, plan, part, all_finite) for (record, index, _, plan), part, all_finite
+                 in zip(clips, clip_rows, finite[len(rows):])]
+    pixel_values = torch.cat(in_record_order(records, rows, clip_rows) if clip_rows else rows)
+    grid_thw = torch.tensor([plan.grid_thw for record in records for plan in record.media_plans], dtype=torch.int64)
     require(pixel_values.shape[0] == int(grid_thw.prod(-1).sum()), "preprocess.feature_length",
             "packed pixel rows do not match the batch's grids",
             expected=int(grid_thw.prod(-1).sum()), observed=pixel_values.shape[0])
     return PixelBatch(pixel_values=pixel_values, grid_thw=grid_thw, records=records,
                       finite=None if syncs is not None else on_device)
+
+
+def frames_on(clip: DecodedClip, device: torch.device) -> torch.Tensor:
+    """A clip's sampled frames, (n, H, W, 3) uint8, on `device`."""
+    return to_device(torch.as_tensor(clip.pixels), device)
+
+
+def checked_clip_rows(record: PreparedRecord, index: int, plan, rows: torch.Tensor, all_finite: bool) -> torch.Tensor:
+    """A clip's rows, every backend's from `frame_rows` (torch ops on the job's device; the parity sample and the
+    CPU fallback are the images'): as many as its plan's patches, every value finite; else its record is
+    quarantined, naming the clip."""
+    try:
+        require(rows.shape[0] == plan.num_patches, "preprocess.feature_length", f"clip {index}: {rows.shape[0]} "
+                f"pixel rows for {plan.num_patches} planned patches", expected=plan.num_patches,
+                observed=rows.shape[0])
+        require(all_finite, "preprocess.feature_length", f"clip {index}: pixel rows hold NaN or Inf",
+                expected="every value written and finite", observed="non-finite")
+    except CheckFailed as failure:
+        failure.record, failure.video_index = record, index
+        raise
+    return rows
+
+
+def in_record_order(records: list[PreparedRecord], image_rows: list, clip_rows: list) -> list:
+    """Per-image and per-clip rows (each in batch order) in the order the tower's outputs are split back: record by
+    record, its images, then its clips (PreparedRecord.media)."""
+    images, clips, ordered = iter(image_rows), iter(clip_rows), []
+    for record in records:
+        ordered += [next(images) for _ in record.images] + [next(clips) for _ in record.clips]
+    return ordered
 
 
 def _check_image(index: int, plan: ImagePlan, grid: tuple, image_rows: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from batchvlm.checks import CheckFailed
 from batchvlm.pipeline.chat import ChatRenderer, Overflow, TextConfig
 from batchvlm.pipeline.tokens import build_layout, place_conversation_images, place_images, require_fits
 from batchvlm.records import ImagePlan, SourceRecord, TokenLayout, Turn
@@ -20,8 +21,8 @@ class TextSide(Protocol):
     def placed(self, record: SourceRecord) -> str | list[Turn]:
         """The record's text with one image slot per image (text.placeholder_count otherwise)."""
 
-    def lay_out(self, content: str | list[Turn], plans: list[ImagePlan]) -> TokenLayout:
-        """The token layout of the placed text, each image expanded to its plan's tokens."""
+    def lay_out(self, content: str | list[Turn], plans: list[ImagePlan], clip_plans: list = ()) -> TokenLayout:
+        """The token layout of the placed text, each image (clip) expanded to its plan's tokens."""
 
 
 class PlainText:
@@ -32,19 +33,34 @@ class PlainText:
     def placed(self, record: SourceRecord) -> str:
         return place_images(record.text, self.placeholder, len(record.images), self.missing)
 
-    def lay_out(self, text: str, plans: list[ImagePlan]) -> TokenLayout:
-        return build_layout(text, self.placeholder, plans, self.family, self.control_tokens)
+    def lay_out(self, text: str, plans: list[ImagePlan], clip_plans: list = ()) -> TokenLayout:
+        return build_layout(text, self.placeholder, plans, self.family, self.control_tokens)  # no clip in plain text
 
 
 class Conversation:
     def __init__(self, renderer: ChatRenderer, missing_placeholder: str):
         self.renderer, self.missing = renderer, missing_placeholder
+        family = renderer.family
+        # What a clip is refused with where the family has no clip rule (None: it has one).
+        self.no_clips = None if getattr(family, "video_rule", None) else (
+            f"model.family={family.name} ({getattr(family, 'version', family.name)}) has no video rule in batchvlm "
+            "yet: its clips are not embedded")
 
     def placed(self, record: SourceRecord) -> list[Turn]:
-        return place_conversation_images(record.turns, len(record.images), self.missing)
+        if self.no_clips is not None:
+            refuse_clips(record, self.no_clips)
+        return place_conversation_images(record.turns, len(record.images), self.missing, len(record.videos))
 
-    def lay_out(self, turns: list[Turn], plans: list[ImagePlan]) -> TokenLayout:
-        return self.renderer.lay_out(turns, plans)
+    def lay_out(self, turns: list[Turn], plans: list[ImagePlan], clip_plans: list = ()) -> TokenLayout:
+        return self.renderer.lay_out(turns, plans, clip_plans)
+
+
+def refuse_clips(record: SourceRecord, reason: str) -> None:
+    """text.video where the record names or places a clip and the family takes none."""
+    placed = sum(turn.num_videos for turn in record.turns)
+    if record.videos or placed:
+        raise CheckFailed("text.video", f"the record holds {max(len(record.videos), placed)} clip(s): {reason}",
+                          expected="text and images", observed=f"{len(record.videos)} clip(s) named, {placed} placed")
 
 
 def text_side(family, format: str, placeholder: str, missing_placeholder: str, text: TextConfig) -> TextSide:
@@ -55,8 +71,9 @@ def text_side(family, format: str, placeholder: str, missing_placeholder: str, t
         renderer, missing_placeholder)
 
 
-def laid_out(side: TextSide, content: str | list[Turn], plans: list[ImagePlan], text: TextConfig) -> TokenLayout:
+def laid_out(side: TextSide, content: str | list[Turn], plans: list[ImagePlan], text: TextConfig,
+             clip_plans: list = ()) -> TokenLayout:
     """The layout of a placed text, within text.max_tokens (text.too_long otherwise)."""
-    layout = side.lay_out(content, plans)
+    layout = side.lay_out(content, plans, clip_plans)
     require_fits(layout, text.max_tokens, text.overflow == Overflow.drop_turns)
     return layout

@@ -74,9 +74,14 @@ def text_ids(family, text: str, control_tokens: str = "quarantine") -> list[int]
                       "(text.control_tokens=text reads it as plain text)", expected="plain text", observed=name)
 
 
-def place_conversation_images(turns: list[Turn], num_images: int, missing_policy: str) -> list[Turn]:
+def place_conversation_images(turns: list[Turn], num_images: int, missing_policy: str,
+                              num_videos: int = 0) -> list[Turn]:
     """The turns with one image slot per image: as read, or (none at all, missing_placeholder=prepend) the images at
-    the front of the first user turn; else a text.placeholder_count failure."""
+    the front of the first user turn; and one clip slot per clip, as read; else a text.placeholder_count failure."""
+    videos = sum(turn.num_videos for turn in turns)
+    require(videos == num_videos, "text.placeholder_count", f"Expected {num_videos} video placeholder(s) (<video> or "
+            f"{{type: video}}) across the conversation's turns, one per clip the record names, found {videos}.",
+            expected=num_videos, observed=videos)
     found = sum(turn.num_images for turn in turns)
     first_user = next((i for i, turn in enumerate(turns) if turn.role == "user"), None)
     if found == 0 and num_images and missing_policy == "prepend" and first_user is not None:
@@ -105,17 +110,21 @@ def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family,
     return TokenLayout(input_ids=input_ids, image_spans=checked_spans(input_ids, plans, family), token_tags=tags)
 
 
-def checked_spans(input_ids: list[int] | np.ndarray, plans: list[ImagePlan], family) -> list[tuple[int, int]]:
-    """The image spans found again in the ids, one per image, each as long as its plan says."""
-    spans = find_spans(input_ids, family.image_token_id)
+def checked_spans(input_ids: list[int] | np.ndarray, plans: list, family,
+                  video_token_id: int | None = None) -> list[tuple[int, int]]:
+    """The image spans (with `video_token_id`, the clips' spans) found again in the ids, one per image (clip), each
+    as long as its plan says."""
+    kind = "image" if video_token_id is None else "clip"
+    spans = find_spans(input_ids, family.image_token_id if video_token_id is None else video_token_id)
     # Messages are formatted only for a failure: this runs on every record.
     if len(spans) != len(plans):
-        raise CheckFailed("text.image_span_count", f"Expected one image span per image: {len(plans)} image(s), "
-                          f"{len(spans)} span(s) of image tokens", expected=len(plans), observed=len(spans))
+        raise CheckFailed("text.image_span_count", f"Expected one {kind} span per {kind}: {len(plans)} {kind}(s), "
+                          f"{len(spans)} span(s) of {kind} tokens", expected=len(plans), observed=len(spans))
     for index, ((_, length), plan) in enumerate(zip(spans, plans)):
         if length != plan.num_tokens:
-            raise CheckFailed("text.span_length", f"span of image {index} has {length} tokens, its plan has "
-                              f"{plan.num_tokens}", expected=plan.num_tokens, observed=length, image_index=index)
+            where = {"image_index": index} if video_token_id is None else {"video_index": index}
+            raise CheckFailed("text.span_length", f"span of {kind} {index} has {length} tokens, its plan has "
+                              f"{plan.num_tokens}", expected=plan.num_tokens, observed=length, **where)
     return spans
 
 
@@ -138,9 +147,15 @@ def require_fits(layout: TokenLayout, max_tokens: int | None, dropped: bool = Fa
                       turn_index=over)
 
 
-def attach_positions(layout: TokenLayout, plans: list[ImagePlan], family) -> None:
-    """The family's position ids (M-RoPE), checked against the sequence they must cover."""
-    found = family.positions(layout, plans)
+def attach_positions(layout: TokenLayout, plans: list[ImagePlan], family, clip_plans: list = ()) -> None:
+    """The family's position ids (M-RoPE), checked against the sequence they must cover: with clips, over the
+    images' and clips' spans in sequence order."""
+    if clip_plans:
+        spans, ordered = zip(*sorted([*zip(layout.image_spans, plans), *zip(layout.video_spans, clip_plans)],
+                                     key=lambda span_plan: span_plan[0][0]))
+        found = family.media_positions(len(layout.input_ids), list(spans), list(ordered))
+    else:
+        found = family.positions(layout, plans)
     if found is None:
         return
     positions, delta = found

@@ -37,7 +37,8 @@ a constant rate's steps rounded to the time base (24 fps in milliseconds: 42, 41
 @dataclass
 class VideoConfig(Config):
     """What a clip may cost: its bytes before any is read, its header's limits before a frame is decoded, and the
-    time its isolated decode may take. Not yet a group of the job's config: the job takes no clip (docs/video.md)."""
+    time its isolated decode may take. The job's `video` group: in the run's fingerprint where the dataset's format
+    can name clips (executor.fingerprint)."""
 
     KEY: ClassVar[str] = "video"
 

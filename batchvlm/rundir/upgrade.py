@@ -18,6 +18,11 @@ Format 1 (every run written before the format had a version) differs from format
 - a quarantine shard: no `turns` or `turn_index` column;
 - a shard's schema metadata: no format version.
 
+Format 2 (every run written before clips) differs from format 3 in its shards alone: a data shard has no clip columns
+(`video_spans`, `video_grid_thw`, `second_per_grid_ts`, `video_num_tokens`, `video_frame_indices`,
+`video_frame_times`, `video_embeds`), a quarantine shard no `video_index` or `video_paths`; the upgrade adds them, null
+(no record of such a run holds a clip: it quarantined them as text.video).
+
 The upgrade rewrites each listed shard of an older format (row group by row group, so a reader's row groups stay
 where they were) beside itself and renames it into place, rewrites its unit's manifest with the new sizes and
 digests, then the plan and the totals, and writes the marker last: the marker's version is the upgrade's commit. An

@@ -21,6 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -33,6 +34,7 @@ from batchvlm.families import check_checkpoint, load_family
 from batchvlm.format.schema import DATA_SCHEMA, EMBED_DTYPES, QUARANTINE_SCHEMA
 from batchvlm.pipeline.decode import read_bytes, upright_size
 from batchvlm.pipeline.encode import expected_rows
+from batchvlm.pipeline.video import Clip, DecodedVideo, Sampler, VideoConfig, probe
 from batchvlm.records import EncodedRecord, ImageRef, PreparedRecord, QuarantinedRecord, SourceRecord, WorkUnit
 from batchvlm.rundir.layout import DATA
 from batchvlm.rundir.patterns import PatternUnits
@@ -73,15 +75,23 @@ class SizedImage:
 
 
 class HeaderReader:
-    """Reads an image's bytes as the job does (confined, bounded) and its size from the header alone."""
+    """Reads an image's (a clip's) bytes as the job does (confined, bounded) and its size from the header alone."""
 
-    def __init__(self, cfg):
-        self.cfg = cfg
+    def __init__(self, cfg, video: VideoConfig | None = None):
+        self.cfg, self.video = cfg, video or VideoConfig()
 
     def __call__(self, ref: ImageRef, image_index: int) -> SizedImage:
         data = read_bytes(ref, self.cfg, image_index)
         height, width = upright_size(data, self.cfg, image_index)
         return SizedImage(height, width, hashlib.sha256(data).hexdigest())
+
+    def clip(self, ref: ImageRef, index: int, sample: Sampler) -> Clip:
+        """The clip's header and the frames `sample` picks, none decoded: its frames stand in as one zero pixel seen
+        at the header's size (a display rotation is read from decoded frames only: not applied here)."""
+        header = probe(read_bytes(ref, self.cfg, index, self.video.byte_limit), self.video)
+        indices = sample(header.frames, header.fps)
+        frames = np.broadcast_to(np.zeros((1, 1, 1, 3), np.uint8), (len(indices), header.height, header.width, 3))
+        return Clip(header, DecodedVideo(frames, tuple(indices), tuple(header.timestamps_s[i] for i in indices), 0))
 
     def close(self) -> None:
         """Nothing to stop: headers are read in this process."""
@@ -163,7 +173,7 @@ def estimate(config: EstimateConfig) -> Estimate:
     picked = units[::max(1, len(units) // config.records)]
     per_unit = math.ceil(config.records / len(picked))
     outcomes, samples = [], {}
-    reader = HeaderReader(config.decode)
+    reader = HeaderReader(config.decode, config.video)
     text = text_side_of(family, config)
     for unit in picked:
         read, samples[unit.unit_id] = _sample(source, unit, per_unit)
@@ -210,7 +220,8 @@ def _encoded(outcome: PreparedRecord | QuarantinedRecord, hidden_sizes: dict[str
         return outcome
     embeds = {name: [torch.randn(expected_rows(name, plan), size) for plan in outcome.plans]
               for name, size in hidden_sizes.items()}
-    return EncodedRecord(outcome, embeds.pop("image_embeds"), embeds)
+    clips = [torch.randn(plan.num_tokens, hidden_sizes["image_embeds"]) for plan in outcome.clip_plans]
+    return EncodedRecord(outcome, embeds.pop("image_embeds"), embeds, video_embeds=clips)
 
 
 def _parquet_bytes(rows: list[dict], schema: pa.Schema, compression: str) -> int:

@@ -20,28 +20,33 @@ import json
 
 from batchvlm.checks import CheckFailed, require
 from batchvlm.format.strings import unencodable_fields
-from batchvlm.records import Turn
+from batchvlm.records import Slot, Turn
 
 LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 IMAGE_BLOCKS = ("image", "image_url")
 VIDEO_BLOCKS = ("video", "video_url")
-VIDEO_PLACEHOLDER = "<video>"
-"""LLaVA's and Qwen's video placeholder (LLaMA-Factory's default too): a record with a video is quarantined
-(text.video) until batchvlm embeds videos."""
+VIDEO_PLACEHOLDER = Slot.VIDEO.value
+"""LLaVA's and Qwen's video placeholder (LLaMA-Factory's default too): a clip's place in a llava or messages turn.
+Plain text (dataset.format=text) and The Cauldron have no video column: there it is quarantined (text.video)."""
 
 
-def split_placeholders(text: str, placeholder: str) -> tuple[str | None, ...]:
-    """The text's pieces with None where each placeholder was; the text around them unchanged."""
-    pieces = text.split(placeholder)
-    parts: list[str | None] = [pieces[0]]
-    for piece in pieces[1:]:
-        parts += [None, piece]
+def split_placeholders(text: str, placeholder: str, video: bool = False) -> tuple[str | Slot | None, ...]:
+    """The text's pieces with None where each placeholder was (and, with `video`, Slot.VIDEO where each `<video>`
+    was); the text around them unchanged."""
+    parts: list[str | Slot | None] = []
+    for index, piece in enumerate(text.split(VIDEO_PLACEHOLDER) if video else (text,)):
+        if index:
+            parts.append(Slot.VIDEO)
+        pieces = piece.split(placeholder)
+        parts.append(pieces[0])
+        for rest in pieces[1:]:
+            parts += [None, rest]
     return tuple(part for part in parts if part != "")
 
 
 def _image_first(parts: tuple[str | None, ...]) -> tuple[str | None, ...]:
     """LLaVA's placement: a lone image taken out of its turn and put first, followed by a newline."""
-    if sum(part is None for part in parts) != 1:
+    if sum(part is None for part in parts) != 1 or Slot.VIDEO in parts:
         return parts
     text = "".join(part for part in parts if part is not None).strip()
     return (None, "\n" + text)
@@ -74,29 +79,29 @@ def _string(turn: dict, key: str, index: int) -> str:
     return value
 
 
-def _no_video(text: str, index: int) -> str:
-    """text.video: the text holds no video placeholder."""
-    require(VIDEO_PLACEHOLDER not in text, "text.video", f"turn {index} holds a {VIDEO_PLACEHOLDER} placeholder: "
-            "video is not supported yet", expected="text and images", observed=VIDEO_PLACEHOLDER, turn_index=index)
+def _no_video(text: str, index: int, where: str = "a text block (a clip's place is a {type: video} block)") -> str:
+    """text.video: a text where a clip cannot be placed holds no video placeholder."""
+    require(VIDEO_PLACEHOLDER not in text, "text.video", f"turn {index} holds a {VIDEO_PLACEHOLDER} placeholder in "
+            f"{where}", expected="text and images", observed=VIDEO_PLACEHOLDER, turn_index=index)
     return text
 
 
-def _text(text: str, placeholder: str, index: int) -> tuple[str | None, ...]:
-    """A turn's text as parts, None where each image placeholder was."""
-    return split_placeholders(_no_video(text, index), placeholder)
+def _text(text: str, placeholder: str) -> tuple[str | Slot | None, ...]:
+    """A turn's text as parts, None where each image placeholder was, Slot.VIDEO where each `<video>` was."""
+    return split_placeholders(text, placeholder, video=True)
 
 
 def llava_turns(value, placeholder: str, image_first: bool = False, column: str = "conversations") -> list[Turn]:
     turns = []
     for index, turn in enumerate(_turn_list(value, column)):
         speaker = _string(turn, "from", index)
-        parts = _text(_string(turn, "value", index), placeholder, index)
+        parts = _text(_string(turn, "value", index), placeholder)
         turns.append(Turn(LLAVA_ROLES.get(speaker, speaker), _image_first(parts) if image_first else parts))
     return turns
 
 
-def _blocks(content: list, index: int) -> tuple[str | None, ...]:
-    parts: list[str | None] = []
+def _blocks(content: list, index: int) -> tuple[str | Slot | None, ...]:
+    parts: list[str | Slot | None] = []
     for block in content:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind in IMAGE_BLOCKS or (isinstance(block, dict) and kind is None and "image" in block):
@@ -104,11 +109,10 @@ def _blocks(content: list, index: int) -> tuple[str | None, ...]:
         elif kind == "text":
             parts.append(_no_video(_string(block, "text", index), index))
         elif kind in VIDEO_BLOCKS:
-            raise CheckFailed("text.video", f"turn {index} holds a {kind} block: video is not supported yet",
-                              expected="text and images", observed=kind, turn_index=index)
+            parts.append(Slot.VIDEO)
         else:
             raise CheckFailed("text.placeholder_count", f"turn {index} has a content block of type {kind!r}: "
-                              "batchvlm takes text and image blocks", expected="text | image",
+                              "batchvlm takes text, image and video blocks", expected="text | image | video",
                               observed=repr(kind), turn_index=index)
     return tuple(part for part in parts if part != "")
 
@@ -118,18 +122,21 @@ def messages_turns(value, placeholder: str, column: str = "messages") -> list[Tu
     for index, turn in enumerate(_turn_list(value, column)):
         role, content = _string(turn, "role", index), turn.get("content")
         parts = _blocks(content, index) if isinstance(content, (list, tuple)) else \
-            _text(_string(turn, "content", index), placeholder, index)
+            _text(_string(turn, "content", index), placeholder)
         turns.append(Turn(role, parts))
     return turns
+
+
+CAULDRON = "The Cauldron's format, which has no video column"
 
 
 def cauldron_turns(value, num_images: int, column: str = "texts") -> list[Turn]:
     turns = []
     for index, pair in enumerate(_turn_list(value, column)):
-        user = _no_video(_string(pair, "user", 2 * index), 2 * index)
+        user = _no_video(_string(pair, "user", 2 * index), 2 * index, CAULDRON)
         images = (None,) * num_images if index == 0 else ()
         turns += [Turn("user", images + ((user,) if user else ())),
-                  Turn("assistant", (_no_video(_string(pair, "assistant", 2 * index + 1), 2 * index + 1),))]
+                  Turn("assistant", (_no_video(_string(pair, "assistant", 2 * index + 1), 2 * index + 1, CAULDRON),))]
     return turns
 
 

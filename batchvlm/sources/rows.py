@@ -81,9 +81,10 @@ def record_from_row(cfg: DatasetConfig, row: dict, unit_id: str, item: InputFile
     text = row.get(cfg.text_column)
     record = SourceRecord(id=record_id(cfg, row, item.name, index, given_id), unit_id=unit_id,
                           source=item.location, row=index, text=_as_text(text),
-                          images=[image_ref(image, base, cfg) for image in images], seq=seq)
+                          images=[image_ref(image, base, cfg) for image in images], seq=seq,
+                          videos=video_refs(cfg, row, base))
     record.failure = (unencodable_failure(unencodable, read) if unencodable else None) or id_failure(given_id) \
-        or text_failure(cfg, text) or video_failure(cfg, row) or source_failure(cfg, row, record)
+        or text_failure(cfg, text) or source_failure(cfg, row, record)
     if cfg.format != "text" and (record.failure is None or unencodable):  # an escaped conversation shows its turns
         try:
             record.turns = read_turns(cfg.format, text, cfg.placeholder, len(images), cfg.image_first,
@@ -138,15 +139,13 @@ VIDEO_COLUMNS = {"llava": "video", "messages": "videos"}
 and ms-swift's `videos`."""
 
 
-def video_failure(cfg: DatasetConfig, row: dict) -> Failure | None:
-    """text.video where the record names a clip in its format's video column, placeholder or not: a clip named
-    without a `<video>` in the text would otherwise be dropped unseen, the record embedded without it."""
+def video_refs(cfg: DatasetConfig, row: dict, base: str) -> list[ImageRef]:
+    """The clips a record names in its format's video column (paths under dataset.image_root, as images, or bytes);
+    none for a format without one."""
     column = VIDEO_COLUMNS.get(cfg.format)
-    videos = [video for video in _as_list(row.get(column)) if video] if column else []
-    if not videos:
-        return None
-    return failure("text.video", f"the record names {len(videos)} video(s) in {column!r}: video is not supported yet",
-                   expected="text and images", observed=f"{len(videos)} video(s)")
+    if column is None:
+        return []
+    return [image_ref(video, base, cfg) for video in _as_list(row.get(column)) if video]
 
 
 def source_failure(cfg: DatasetConfig, row: dict, record: SourceRecord) -> Failure | None:

@@ -2,9 +2,9 @@
 serving.py's).
 
 token_tags -> mm_token_type_ids: batchvlm tags 0 text, 1 image token, 2 frame token (the
-vision_start / media_begin ... tokens around a span); transformers' `mm_token_type_ids` are 0 text,
+vision_start / media_begin ... tokens around a span), 3 video token; transformers' `mm_token_type_ids` are 0 text,
 1 image, 2 video, and a frame token is text to it (`get_rope_index` gives it a text position). So
-image tokens map to 1 and everything else to 0; batchvlm writes no video.
+image tokens map to 1, video tokens to 2 and everything else to 0.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from batchvlm.format.hf_features import EMBED_ID_PREFIX, embedding_layouts
 from batchvlm.rundir.dedup import duplicate_rows
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.training.reader import RecordTensors, Runs, trusted_shards
-from batchvlm.format.schema import IMAGE
+from batchvlm.format.schema import IMAGE, VIDEO
 
 
 def mm_token_type_ids(token_tags: torch.Tensor) -> torch.Tensor:
     """transformers' `mm_token_type_ids` (int64, same shape) for batchvlm `token_tags`."""
-    return (token_tags == IMAGE).long()
+    return (token_tags == IMAGE).long() + 2 * (token_tags == VIDEO).long()
 
 
 def load_run_dataset(runs: Runs, allow_unfinished: bool = False, checksums: bool = False, **kwargs):
@@ -101,4 +101,8 @@ class DatasetRows:
             position_ids=torch.tensor(positions, dtype=torch.int64) if positions is not None else None,
             rope_delta=row.get("rope_delta"),
             loss_mask=torch.tensor(row["loss_mask"], dtype=torch.int8) if row.get("loss_mask") is not None else None,
+            video_embeds=self._embeddings(row["video_embeds"], "image_embeds")  # as wide as the images'
+            if row.get("video_embeds") is not None else None,
+            video_spans=torch.tensor([(s["start"], s["length"]) for s in row["video_spans"]], dtype=torch.int64
+                                     ).reshape(-1, 2) if row.get("video_spans") is not None else None,
         )

@@ -34,6 +34,8 @@ class PaddedBatch:
     image_embeds: torch.Tensor  # [n_image_tokens, hidden], the records' in order
     image_positions: torch.Tensor  # [n_image_tokens]: where each row goes in the flattened [B * L] sequence
     deepstack_embeds: list[torch.Tensor] | None  # Qwen3-VL: one [n_image_tokens, hidden] tensor per layer
+    video_embeds: torch.Tensor | None = None  # [n_video_tokens, hidden], the records' clips' tokens in order
+    video_positions: torch.Tensor | None = None  # [n_video_tokens]: where each row goes in the flattened sequence
 
 
 def pad(records: list[RecordTensors], max_tokens: int, pad_id: int = 0) -> PaddedBatch:
@@ -50,13 +52,16 @@ def pad(records: list[RecordTensors], max_tokens: int, pad_id: int = 0) -> Padde
     offsets = [row * length for row in range(len(alone))]
     with_layers = [one.deepstack_embeds for one in alone if one.deepstack_embeds is not None]  # a text has none
     layers = [torch.cat(level) for level in zip(*with_layers)] if with_layers else None
+    clips = [(one, offset) for one, offset in zip(alone, offsets) if one.video_embeds is not None]
     return PaddedBatch(
         ids=[record.id for record in records], input_ids=stacked("input_ids", pad_id),
         labels=stacked("labels", IGNORE_INDEX),
         attention_mask=torch.stack([(torch.arange(length) < one.num_tokens).long() for one in alone]),
         position_ids=stacked("position_ids", 0), image_embeds=torch.cat([one.image_embeds for one in alone]),
         image_positions=torch.cat([one.image_positions + offset for one, offset in zip(alone, offsets)]),
-        deepstack_embeds=layers)
+        deepstack_embeds=layers,
+        video_embeds=torch.cat([one.video_embeds for one, _ in clips]) if clips else None,
+        video_positions=torch.cat([one.video_positions + offset for one, offset in clips]) if clips else None)
 
 
 def forward_parameters(model) -> set[str]:
@@ -95,8 +100,15 @@ def model_inputs(model, batch: PackedBatch | PaddedBatch) -> dict:
         inputs["attention_mask"] = batch.attention_mask
     if "mm_encoder_outputs" in parameters:
         inputs["input_ids"] = batch.input_ids
+        outputs = {}
         if len(batch.image_embeds):
-            inputs["mm_encoder_outputs"] = {"image": encoder_output(batch)}
+            outputs["image"] = encoder_output(batch)
+        if batch.video_embeds is not None and len(batch.video_embeds):
+            from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+            outputs["video"] = BaseModelOutputWithPooling(pooler_output=(batch.video_embeds,))
+        if outputs:
+            inputs["mm_encoder_outputs"] = outputs
     else:
         if batch.deepstack_embeds is not None:
             raise ValueError(f"{type(model).__name__}.forward takes no mm_encoder_outputs, and the batch's "
@@ -123,9 +135,12 @@ def encoder_output(batch: PackedBatch | PaddedBatch):
 
 
 def embeds_with_images(model, batch: PackedBatch | PaddedBatch) -> torch.Tensor:
-    """The text embeddings of `input_ids` with the stored rows in place of the image tokens' (out of place, so
-    that gradients flow to the embedding table)."""
+    """The text embeddings of `input_ids` with the stored rows in place of the image (and clip) tokens' (out of
+    place, so that gradients flow to the embedding table)."""
     embeds = model.get_input_embeddings()(batch.input_ids)
     flat = embeds.reshape(-1, embeds.shape[-1])
     flat = flat.index_put((batch.image_positions.to(flat.device),), batch.image_embeds.to(flat.device, flat.dtype))
+    if batch.video_embeds is not None:
+        flat = flat.index_put((batch.video_positions.to(flat.device),),
+                              batch.video_embeds.to(flat.device, flat.dtype))
     return flat.view_as(embeds)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from batchvlm.training.reader import RecordArrays, RecordTensors, record_arrays, span_positions, tensor_of
-from batchvlm.format.schema import IMAGE
+from batchvlm.format.schema import IMAGE, VIDEO
 
 IGNORE_INDEX = -100
 """The label transformers' cross-entropy skips."""
@@ -41,6 +41,8 @@ class PackedBatch:
     grid_thw: torch.Tensor  # [n_images, 3]
     extras: dict[str, torch.Tensor]  # the records' other embedding columns, concatenated in order
     deepstack_embeds: list[torch.Tensor] | None  # Qwen3-VL: one [n_image_tokens, hidden] tensor per deepstack layer
+    video_embeds: torch.Tensor | None = None  # [n_video_tokens, hidden], all records' clip tokens in sequence order
+    video_positions: torch.Tensor | None = None  # [n_video_tokens] int64: where each row of video_embeds goes
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +103,7 @@ def pack_arrays(records: list[RecordArrays], max_tokens: int) -> PackedBatch:
                               records[0].embed_dtype)
               for name in dict.fromkeys(name for r in records for name in r.embeds)}
     image_embeds = embeds.pop("image_embeds")
+    video_embeds = embeds.pop("video_embeds", None)
     batch = PackedBatch(
         ids=[r.id for r in records], input_ids=torch.from_numpy(input_ids)[None],
         labels=torch.from_numpy(_labels(input_ids, token_tags, cu_seqlens, records))[None],
@@ -110,9 +113,20 @@ def pack_arrays(records: list[RecordArrays], max_tokens: int) -> PackedBatch:
         max_seqlen=int(lengths.max()), image_embeds=image_embeds,
         image_positions=torch.from_numpy(span_positions(span_starts, spans[:, 1])),
         grid_thw=torch.from_numpy(np.concatenate([r.grid_thw for r in records]).astype(np.int64).reshape(-1, 3)),
-        extras=embeds, deepstack_embeds=_deepstack_layers(embeds.get("deepstack_embeds"), image_embeds.shape[1]))
+        extras=embeds, deepstack_embeds=_deepstack_layers(embeds.get("deepstack_embeds"), image_embeds.shape[1]),
+        video_embeds=video_embeds, video_positions=_video_positions(records, cu_seqlens))
     check_packed(batch, max_tokens)
     return batch
+
+
+def _video_positions(records: list[RecordArrays], cu_seqlens: np.ndarray) -> torch.Tensor | None:
+    """Where each clip token of the pack sits, in the order of video_embeds' rows (None: no record has a clip)."""
+    if all(r.video_spans is None for r in records):
+        return None
+    spans = [(r.video_spans if r.video_spans is not None else np.zeros((0, 2), np.int64)) for r in records]
+    joined = np.concatenate(spans).astype(np.int64).reshape(-1, 2)
+    starts = joined[:, 0] + np.repeat(cu_seqlens[:-1], [len(s) for s in spans])
+    return torch.from_numpy(span_positions(starts, joined[:, 1]))
 
 
 def _labels(input_ids: np.ndarray, token_tags: np.ndarray, cu_seqlens: np.ndarray,
@@ -172,3 +186,11 @@ def check_packed(batch: PackedBatch, max_tokens: int) -> None:
         raise PackingError("an image position is not on an image token")
     if not (batch.labels[0].numpy(force=True)[image_tokens] == IGNORE_INDEX).all():
         raise PackingError("an image token has a label")
+    video_tokens = batch.token_tags[0].numpy(force=True) == VIDEO
+    rows = 0 if batch.video_embeds is None else len(batch.video_embeds)
+    at = np.zeros(0, np.int64) if batch.video_positions is None else batch.video_positions.numpy(force=True)
+    if not (rows == len(at) == video_tokens.sum() and video_tokens[at].all()):
+        raise PackingError(f"{rows} video_embeds rows and {len(at)} positions for {video_tokens.sum()} video tokens: "
+                           "each clip token needs its row (a reader that left the clips out?)")
+    if not (batch.labels[0].numpy(force=True)[video_tokens] == IGNORE_INDEX).all():
+        raise PackingError("a video token has a label")

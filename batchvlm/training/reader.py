@@ -34,6 +34,8 @@ class RecordTensors:
     position_ids: torch.Tensor | None  # [3, seq] int64 M-RoPE positions (Qwen), else None
     rope_delta: int | None
     loss_mask: torch.Tensor | None = None  # [seq] int8, 1 where trained: a conversation's; None for a plain text
+    video_embeds: torch.Tensor | None = None  # [n_video_tokens, hidden]: a record with clips (qwen2_vl)
+    video_spans: torch.Tensor | None = None  # [n_clips, 2] int64: (start, length)
 
     def image_token_positions(self) -> torch.Tensor:
         """Sequence positions of the image tokens, in the order of the rows of image_embeds."""
@@ -89,12 +91,14 @@ class RecordArrays:
     embed_dtype: torch.dtype
     rope_delta: int | None
     loss_mask: np.ndarray | None = None  # [seq] int8, or None
+    video_spans: np.ndarray | None = None  # [n_clips, 2]: (start, length); its rows in embeds["video_embeds"]
 
     def tensors(self) -> RecordTensors:
         embeds = {name: tensor_of(rows, self.embed_dtype) for name, rows in self.embeds.items()}
         return RecordTensors(
             id=self.id, input_ids=torch.from_numpy(self.input_ids.astype(np.int64)),
-            image_embeds=embeds.pop("image_embeds"),
+            image_embeds=embeds.pop("image_embeds"), video_embeds=embeds.pop("video_embeds", None),
+            video_spans=torch.from_numpy(self.video_spans.astype(np.int64)) if self.video_spans is not None else None,
             grid_thw=torch.from_numpy(self.grid_thw.astype(np.int64)),
             image_spans=torch.from_numpy(self.image_spans.astype(np.int64)),
             token_tags=torch.from_numpy(self.token_tags.copy()), extras=embeds,
@@ -106,13 +110,16 @@ class RecordArrays:
 def record_arrays(record: RecordTensors) -> RecordArrays:
     """A record read as tensors (read_run, `datasets` rows) in the form packing reads."""
     embeds = {"image_embeds": record.image_embeds, **record.extras}
+    if record.video_embeds is not None:
+        embeds["video_embeds"] = record.video_embeds
     return RecordArrays(
         id=record.id, input_ids=record.input_ids.numpy(force=True), token_tags=record.token_tags.numpy(force=True),
         image_spans=record.image_spans.numpy(force=True), grid_thw=record.grid_thw.numpy(force=True),
         position_ids=record.position_ids.numpy(force=True) if record.position_ids is not None else None,
         embeds={name: _as_bits(rows) for name, rows in embeds.items()}, embed_dtype=record.image_embeds.dtype,
         rope_delta=record.rope_delta,
-        loss_mask=record.loss_mask.numpy(force=True) if record.loss_mask is not None else None)
+        loss_mask=record.loss_mask.numpy(force=True) if record.loss_mask is not None else None,
+        video_spans=record.video_spans.numpy(force=True) if record.video_spans is not None else None)
 
 
 def _one_array(column: pa.ChunkedArray) -> pa.Array:
@@ -170,6 +177,11 @@ class ShardColumns:
         self.masks = _flat_values(column("loss_mask"))  # a plain text's row holds a null
         self.has_mask = column("loss_mask").is_valid().to_pylist()
         self.embeds = {"image_embeds": (*_flat_embeddings(column("image_embeds"), element_size, hidden), None)}
+        # Clips (a record without any holds nulls): their tokens as wide as the images'.
+        self.video_spans, self.videos = _flat_values(column("video_spans"))
+        self.has_videos = column("video_spans").is_valid().to_pylist()
+        self.embeds["video_embeds"] = (*_flat_embeddings(column("video_embeds"), element_size, hidden),
+                                       self.has_videos)
         for name in EXTRA_OUTPUTS:  # the columns of the outputs the family has: their hidden size is in the metadata
             if (size := _hidden_size(table.schema, name)) is not None:
                 self.embeds[name] = (*_flat_embeddings(column(name), element_size, size),
@@ -193,7 +205,8 @@ class ShardColumns:
             image_spans=self.image_spans[images], grid_thw=self.grid_thw[grids], position_ids=positions,
             embeds={name: rows[bounds[i]:bounds[i + 1]] for name, (rows, bounds, valid) in self.embeds.items()
                     if valid is None or valid[i]},
-            embed_dtype=self.embed_dtype, rope_delta=self.rope[i], loss_mask=mask)
+            embed_dtype=self.embed_dtype, rope_delta=self.rope[i], loss_mask=mask,
+            video_spans=self.video_spans[slice(*self.videos[i:i + 2])].reshape(-1, 2) if self.has_videos[i] else None)
 
 
 def table_tensors(table: pa.Table) -> list[RecordTensors]:

@@ -103,8 +103,8 @@ def expected_check(format: str, field: str, kind: str | None) -> str | None:
         return "source.invalid_unicode"
     if kind == "forged":
         return "text.control_token"
-    if kind == "video":
-        return "text.video"
+    if kind == "video":  # a llava turn places a clip (and names none: the count); a messages text block, The
+        return "text.placeholder_count" if format == "llava" else "text.video"  # Cauldron and plain text cannot
     if field == "id":
         return {"null": "source.missing_id", "int": None}.get(kind, "source.invalid_id")
     if field in TURN_TEXT:

@@ -14,6 +14,7 @@ from batchvlm.config import Effect, declared, effect_of, fingerprinted
 from batchvlm.executor.config import JobConfig
 from batchvlm.executor.fingerprint import run_fingerprint
 from batchvlm.families import TINY, ModelConfig, load_family
+from batchvlm.families.qwen2_vl import VIDEO_RULE
 from batchvlm.pipeline.chat import TextConfig
 from batchvlm.sizing.estimate import EstimateConfig
 from batchvlm.sources.config import SCHEMAS, DiskDataset, JsonDataset, ParquetDataset
@@ -32,6 +33,8 @@ OTHER = {
     "model.processor": {"max_pixels": 1000},
     "decode.formats": ["JPEG"], "decode.max_pixels": 1000, "decode.max_bytes": 1000, "decode.isolation": "none",
     "decode.timeout_s": 5.0, "decode.jpeg": "device",
+    "video.max_bytes": 1000, "video.max_duration_s": 10.0, "video.max_frames": 100, "video.max_frame_pixels": 1000,
+    "video.max_decoded_bytes": 1000, "video.max_fps": 60.0, "video.timeout_s": 5.0,
     "preprocess.backend": "reference", "preprocess.token_budget": 1024, "preprocess.max_images_per_batch": 8,
     "preprocess.background": "white", "preprocess.fallback": "quarantine", "preprocess.parity_sample_rate": 0.5,
     "preprocess.parity_max_levels": 1.0,
@@ -156,3 +159,20 @@ def _is_schema(field: dataclasses.Field) -> bool:
 def _schemas_in(schema: type) -> list[type]:
     nested = [field.default_factory for field in dataclasses.fields(schema) if _is_schema(field)]
     return [schema] + [inner for child in nested for inner in _schemas_in(child)]
+
+
+def test_clips_count_in_the_fingerprint_only_where_the_format_can_name_them(parts):
+    """The video keys and the family's clip rule: in a llava or messages run's fingerprint; out of every other
+    format's, whose fingerprint is what it was before clips were read (a resume of such a run is not refused)."""
+    _, _, template = parts
+    qwen = load_family(ModelConfig(family="qwen2_vl"))
+    encoder = qwen.load_encoder(torch.device("cpu"), torch.float32)
+    conversation = changed(base_job("", template), "model.path", TINY)
+    plain = changed(changed(conversation, "dataset.format", "text"), "text.train_on", "all")
+    for job, takes_clips in ((conversation, True), (plain, False)):
+        fingerprint = run_fingerprint(job, qwen, encoder)
+        other = run_fingerprint(changed(job, "video.max_frames", 100), qwen, encoder)
+        assert (other != fingerprint) is takes_clips
+        assert ("video" in fingerprint["settings"], "video_rule" in fingerprint) == (takes_clips, takes_clips)
+    rule = run_fingerprint(conversation, qwen, encoder)["video_rule"]
+    assert rule["rule"] == VIDEO_RULE and rule["params"] == dataclasses.asdict(qwen.video_params)

@@ -174,7 +174,7 @@ def _synthetic_run(run_dir: Path, shards: int, rows_per_shard: int, checks: list
             "check": [checks[i % len(checks)] for i in rows], "stage": [checks[i % len(checks)].split(".")[0] for i in rows],
             "message": [f"failure kind {i % 7}" for i in rows], "expected": ["1"] * rows_per_shard,
             "observed": ["2"] * rows_per_shard, "exception_type": ["CheckFailed"] * rows_per_shard,
-            "image_index": [0] * rows_per_shard, "image_bytes": [[png]] * rows_per_shard,
+            "image_index": [0] * rows_per_shard, "video_index": [None] * rows_per_shard, "video_paths": [None] * rows_per_shard, "image_bytes": [[png]] * rows_per_shard,
             "image_paths": [[None]] * rows_per_shard, "text": [f"<image> caption {i}" for i in rows],
             "turns": [None] * rows_per_shard, "turn_index": [None] * rows_per_shard,
             "fingerprint": ["f"] * rows_per_shard}, schema=QUARANTINE_SCHEMA)

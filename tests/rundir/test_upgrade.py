@@ -118,7 +118,7 @@ def test_an_upgraded_run_reads_as_the_run_it_was(qwen_run, tmp_path, marker):
         for manifest in all_manifests(layout):
             for listing in manifest.shards(kind):
                 written = pq.read_schema(layout.listed(listing.path))
-                assert written.remove_metadata() == schema and written.metadata[FORMAT_KEY.encode()] == b"2"
+                assert written.remove_metadata() == schema and written.metadata[FORMAT_KEY.encode()] == str(FORMAT_VERSION).encode()
     before, after = list(read_run(qwen_run)), list(read_run(older))
     assert [r.id for r in after] == [r.id for r in before]
     for old, new in zip(before, after):
@@ -151,3 +151,25 @@ def _units_without(run: Path) -> int:
     """The data and quarantine files a unit of the run did not write (it had no record of that kind)."""
     layout = RunLayout(run)
     return sum(not m.shards(kind) for m in all_manifests(layout) for kind in (DATA, QUARANTINE))
+
+
+def test_a_format_2_shard_is_rewritten_with_the_clip_columns_null(tmp_path):
+    """Format 2 (before clips) lacks the clip columns and the quarantine's video_index: the upgrade adds them, null,
+    and keeps every other value."""
+    from rows import data_row, quarantine_row
+
+    clip_columns = {"video_spans", "video_grid_thw", "second_per_grid_ts", "video_num_tokens", "video_frame_indices",
+                    "video_frame_times", "video_embeds", "video_index", "video_paths"}
+    for kind, row in ((DATA, data_row(id="a", input_ids=[1, 2])), (QUARANTINE, quarantine_row(id="b", check="x"))):
+        schema = pa.schema([field for field in SHARDS[kind].schema if field.name not in clip_columns],
+                           metadata={FORMAT_KEY: "2"})
+        path = tmp_path / f"{kind}.parquet"
+        pq.write_table(pa.Table.from_pylist([{k: v for k, v in row.items() if k in schema.names}], schema), path)
+        _rewrite(path, SHARDS[kind])
+        table = pq.read_table(path)
+        assert table.schema.remove_metadata() == SHARDS[kind].schema
+        assert table.schema.metadata[FORMAT_KEY.encode()] == str(FORMAT_VERSION).encode()
+        written = table.to_pylist()[0]
+        assert all(written[name] is None for name in clip_columns & set(written))
+        assert {k: v for k, v in written.items() if k not in clip_columns} == {
+            k: v for k, v in row.items() if k not in clip_columns}

@@ -13,7 +13,7 @@ import pytest
 
 from batchvlm.checks import CheckFailed
 from batchvlm.sources.config import dataset_config
-from batchvlm.records import Turn
+from batchvlm.records import Slot, Turn
 from batchvlm.sources import make_source
 from batchvlm.pipeline.tokens import place_conversation_images
 from batchvlm.sources.conversations import cauldron_turns, llava_turns, messages_turns, read_turns, split_placeholders
@@ -182,13 +182,26 @@ def test_a_turn_missing_its_role_or_text_is_named(format, turns):
 
 
 @pytest.mark.parametrize("format,turns", [
-    ("llava", [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "A dance."}]),
-    ("messages", [{"role": "user", "content": "What happens?<video>"}, {"role": "assistant", "content": "A dance."}]),
-    ("messages", [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What?"}]},
+    ("llava", [{"from": "human", "value": "<video>\nWhat happens?<image>"}, {"from": "gpt", "value": "A dance."}]),
+    ("messages", [{"role": "user", "content": "<video>\nWhat happens?<image>"},
+                  {"role": "assistant", "content": "A dance."}]),
+    ("messages", [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "\nWhat happens?"},
+                                               {"type": "image"}]}, {"role": "assistant", "content": "A dance."}]),
+])
+def test_a_clip_takes_its_place_in_the_turn_beside_images(format, turns):
+    """`<video>` in a llava or messages text, a {type: video} block: a clip's slot (Slot.VIDEO) where it stands."""
+    user = read_turns(format, turns, "<image>", 1)[0]
+    assert user.content == (Slot.VIDEO, "\nWhat happens?", None)
+    assert (user.num_videos, user.num_images) == (1, 1)
+
+
+@pytest.mark.parametrize("format,turns", [
+    ("messages", [{"role": "user", "content": [{"type": "text", "text": "What? <video>"}]},
                   {"role": "assistant", "content": "A dance."}]),
     ("cauldron", [{"user": "Hi", "assistant": "It shows <video>."}]),
 ])
-def test_a_video_in_any_turn_is_named_until_video_is_supported(format, turns):
+def test_a_video_placeholder_where_no_clip_can_be_placed_is_named(format, turns):
+    """A `<video>` inside a text block (a clip's place is a block), or in The Cauldron's format (no video column)."""
     with pytest.raises(CheckFailed) as caught:
         read_turns(format, turns, "<image>", 0)
     assert caught.value.check == "text.video" and caught.value.turn_index in (0, 1)
@@ -200,10 +213,11 @@ def test_a_video_in_any_turn_is_named_until_video_is_supported(format, turns):
     ("messages", "videos", [{"role": "user", "content": "What happens?"},
                             {"role": "assistant", "content": "A ball rolls."}]),
 ])
-def test_a_record_naming_a_video_without_a_placeholder_is_text_video_never_embedded_without_it(
+def test_a_record_naming_a_clip_without_its_placeholder_fails_the_placeholder_count_never_dropped(
         tmp_path, write, format, column, turns):
-    """LLaVA-Video's `video` (LLaMA-Factory's `videos`) names a clip the text need not mark: such a record is
-    quarantined under text.video, as one with a <video> placeholder is; an empty value and an image record are not."""
+    """LLaVA-Video's `video` (LLaMA-Factory's `videos`) is read as the record's clips, under dataset.image_root as
+    images are; one the turns do not place is text.placeholder_count (never embedded without it); an empty value and
+    an image record name none."""
     text, images = {"llava": ("conversations", "image"), "messages": ("messages", "images")}[format]
     rows = [{"id": "clip", text: turns, images: [], column: ["clips/a.mp4"]},
             {"id": "none", text: turns, images: [], column: []},
@@ -213,6 +227,27 @@ def test_a_record_naming_a_video_without_a_placeholder_is_text_video_never_embed
                          image_root="/images")
     source = make_source(cfg)
     records = {r.id: r for unit in source.plan() for r in source.records(unit)}
-    assert records["clip"].failure.check == "text.video" and repr(column) in records["clip"].failure.message
-    assert records["clip"].failure.observed == "1 video(s)"
-    assert records["none"].failure is None and records["image"].failure is None
+    assert [ref.path for ref in records["clip"].videos] == ["/images/clips/a.mp4"]
+    assert records["none"].videos == [] and records["image"].videos == []
+    assert all(record.failure is None for record in records.values())
+    with pytest.raises(CheckFailed) as caught:
+        place_conversation_images(records["clip"].turns, 0, "prepend", len(records["clip"].videos))
+    assert caught.value.check == "text.placeholder_count" and "1 video placeholder" in caught.value.message
+
+
+def test_clip_bytes_in_a_parquet_videos_column_are_read_as_the_records_clips(tmp_path):
+    """messages' `videos` holding the clips themselves (binary, or HF's {bytes, path} structs) as images may."""
+    turns = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What?"}]},
+             {"role": "assistant", "content": "A ball."}]
+    rows = [{"id": "raw", "messages": json.dumps(turns), "images": [], "videos": [b"\x00\x00\x00\x18ftypmp42"]},
+            {"id": "struct", "messages": json.dumps(turns), "images": [],
+             "videos": [{"bytes": b"\x1aE\xdf\xa3", "path": "clip.webm"}]}]
+    for index, row in enumerate(rows):
+        folder = tmp_path / str(index)
+        folder.mkdir()
+        cfg = dataset_config(**write_parquet(folder, [row]), format="messages", images_column="images",
+                             text_column="messages", id_column="id")
+        source = make_source(cfg)
+        (record,) = [r for unit in source.plan() for r in source.records(unit)]
+        assert record.failure is None and record.turns[0].num_videos == 1
+        assert [ref.data for ref in record.videos] == [b"\x00\x00\x00\x18ftypmp42" if index == 0 else b"\x1aE\xdf\xa3"]
