@@ -11,7 +11,7 @@ import pytest
 
 from batchvlm.demo import demo_rows
 from batchvlm.rundir.verify import verify_run
-from conftest import REPO, run_embed
+from conftest import REPO, refused_in_process, run_embed
 
 INPUT_IDS = sorted(row["id"] for row in demo_rows())
 
@@ -76,10 +76,12 @@ def test_killed_at_every_stage_and_restarted_the_run_is_exactly_once(tmp_path, m
 
 
 def test_a_run_directory_with_another_fingerprint_is_refused(demo_run):
-    result = run_embed(f"output.root={demo_run.parent}", f"run_name={demo_run.name}", "output.embed_dtype=float32")
-    assert result.returncode == 2
-    assert "another fingerprint" in result.stderr and "embed_dtype: 'bfloat16' -> 'float32'" in result.stderr
-    assert "run_name=" in result.stderr  # says how to start a new run
+    written = {path: path.stat().st_mtime_ns for path in demo_run.rglob("*")}
+    # the job's own steps in this process: a ConfigError is the job's exit 2 (test_refusals.py proves the exit once)
+    error = refused_in_process(demo_run.parent, "output.embed_dtype=float32", run_name=demo_run.name)
+    assert {path: path.stat().st_mtime_ns for path in demo_run.rglob("*")} == written  # the run is left as it was
+    assert "another fingerprint" in error and "embed_dtype: 'bfloat16' -> 'float32'" in error
+    assert "run_name=" in error  # says how to start a new run
 
 
 def test_a_rank_reports_its_count_and_reads_the_others_at_most_once_an_interval_or_a_commit(tmp_path):

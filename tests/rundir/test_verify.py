@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, summary_in_process
 from test_dedup import _write
 
 from batchvlm.rundir.verify import verify_run
@@ -58,10 +58,9 @@ def test_verify_names_the_unit_of_a_manifest_that_is_not_one_and_goes_on(demo_ru
 
 def test_verify_catches_a_duplicate_that_the_run_did_not_list(tmp_path):
     _write(tmp_path)
-    result = subprocess.run([sys.executable, str(REPO / "jobs" / "embed.py"), f"output.root={tmp_path}",
-                             "run_name=dups", "dataset=parquet", f"dataset.path={tmp_path}/*.parquet",
-                             "runtime.num_workers=0"], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    summary = summary_in_process(tmp_path, "dups", "dataset=parquet", f"dataset.path={tmp_path}/*.parquet",
+                                 "runtime.num_workers=0")  # what it writes: in this process
+    assert summary is not None and summary["complete"]
     run_dir = tmp_path / "dups"
     assert verify_run(run_dir) == []
     for listing in (run_dir / "dedup").glob("*.parquet"):
