@@ -105,5 +105,7 @@ def test_sigterm_stops_the_job_and_its_workers(tmp_path):
     assert len(processes_of(job.pid)) >= 3  # the job and its two workers, at work
     job.send_signal(signal.SIGTERM)
     job.wait(timeout=60)
-    time.sleep(1.0)
+    settled = time.monotonic() + 1.0  # its workers end with it: none left a second after it, at the latest
+    while processes_of(job.pid) and time.monotonic() < settled:
+        time.sleep(0.05)
     assert processes_of(job.pid) == []
