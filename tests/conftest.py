@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -62,6 +63,21 @@ def data_ids(run_dir: Path) -> set[str]:
 def embed_command(*overrides: str) -> list[str]:
     """`python jobs/embed.py overrides...` as a user runs it."""
     return [sys.executable, str(REPO / "jobs" / "embed.py"), *overrides]
+
+
+def free_port() -> int:
+    """A TCP port free on this host now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def accelerate_command(*overrides: str) -> list[str]:
+    """The embed job as two processes on the CPU under `accelerate launch --multi_gpu`, on a port of their own: two
+    launches at once (pytest -n 2) must not both take accelerate's default 29500."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+            "--dynamo_backend", "no", str(REPO / "jobs" / "embed.py"), "model.device=cpu", *overrides]
 
 
 def composed_job(root: Path, run_name: str, *overrides: str):

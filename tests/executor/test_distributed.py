@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pyarrow.parquet as pq
 import pytest
 
 from batchvlm.demo import demo_rows
 from batchvlm.rundir.verify import verify_run
-from conftest import REPO, refused_in_process, run_embed, summary_in_process
+from conftest import REPO, accelerate_command, refused_in_process, run_embed, summary_in_process
 
 INPUT_IDS = sorted(row["id"] for row in demo_rows())
 
@@ -44,10 +43,8 @@ def clean_rows(demo_run):
 
 
 def test_two_processes_under_accelerate_split_the_work_and_match_one_process(tmp_path, clean_rows):
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(REPO / "jobs" / "embed.py"), f"output.root={tmp_path}", "run_name=two", "model.device=cpu",
-               "dataset.unit_records=3", "runtime.num_workers=1"]
+    command = accelerate_command(f"output.root={tmp_path}", "run_name=two", "dataset.unit_records=3",
+                                 "runtime.num_workers=1")
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = tmp_path / "two"

@@ -266,5 +266,6 @@ def test_the_job_refuses_a_checkpoint_missing_a_tensor_before_any_work_leaving_n
     (tmp_path / "out").mkdir()
     error = refused_in_process(tmp_path / "out", f"model.path={broken}", "dataset=parquet",
                                f"dataset.path={tmp_path / 'nothing' / '*.parquet'}", run_name="broken")
+    assert error.startswith(f"model.path={broken}: ")  # the checkpoint is what is named
     assert f"missing: {name}" in error
     assert not (tmp_path / "out" / "broken").exists()
