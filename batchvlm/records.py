@@ -10,9 +10,12 @@ import enum
 import functools
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # records carry tensors, but `status` and `verify` read a run's metadata without importing torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ class DecodedImage:
     sha256: str
 
     def on_host(self) -> np.ndarray:
-        return self.pixels.cpu().numpy() if isinstance(self.pixels, torch.Tensor) else self.pixels
+        return self.pixels if isinstance(self.pixels, np.ndarray) else self.pixels.cpu().numpy()
 
     @property
     def height(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -64,6 +65,21 @@ def embed_command(*overrides: str) -> list[str]:
     return [sys.executable, str(REPO / "jobs" / "embed.py"), *overrides]
 
 
+def free_port() -> int:
+    """A TCP port free on this host now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def accelerate_command(*overrides: str) -> list[str]:
+    """The embed job as two processes on the CPU under `accelerate launch --multi_gpu`, on a port of their own: two
+    launches at once (pytest -n 2) must not both take accelerate's default 29500."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
+            "--dynamo_backend", "no", str(REPO / "jobs" / "embed.py"), "model.device=cpu", *overrides]
+
+
 def composed_job(root: Path, run_name: str, *overrides: str):
     """The embed job's JobConfig for these overrides, as its entry point composes and validates it."""
     from hydra import compose, initialize_config_module
@@ -77,27 +93,33 @@ def composed_job(root: Path, run_name: str, *overrides: str):
     return to_job_config(cfg, JobConfig)
 
 
-def embed_in_process(root: Path, run_name: str, *overrides: str) -> Path:
+def summary_in_process(root: Path, run_name: str, *overrides: str) -> dict:
     """A run of the embed job in this process (its workers and decoder as the job starts them): for tests of what the
-    output holds, where the job's own process proves nothing more. Its run directory."""
+    output holds, where the job's own process proves nothing more. Rank 0's summary, which the job prints as it ends;
+    what the job's exit 0 says is that run_job returned it (it raises for what the job exits non-zero for)."""
     from batchvlm.executor.job import run_job
 
-    run_dir = root / run_name
-    run_job(composed_job(root, run_name, *overrides), run_dir)
-    return run_dir
+    return run_job(composed_job(root, run_name, *overrides), root / run_name)
 
 
-def refused_in_process(root: Path, *overrides: str) -> str:
+def embed_in_process(root: Path, run_name: str, *overrides: str) -> Path:
+    """summary_in_process's run directory."""
+    summary_in_process(root, run_name, *overrides)
+    return root / run_name
+
+
+def refused_in_process(root: Path, *overrides: str, run_name: str = "refused") -> str:
     """What the embed job refuses before any work, found by its own steps in this process (Hydra's compose, the schema's
     validation, run_job): the ConfigError's message, which the job prints as its one line before exit 2. Nothing is
-    left under `root`. That the process then exits 2, removing the run folder Hydra made, a subprocess test proves once
-    (tests/executor/test_refusals.py)."""
+    left under `root` that was not there before. That the process then exits 2, removing the run folder Hydra made, a
+    subprocess test proves once (tests/executor/test_refusals.py)."""
     from batchvlm.config import ConfigError
     from batchvlm.executor.job import run_job
 
+    before = sorted(root.rglob("*"))
     with pytest.raises(ConfigError) as refused:
-        run_job(composed_job(root, "refused", *overrides), root / "refused")
-    assert list(root.iterdir()) == []
+        run_job(composed_job(root, run_name, *overrides), root / run_name)
+    assert sorted(root.rglob("*")) == before
     return str(refused.value)
 
 

@@ -188,6 +188,22 @@ import batchvlm.kernels.pack_pixels, batchvlm.pipeline.preprocess, batchvlm.pipe
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+@pytest.mark.slow  # a process of its own
+def test_the_status_and_verify_commands_start_without_importing_torch():
+    """They read a run's metadata alone, from a login node as often as not: a second, not the 2-5 s of torch."""
+    import subprocess
+
+    code = """
+import runpy, sys
+for job in ("status", "verify"):
+    runpy.run_path(f"jobs/{job}.py")  # the command's own imports; its main is not called
+print(sorted(name for name in sys.modules if name.split(".")[0] in ("torch", "transformers", "datasets")))
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=CONF.parent, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
+
+
 def test_a_brace_pattern_the_shell_expanded_is_refused_naming_the_key_and_how_to_quote_it():
     expanded = ["dataset=webdataset", "dataset.path=shards/00000.tar", "dataset.path=shards/00001.tar",
                 "dataset.path=shards/00002.tar"]

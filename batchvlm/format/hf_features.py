@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import torch
+from batchvlm.format import schema
 
-from batchvlm.format.schema import EMBED_DTYPES
+if TYPE_CHECKING:  # `status` and `verify` read this module's keys without importing torch
+    import torch
 
 EMBED_ID_PREFIX = "batchvlm:embed:"
 SIZE_KEY = "batchvlm.hidden_size."
@@ -40,5 +42,5 @@ def embedding_layouts(features: Mapping | None) -> dict[str, tuple[torch.dtype, 
         feature_id = getattr(feature, "id", None) or ""
         if feature_id.startswith(EMBED_ID_PREFIX):
             dtype, hidden = feature_id.removeprefix(EMBED_ID_PREFIX).split(":")
-            layouts[name] = (EMBED_DTYPES[dtype], int(hidden))
+            layouts[name] = (schema.EMBED_DTYPES[dtype], int(hidden))
     return layouts

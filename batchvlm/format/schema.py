@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pyarrow as pa
-import torch
 
 import batchvlm
 from batchvlm.config import Choice
@@ -35,7 +34,16 @@ class Dtype(Choice):
     float16 = "float16"
 
 
-EMBED_DTYPES = {Dtype.bfloat16: torch.bfloat16, Dtype.float16: torch.float16, Dtype.float32: torch.float32}
+def __getattr__(name: str):
+    """EMBED_DTYPES (torch's dtype of each Dtype), made when first asked for (PEP 562): the commands that read a run's
+    metadata alone (`status`, `verify`) import this module and need not import torch."""
+    if name == "EMBED_DTYPES":
+        import torch
+
+        globals()[name] = {Dtype.bfloat16: torch.bfloat16, Dtype.float16: torch.float16, Dtype.float32: torch.float32}
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 EVERY_RECORD = "every record"
 

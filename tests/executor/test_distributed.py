@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pyarrow.parquet as pq
 import pytest
 
 from batchvlm.demo import demo_rows
 from batchvlm.rundir.verify import verify_run
-from conftest import REPO, run_embed
+from conftest import REPO, accelerate_command, refused_in_process, run_embed, summary_in_process
 
 INPUT_IDS = sorted(row["id"] for row in demo_rows())
 
@@ -44,10 +43,8 @@ def clean_rows(demo_run):
 
 
 def test_two_processes_under_accelerate_split_the_work_and_match_one_process(tmp_path, clean_rows):
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(REPO / "jobs" / "embed.py"), f"output.root={tmp_path}", "run_name=two", "model.device=cpu",
-               "dataset.unit_records=3", "runtime.num_workers=1"]
+    command = accelerate_command(f"output.root={tmp_path}", "run_name=two", "dataset.unit_records=3",
+                                 "runtime.num_workers=1")
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = tmp_path / "two"
@@ -70,16 +67,18 @@ def test_killed_at_every_stage_and_restarted_the_run_is_exactly_once(tmp_path, m
         assert result.returncode != 0, f"{fault} did not fire"
         assert not (tmp_path / "killed" / "_SUCCESS").exists()
     monkeypatch.delenv("BATCHVLM_FAULTS")
-    result = run_embed(f"output.root={tmp_path}", "run_name=killed", "dataset.unit_records=3", "runtime.num_workers=1")
-    assert result.returncode == 0, result.stderr[-3000:]
+    summary = summary_in_process(tmp_path, "killed", "dataset.unit_records=3", "runtime.num_workers=1")  # no kill
+    assert summary is not None and summary["complete"]
     assert_exactly_once(tmp_path / "killed", clean_rows)
 
 
 def test_a_run_directory_with_another_fingerprint_is_refused(demo_run):
-    result = run_embed(f"output.root={demo_run.parent}", f"run_name={demo_run.name}", "output.embed_dtype=float32")
-    assert result.returncode == 2
-    assert "another fingerprint" in result.stderr and "embed_dtype: 'bfloat16' -> 'float32'" in result.stderr
-    assert "run_name=" in result.stderr  # says how to start a new run
+    written = {path: path.stat().st_mtime_ns for path in demo_run.rglob("*")}
+    # the job's own steps in this process: a ConfigError is the job's exit 2 (test_refusals.py proves the exit once)
+    error = refused_in_process(demo_run.parent, "output.embed_dtype=float32", run_name=demo_run.name)
+    assert {path: path.stat().st_mtime_ns for path in demo_run.rglob("*")} == written  # the run is left as it was
+    assert "another fingerprint" in error and "embed_dtype: 'bfloat16' -> 'float32'" in error
+    assert "run_name=" in error  # says how to start a new run
 
 
 def test_a_rank_reports_its_count_and_reads_the_others_at_most_once_an_interval_or_a_commit(tmp_path):

@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchvlm.demo import demo_rows
-from conftest import embed_in_process, run_embed
+from batchvlm.executor.tally import QuarantineOverLimit
+from conftest import embed_in_process, run_embed, summary_in_process
 
 # the job as a subprocess, on the demo and on small datasets
 pytestmark = pytest.mark.slow
@@ -92,7 +93,9 @@ def test_a_small_run_that_quarantined_more_than_the_limit_ends_non_zero_and_so_d
     assert "records in: 21  written: 18  quarantined: 3" in result.stdout
     assert "3 of 21 records quarantined (14.3%), over checks.max_quarantine_fraction=0.1" in result.stderr
     assert (tmp_path / "strict" / "_SUCCESS").exists()  # complete and committed: a rerun writes nothing
-    assert run_embed(*overrides).returncode == 2
+    with pytest.raises(QuarantineOverLimit) as rerun:  # in this process: what the job exits 2 for, as above
+        summary_in_process(tmp_path, "strict", "checks.max_quarantine_fraction=0.1")
+    assert (rerun.value.summary["written"], rerun.value.summary["quarantined"]) == (18, 3)
 
 
 def test_a_siglip2_job_stores_patch_tokens_and_one_pooled_vector_per_image(tmp_path):

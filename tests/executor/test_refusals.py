@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, embed_command, refused_in_process, run_embed
+from conftest import REPO, embed_command, refused_in_process, run_embed, summary_in_process
 
 REAL_MODELS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml") if not p.stem.endswith("_tiny"))
 
@@ -30,9 +30,11 @@ def test_a_real_model_config_without_its_checkpoint_fails_at_start_naming_the_ke
 
 @pytest.mark.slow  # a run of the job
 def test_a_run_on_a_tiny_checkpoint_says_so_in_its_summary_and_fingerprint(tmp_path):
-    result = run_embed(f"output.root={tmp_path}", "run_name=tiny", "dataset.limit=2")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "tiny demo checkpoint" in result.stdout
+    from batchvlm.executor.job import summarize
+
+    summary = summary_in_process(tmp_path, "tiny", "dataset.limit=2")
+    assert summary is not None and summary["complete"]
+    assert "tiny demo checkpoint" in summarize(summary)  # what the job prints as it ends
     assert '"checkpoint": "tiny"' in (tmp_path / "tiny" / "fingerprint.json").read_text()
 
 
@@ -90,6 +92,7 @@ def processes_of(session: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow  # the job's process, signalled
 def test_sigterm_stops_the_job_and_its_workers(tmp_path):
     data = many_records(tmp_path / "many.parquet", 2000)
     job = subprocess.Popen(embed_command("dataset=parquet", f"dataset.path={data}", f"output.root={tmp_path}",
@@ -102,5 +105,7 @@ def test_sigterm_stops_the_job_and_its_workers(tmp_path):
     assert len(processes_of(job.pid)) >= 3  # the job and its two workers, at work
     job.send_signal(signal.SIGTERM)
     job.wait(timeout=60)
-    time.sleep(1.0)
+    settled = time.monotonic() + 1.0  # its workers end with it: none left a second after it, at the latest
+    while processes_of(job.pid) and time.monotonic() < settled:
+        time.sleep(0.05)
     assert processes_of(job.pid) == []

@@ -5,6 +5,7 @@ the end of the run wakes and ends without error; a resume redoes a unit whose fi
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, embed_command, run_embed
+from conftest import REPO, embed_command, refused_in_process, summary_in_process
 
 from batchvlm.demo import demo_rows
 from batchvlm.rundir.verify import verify_run
@@ -45,8 +46,9 @@ def test_a_folder_of_someone_elses_files_is_refused_and_nothing_in_it_is_touched
              project / "ids" / "ids.csv": b"id\n1\n"}
     for path, data in files.items():
         path.write_bytes(data)
-    result = run_embed(f"output.root={tmp_path}", "run_name=proj")
-    assert result.returncode == 2 and "not a batchvlm run directory" in result.stderr
+    # the job's own steps in this process: a ConfigError is the job's exit 2 (test_refusals.py proves the exit once)
+    error = refused_in_process(tmp_path, run_name="proj")
+    assert "not a batchvlm run directory" in error
     assert {path: path.read_bytes() for path in files} == files
     assert sorted(p.relative_to(project).as_posix() for p in project.rglob("*")) == [
         "README.md", "data", "data/train.parquet", "ids", "ids/ids.csv"]
@@ -65,10 +67,11 @@ def test_a_second_job_started_during_a_commit_joins_and_both_end_cleanly(tmp_pat
     while not (tmp_path / "shared" / "data").is_dir() or not shards_without_manifest(tmp_path / "shared"):
         assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()[-3000:]
         time.sleep(0.1)
-    second = start(tmp_path, "shared", "dataset.unit_records=4", "runtime.num_workers=0")
-    for job in (first, second):
-        out, err = job.communicate(timeout=600)
-        assert job.returncode == 0, err[-3000:]
+    # the second job in this process (the first's paused commit is what it meets; two processes either way)
+    second = summary_in_process(tmp_path, "shared", "dataset.unit_records=4", "runtime.num_workers=0")
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-3000:]
+    assert second is not None  # ended without error, with rank 0's summary
     assert verify_run(tmp_path / "shared") == []
     assert ids_in(tmp_path / "shared") == INPUT_IDS
 
@@ -81,8 +84,8 @@ def test_a_rank_frozen_through_the_end_of_the_run_wakes_and_ends_without_error(t
         time.sleep(0.05)
     os.kill(frozen.pid, signal.SIGSTOP)  # its heartbeat stops with it: its units are taken over after the lease
     try:
-        finisher = run_embed(f"output.root={tmp_path}", "run_name=frozen", *overrides)
-        assert finisher.returncode == 0, finisher.stderr[-3000:]
+        finisher = summary_in_process(tmp_path, "frozen", *overrides)  # in this process
+        assert finisher["complete"], finisher
         assert (tmp_path / "frozen" / "_SUCCESS").exists()
     finally:
         os.kill(frozen.pid, signal.SIGCONT)
@@ -91,14 +94,15 @@ def test_a_rank_frozen_through_the_end_of_the_run_wakes_and_ends_without_error(t
     assert verify_run(tmp_path / "frozen") == [] and ids_in(tmp_path / "frozen") == INPUT_IDS
 
 
-def test_a_resume_redoes_a_unit_whose_shard_was_truncated(demo_run, tmp_path):
+def test_a_resume_redoes_a_unit_whose_shard_was_truncated(demo_run, tmp_path, caplog):
     copy = tmp_path / "copy"
     shutil.copytree(demo_run, copy)
     (copy / "_SUCCESS").unlink()  # as if it crashed after this unit committed
     manifest = next(m for m in sorted((copy / "manifest").glob("*.json")) if "data" in json.loads(m.read_text())["files"])
     shard = copy / json.loads(manifest.read_text())["files"]["data"][0]["path"]
     shard.write_bytes(shard.read_bytes()[:-10])
-    result = run_embed(f"output.root={tmp_path}", "run_name=copy")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"unit {manifest.stem} is not whole" in (result.stderr + (copy / "embed.rank0.log").read_text())
+    with caplog.at_level(logging.WARNING, logger="batchvlm"):
+        summary = summary_in_process(tmp_path, "copy")  # in this process: no signal, no second process
+    assert summary["complete"]
+    assert f"unit {manifest.stem} is not whole" in caplog.text
     assert verify_run(copy) == [] and ids_in(copy) == INPUT_IDS

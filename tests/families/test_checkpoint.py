@@ -254,16 +254,18 @@ def test_the_estimate_refuses_a_broken_checkpoint_and_says_what_a_sound_one_hold
         estimate(EstimateConfig(model=ModelConfig(path=str(broken)), dataset=dataset, records=3))
 
 
-@pytest.mark.slow  # the job, as a user runs it
+@pytest.mark.slow  # the job's steps over a checkpoint copy
 def test_the_job_refuses_a_checkpoint_missing_a_tensor_before_any_work_leaving_nothing(tmp_path):
     """The issue's case: a Kimi copy without one block's wqkv ran, exited 0 and wrote 18 rows of random weights. The
-    checkpoint is checked before the inputs are listed: here they match nothing, and the checkpoint is what is named."""
-    from conftest import run_embed
+    checkpoint is checked before the inputs are listed: here they match nothing, and the checkpoint is what is named.
+    Refused by the job's own steps in this process: a ConfigError, the job's one line and exit 2 (test_refusals.py)."""
+    from conftest import refused_in_process
 
     name = TENSOR_CLASSES["kimi_k25"]["qkv"]
     broken = edited_copy(tiny_checkpoint("kimi_k25"), tmp_path / "ckpt", lambda tensors: tensors.pop(name))
-    result = run_embed(f"output.root={tmp_path / 'out'}", "run_name=broken", f"model.path={broken}", "dataset=parquet",
-                       f"dataset.path={tmp_path / 'nothing' / '*.parquet'}")
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert f"missing: {name}" in result.stderr and "Traceback" not in result.stderr
-    assert not (tmp_path / "out" / "broken").exists() or not any((tmp_path / "out" / "broken").iterdir())
+    (tmp_path / "out").mkdir()
+    error = refused_in_process(tmp_path / "out", f"model.path={broken}", "dataset=parquet",
+                               f"dataset.path={tmp_path / 'nothing' / '*.parquet'}", run_name="broken")
+    assert error.startswith(f"model.path={broken}: ")  # the checkpoint is what is named
+    assert f"missing: {name}" in error
+    assert not (tmp_path / "out" / "broken").exists()

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, embed_command, run_embed
+from conftest import REPO, embed_command, summary_in_process
 
 from batchvlm.config import ConfigError
 from batchvlm.records import WorkUnit
@@ -198,12 +198,11 @@ def wait_for(condition, timeout: float = 240.0):
 
 @SLOW
 def test_status_follows_a_running_job_a_killed_rank_and_the_finished_run(tmp_path):
-    overrides = (f"output.root={tmp_path}", "run_name=slow", "dataset.unit_records=2", "runtime.num_workers=1",
-                 "runtime.progress_interval_s=0.5")
+    settings = ("dataset.unit_records=2", "runtime.num_workers=1", "runtime.progress_interval_s=0.5")
     run_dir = tmp_path / "slow"
     env = {**os.environ, "BATCHVLM_FAULTS": "pause.commit.before_manifest=1.5"}  # a job slow enough to watch
-    job = subprocess.Popen(embed_command(*overrides), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, start_new_session=True)
+    job = subprocess.Popen(embed_command(f"output.root={tmp_path}", "run_name=slow", *settings), cwd=REPO, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         running = wait_for(lambda: (s := run_status(run_dir) if (run_dir / "units.json").exists() else None)
                            and s.units_committed >= 2 and s)
@@ -211,8 +210,8 @@ def test_status_follows_a_running_job_a_killed_rank_and_the_finished_run(tmp_pat
         assert 2 <= running.units_committed < 11 and running.ranks[0].units_held >= 1
         assert running.ranks[0].heartbeat_age_s < 30 and not running.stale_ranks
         assert 1 <= running.blocks_claimed <= running.blocks_total
-        shown = status_of(run_dir)
-        assert shown.returncode == 0 and "running, 1 rank(s) live" in shown.stdout and " / 11 committed" in shown.stdout
+        shown = format_status(running)  # what the command prints (its process: the JSON one below)
+        assert "running, 1 rank(s) live" in shown and " / 11 committed" in shown
         os.killpg(job.pid, signal.SIGKILL)
         job.wait(timeout=60)
     finally:
@@ -222,7 +221,7 @@ def test_status_follows_a_running_job_a_killed_rank_and_the_finished_run(tmp_pat
 
     killed = run_status(run_dir)
     assert killed.state == "stopped" and killed.ranks[0].stale and killed.ranks[0].why_stale == "its process is gone"
-    assert "STALE: its process is gone" in status_of(run_dir).stdout
+    assert "STALE: its process is gone" in format_status(killed)
 
     audited = subprocess.run([sys.executable, "-c", AUDIT, str(run_dir)], capture_output=True, text=True,
                              timeout=120, check=True)
@@ -233,12 +232,14 @@ def test_status_follows_a_running_job_a_killed_rank_and_the_finished_run(tmp_pat
     # the format marker, plan, totals, config, the claim frontier, the launch's folders, a report, a heartbeat
     assert len([path for path in touched if path]) <= 10, "\n".join(touched)
 
-    result = run_embed(*overrides)
-    assert result.returncode == 0, result.stderr[-3000:]
-    done = status_of(run_dir)
+    summary = summary_in_process(tmp_path, "slow", *settings)  # the rerun, in this process
+    assert summary is not None and summary["complete"]
+    done = format_status(run_status(run_dir))
     counts = run_counts(run_dir)
-    assert done.returncode == 0 and f"{run_dir}: complete" in done.stdout
-    assert "11 / 11 committed" in done.stdout and f"{counts.records_in:,} of 21 in committed units" in done.stdout
-    as_json = json.loads(status_of(run_dir, "format=json").stdout)
+    assert f"{run_dir}: complete" in done
+    assert "11 / 11 committed" in done and f"{counts.records_in:,} of 21 in committed units" in done
+    shown = status_of(run_dir, "format=json")
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    as_json = json.loads(shown.stdout)
     assert (as_json["units_committed"], as_json["written"], as_json["bytes_written"]) == (
         counts.units, counts.written, counts.bytes)

@@ -47,11 +47,12 @@ def test_a_claim_held_by_a_killed_rank_is_taken_over(tmp_path):
 def test_of_ranks_racing_for_expired_claims_exactly_one_wins_each(tmp_path):
     """Eight ranks, as threads released together per unit, try to take over each of 40 units a dead rank held."""
     units = [f"unit-{index:02d}" for index in range(40)]
-    dead = Claims(tmp_path, "rank00001-dead", lease_s=0.1)
+    clock = Clock(time.time())  # moved past the dead rank's lease; still while they race, so no winner's lease ends
+    dead = Claims(tmp_path, "rank00001-dead", lease_s=0.1, clock=clock)
     for unit in units:
         dead.try_claim(unit)
-    time.sleep(0.3)
-    racers = [Claims(tmp_path, f"rank{rank:05d}-alive", lease_s=0.1) for rank in range(2, 10)]
+    clock.now += 0.3
+    racers = [Claims(tmp_path, f"rank{rank:05d}-alive", lease_s=0.1, clock=clock) for rank in range(2, 10)]
     start = threading.Barrier(len(racers))
     won: dict[str, list] = {unit: [] for unit in units}
 

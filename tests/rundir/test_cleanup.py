@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import time
 
+from test_claims import Clock
+
 from batchvlm.rundir.claims import Claims
 from batchvlm.rundir.cleanup import stale_files, uncommit_broken
 from batchvlm.rundir.durable import temporary_name
@@ -31,25 +33,27 @@ def written(layout: RunLayout, kind: str, unit: str, token: str, data: bytes = b
 
 def test_files_batchvlm_does_not_name_for_this_run_are_never_touched(tmp_path):
     layout = layout_of(tmp_path)
-    claims = Claims(layout.claims, "x-rank00000-host-1-deadbeef", lease_s=0.01)
+    clock = Clock(time.time())
+    claims = Claims(layout.claims, "x-rank00000-host-1-deadbeef", lease_s=0.01, clock=clock)
     foreign = [layout.folder(DATA) / "train.parquet", layout.folder(IDS) / "ids.csv",
                layout.shard(DATA, "not-in-the-plan", "deadbeef0")]
     for path in foreign:
         path.write_text("a user's file")
-    time.sleep(0.05)
+    clock.now += 0.05
     assert stale_files(layout, UNITS, claims) == []
 
 
 def test_a_live_holders_files_stay_and_a_dead_fenced_claims_files_go(tmp_path):
     layout = layout_of(tmp_path)
-    holder = Claims(layout.claims, "first-rank00000-host-1-aaaaaaaa", lease_s=0.5)
+    clock = Clock(time.time())
+    holder = Claims(layout.claims, "first-rank00000-host-1-aaaaaaaa", lease_s=0.5, clock=clock)
     claim = holder.try_claim("a-00000000-00000004")
     shard = written(layout, DATA, claim.task, claim.token)
     draft = temporary_name(layout.manifest_draft(claim.task, claim.token))
     draft.write_text("{}")
-    other = Claims(layout.claims, "second-rank00000-host-2-bbbbbbbb", lease_s=0.5)
+    other = Claims(layout.claims, "second-rank00000-host-2-bbbbbbbb", lease_s=0.5, clock=clock)
     assert stale_files(layout, UNITS, other) == []  # a holder between its shards and its manifest: alive
-    time.sleep(0.7)
+    clock.now += 0.7
     assert stale_files(layout, UNITS, other) == []  # its lease expired, but nobody took the unit over: it may wake
     taken = other.try_claim(claim.task)
     assert taken is not None and taken.generation == 1
@@ -58,7 +62,8 @@ def test_a_live_holders_files_stay_and_a_dead_fenced_claims_files_go(tmp_path):
 
 def test_a_unit_committed_by_another_claim_leaves_the_losers_files_stale_once_the_loser_is_dead(tmp_path):
     layout = layout_of(tmp_path)
-    loser = Claims(layout.claims, "first-rank00000-host-1-aaaaaaaa", lease_s=0.3)
+    clock = Clock(time.time())
+    loser = Claims(layout.claims, "first-rank00000-host-1-aaaaaaaa", lease_s=0.3, clock=clock)
     claim = loser.try_claim("b-00000000-00000004")
     leftover = written(layout, QUARANTINE, claim.task, claim.token)
     winner_file = written(layout, DATA, claim.task, "cccccccc1")
@@ -67,8 +72,8 @@ def test_a_unit_committed_by_another_claim_leaves_the_losers_files_stale_once_th
         DATA: [Listing(layout.name_of(winner_file), 4, 4, "x")], IDS: [Listing(layout.name_of(ids_file), 4, 4, "y")]},
         rank=1, claim="cccccccc1")
     layout.manifest(claim.task).write_text(json.dumps(manifest.to_json()))
-    time.sleep(0.5)
-    watcher = Claims(layout.claims, "third-rank00000-host-3-dddddddd", lease_s=0.3)
+    clock.now += 0.5
+    watcher = Claims(layout.claims, "third-rank00000-host-3-dddddddd", lease_s=0.3, clock=clock)
     assert stale_files(layout, UNITS, watcher) == [leftover]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -20,7 +19,7 @@ from batchvlm.training.interop import load_run_dataset
 from batchvlm.training.loader import RunIndex, epoch_order
 from batchvlm.review.report import build_report
 from batchvlm.rundir.verify import verify_run
-from conftest import REPO
+from conftest import REPO, accelerate_command, refused_in_process
 
 # the job under accelerate and as a subprocess
 pytestmark = pytest.mark.slow
@@ -48,11 +47,9 @@ def _write(folder) -> None:
 
 def test_duplicates_across_two_files_and_two_ranks_keep_the_first_occurrence(tmp_path):
     _write(tmp_path)
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(REPO / "jobs" / "embed.py"), f"output.root={tmp_path}", "run_name=dups", "model.device=cpu",
-               "dataset=parquet", f"dataset.path={tmp_path}/*.parquet", "dataset.unit_records=3",
-               "runtime.num_workers=1", "runtime.dedup_buckets=3", "runtime.poll_s=0.2"]
+    command = accelerate_command(f"output.root={tmp_path}", "run_name=dups", "dataset=parquet",
+                                 f"dataset.path={tmp_path}/*.parquet", "dataset.unit_records=3", "runtime.num_workers=1",
+                                 "runtime.dedup_buckets=3", "runtime.poll_s=0.2")
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = tmp_path / "dups"
@@ -83,11 +80,12 @@ def test_duplicates_across_two_files_and_two_ranks_keep_the_first_occurrence(tmp
     assert {(row["id"], row["source"].rsplit("/", 1)[-1]) for row in loaded.select_columns(["id", "source"])} >= {
         ("shared", "a.parquet"), ("twice", "a.parquet")}
 
-    requeue = subprocess.run([sys.executable, str(REPO / "jobs" / "embed.py"), f"output.root={tmp_path}",
-                              "dataset=parquet", f"dataset.path={tmp_path}/*.parquet", f"requeue_from={run_dir}",
-                              "runtime.num_workers=0"], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert requeue.returncode == 2  # its one quarantined record is a later occurrence of an id the run holds
-    assert "nothing to requeue" in requeue.stderr and "already written in its data" in requeue.stderr
+    # refused by the job's own steps in this process (its exit 2: test_refusals.py)
+    refused = refused_in_process(tmp_path, "dataset=parquet", f"dataset.path={tmp_path}/*.parquet",
+                                 f"requeue_from={run_dir}", "runtime.num_workers=0")
+    # its one quarantined record is a later occurrence of an id the run holds
+    assert "nothing to requeue" in refused and "already written in its data" in refused
+    assert verify_run(run_dir) == []  # the run it read is left whole
     report = build_report(run_dir, thumbnails=False)
     assert report.by_check["source.duplicate_id"] == 3 and report.written == 9
     assert sorted(card.row["id"] for card in report.cards["source.duplicate_id"]) == ["inside", "shared", "twice"]

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, summary_in_process
 from test_dedup import _write
 
 from batchvlm.rundir.verify import verify_run
@@ -42,8 +42,8 @@ def test_verify_names_the_unit_whose_manifest_checksum_disagrees(demo_run, tmp_p
     manifest = json.loads(manifest_file.read_text())
     manifest["files"]["quarantine"][0]["sha256"] = "0" * 64
     manifest_file.write_text(json.dumps(manifest))
-    result = verify(copy)
-    assert result.returncode == 1 and f"unit {manifest_file.stem}: quarantine/" in result.stdout
+    problems = verify_run(copy)  # what the command prints, a FAIL line each, before its exit 1 (tested above)
+    assert problems and any(f"unit {manifest_file.stem}: quarantine/" in problem for problem in problems)
 
 
 def test_verify_names_the_unit_of_a_manifest_that_is_not_one_and_goes_on(demo_run, tmp_path):
@@ -51,17 +51,17 @@ def test_verify_names_the_unit_of_a_manifest_that_is_not_one_and_goes_on(demo_ru
     shutil.copytree(demo_run, copy)
     manifest_file = sorted((copy / "manifest").glob("*.json"))[0]
     manifest_file.write_text("{}")
-    result = verify(copy)
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert f"FAIL unit {manifest_file.stem}: " in result.stdout and "not a batchvlm manifest" in result.stdout
+    problems = verify_run(copy)  # a list, not a traceback: the command prints each as a FAIL line and exits 1
+    assert problems and all(isinstance(problem, str) for problem in problems)
+    assert any(problem.startswith(f"unit {manifest_file.stem}: ") and "not a batchvlm manifest" in problem
+               for problem in problems)
 
 
 def test_verify_catches_a_duplicate_that_the_run_did_not_list(tmp_path):
     _write(tmp_path)
-    result = subprocess.run([sys.executable, str(REPO / "jobs" / "embed.py"), f"output.root={tmp_path}",
-                             "run_name=dups", "dataset=parquet", f"dataset.path={tmp_path}/*.parquet",
-                             "runtime.num_workers=0"], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    summary = summary_in_process(tmp_path, "dups", "dataset=parquet", f"dataset.path={tmp_path}/*.parquet",
+                                 "runtime.num_workers=0")  # what it writes: in this process
+    assert summary is not None and summary["complete"]
     run_dir = tmp_path / "dups"
     assert verify_run(run_dir) == []
     for listing in (run_dir / "dedup").glob("*.parquet"):

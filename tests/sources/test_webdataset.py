@@ -15,7 +15,7 @@ from PIL import Image
 from skimage import data
 
 from batchvlm.training.reader import read_run
-from conftest import run_embed
+from conftest import summary_in_process
 
 # the job on each input kind, S3 served by moto
 pytestmark = pytest.mark.slow
@@ -92,7 +92,7 @@ def test_webdataset_and_s3_inputs_give_the_rows_of_the_parquet_copy(tmp_path, s3
     s3.mkdir("laion")
     s3.put(str(tmp_path / "part-00000.parquet"), "laion/shards/part-00000.parquet")
 
-    common = [f"output.root={tmp_path}/out", "runtime.num_workers=0", "dataset.unit_records=2"]
+    common = ["runtime.num_workers=0", "dataset.unit_records=2"]
     runs = {
         "parquet": ["dataset=img2dataset_parquet", f"dataset.path={tmp_path}/part-00000.parquet"],
         "webdataset": ["dataset=img2dataset_webdataset", f"dataset.path={tmp_path}/*.tar"],
@@ -101,8 +101,8 @@ def test_webdataset_and_s3_inputs_give_the_rows_of_the_parquet_copy(tmp_path, s3
     }
     outputs = {}
     for name, overrides in runs.items():
-        result = run_embed(*overrides, *common, f"run_name={name}")
-        assert result.returncode == 0, result.stderr[-3000:]
+        summary = summary_in_process(tmp_path / "out", name, *overrides, *common)  # what it writes: in this process
+        assert summary is not None and summary["complete"]
         outputs[name] = _outputs(tmp_path / "out" / name)
         assert _quarantined(tmp_path / "out" / name) == {FAILED: "source.download_failed"}, name
     assert sorted(outputs["parquet"]) == sorted(PHOTOS)
@@ -156,10 +156,11 @@ def test_a_malformed_shard_quarantines_each_bad_sample_and_its_lost_tail_and_rea
 
 def test_the_job_over_a_malformed_shard_commits_it_with_the_bad_samples_quarantined(tmp_path):
     _malformed_shard(tmp_path / "bad.tar")
-    result = run_embed(f"output.root={tmp_path}", "run_name=bad", "dataset=webdataset",
-                       f"dataset.path={tmp_path / 'bad.tar'}", "dataset.images_column=jpg", "dataset.text_column=txt",
-                       f"decode.max_bytes={len(_jpeg(PHOTOS['000000'])) * 10}", "checks.max_quarantine_fraction=1")
-    assert result.returncode == 0, result.stderr[-3000:]
+    summary = summary_in_process(tmp_path, "bad", "dataset=webdataset", f"dataset.path={tmp_path / 'bad.tar'}",
+                                 "dataset.images_column=jpg", "dataset.text_column=txt",
+                                 f"decode.max_bytes={len(_jpeg(PHOTOS['000000'])) * 10}",
+                                 "checks.max_quarantine_fraction=1")
+    assert summary is not None and summary["complete"]
     quarantined = {row["id"]: row["check"] for row in pq.read_table(next((tmp_path / "bad" / "quarantine").glob(
         "*.parquet"))).to_pylist()}
     assert sorted(quarantined.values()) == ["decode.too_many_bytes", "source.bad_metadata", "source.bad_metadata",

@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import run_embed
+from conftest import summary_in_process
 from hf_models import pretrained
 
 from batchvlm.demo import demo_rows
@@ -31,9 +31,9 @@ def both(request, tmp_path_factory):
     own pixels; the model; records with images, the pixel inputs its processor gives them and their logits."""
     name = request.param
     root = tmp_path_factory.mktemp(name)
-    result = run_embed(f"output.root={root}", "run_name=train", f"model.family={name}", "model.embedding=both",
-                       "output.embed_dtype=float32", "preprocess.backend=reference", "dataset.limit=6")
-    assert result.returncode == 0, result.stderr[-3000:]
+    summary = summary_in_process(root, "train", f"model.family={name}", "model.embedding=both",
+                                 "output.embed_dtype=float32", "preprocess.backend=reference", "dataset.limit=6")
+    assert summary is not None and summary["complete"]
     family = load_family(ModelConfig(family=name))
     model = pretrained(tiny_checkpoint(name), dtype=torch.float32)
     rows = {row["id"]: row for row in demo_rows()}
