@@ -121,7 +121,7 @@ def run_status(run_dir: Path, now: float | None = None, window_s: float = WINDOW
         layout.root, state, len(plan.units), units_committed, records_total,
         sum(u.records_in for u in committed), sum(u.written for u in committed),
         sum(u.quarantined for u in committed), dict(sorted(by_check.items())), sum(u.bytes for u in committed),
-        ranks=ranks, lease_s=lease_s, blocks_claimed=claimed_so_far(layout),
+        ranks=ranks, lease_s=lease_s, blocks_claimed=claimed_so_far(layout, tasks=plan.blocks().tasks),
         blocks_total=math.ceil(len(plan.units) / plan.block_units))
     return _with_rates(status, reports, ranks, window_s)
 

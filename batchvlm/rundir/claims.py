@@ -54,6 +54,15 @@ class Claim:
         return f"{self.owner.rsplit('-', 1)[-1]}{self.generation}"
 
 
+def claim_file(folder: Path, task: str, generation: int) -> Path:
+    return folder / f"{task}.{generation}"
+
+
+def ever_claimed(folder: Path, task: str) -> bool:
+    """Someone claimed the task once (its first generation exists): one stat, writing nothing (a reader's check)."""
+    return claim_file(folder, task, 0).exists()
+
+
 class Claims:
     """Claims of one process (`owner`) in a folder every rank sees. `clock` (the tests'): the time its heartbeats are
     set to and ages are read against; by default the file system's own, a heartbeat touched now."""
@@ -68,7 +77,7 @@ class Claims:
         self._ahead: dict[str, tuple[float, float]] = {}  # holder -> (its beat from the future, when first seen)
 
     def _claim_file(self, task: str, generation: int) -> Path:
-        return self.folder / f"{task}.{generation}"
+        return claim_file(self.folder, task, generation)
 
     def _heartbeat_file(self, owner: str) -> Path:
         return self.alive / owner
@@ -177,7 +186,7 @@ class Claims:
 
     def claimed(self, task: str) -> bool:
         """Someone claimed the task once (its first generation exists): one stat."""
-        return self._claim_file(task, 0).exists()
+        return ever_claimed(self.folder, task)
 
     def claim_first(self, task: str) -> Claim | None:
         """The task's first claim, or None where it was ever claimed (by anyone, in any attempt)."""

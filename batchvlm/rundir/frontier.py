@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from batchvlm.records import WorkUnit
-from batchvlm.rundir.claims import Claim, Claims
+from batchvlm.rundir.claims import Claim, Claims, ever_claimed
 from batchvlm.rundir.dedup import IdsGather, bucket_of_task, bucket_task
 from batchvlm.rundir.durable import replace_json
 from batchvlm.rundir.layout import RunLayout
@@ -106,7 +106,7 @@ class Frontier:
         """The next task this rank wins, or None once the list is all claimed."""
         position = max(self.position, self.hint.read(self.version))
         if self.taken is not None:
-            position = self._end_of_prefix(position)
+            position = end_of_prefix(self.tasks, self.taken, position)
         while position < len(self.tasks):
             claim = self.take(self.tasks[position])
             position += 1
@@ -117,18 +117,19 @@ class Frontier:
         self.position = position
         return None
 
-    def _end_of_prefix(self, start: int) -> int:
-        """The first task from `start` on that nobody claimed: steps that double past claimed tasks, then halve."""
-        if start >= len(self.tasks) or not self.taken(self.tasks[start]):
-            return start
-        claimed, step = start, 1
-        while claimed + step < len(self.tasks) and self.taken(self.tasks[claimed + step]):
-            claimed, step = claimed + step, step * 2
-        free = min(claimed + step, len(self.tasks))
-        while free - claimed > 1:
-            middle = (claimed + free) // 2
-            claimed, free = (middle, free) if self.taken(self.tasks[middle]) else (claimed, middle)
-        return free
+def end_of_prefix(tasks: Sequence[str], taken: Callable[[str], bool], start: int) -> int:
+    """The first task from `start` on that nobody claimed, where the claimed tasks are a prefix of `tasks`: steps that
+    double past claimed tasks, then halve (a few stats past a stale hint)."""
+    if start >= len(tasks) or not taken(tasks[start]):
+        return start
+    claimed, step = start, 1
+    while claimed + step < len(tasks) and taken(tasks[claimed + step]):
+        claimed, step = claimed + step, step * 2
+    free = min(claimed + step, len(tasks))
+    while free - claimed > 1:
+        middle = (claimed + free) // 2
+        claimed, free = (middle, free) if taken(tasks[middle]) else (claimed, middle)
+    return free
 
 
 @dataclass(frozen=True)
@@ -255,11 +256,15 @@ def buckets_phase(layout: RunLayout, buckets: int, claims: Claims, attempt: str,
     return Phase(DEDUP, tasks, claims, layout, attempt, scan, backoff)
 
 
-def claimed_so_far(layout: RunLayout, phase: str = UNITS) -> int:
-    """How many tasks of a phase's list (blocks of units, or buckets) were claimed, as its frontier's hint says, in
-    one read: for a status report. A hint, not a count: one short after a crash between a claim and its hint, and 0
-    once a complete run's claims are removed (read_board tells a launch's tail, its `done` the end)."""
-    return Hint(layout.frontier(phase), "status").read()
+def claimed_so_far(layout: RunLayout, phase: str = UNITS, tasks: Sequence[str] | None = None) -> int:
+    """How many tasks of a phase's list (blocks of units, or buckets) were claimed, for a status report: its frontier's
+    hint, and with the phase's `tasks` the claimed prefix's end found from there (a stat or two; the hint alone can be
+    short: after a crash between a claim and its hint, or where a slower claimer wrote last). 0 once a complete run's
+    claims are removed (read_board tells a launch's tail, its `done` the end). Writes nothing."""
+    position = Hint(layout.frontier(phase), "status").read()
+    if tasks is None:
+        return position
+    return end_of_prefix(tasks, lambda task: ever_claimed(layout.claims, task), position)
 
 
 def claimed_units(layout: RunLayout, blocks: dict[str, Block], claimed: Iterable[Claim],
