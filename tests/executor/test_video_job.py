@@ -20,6 +20,7 @@ from PIL import Image
 
 from batchvlm.format.schema import FRAME, VIDEO
 from batchvlm.pipeline.video import VideoConfig, decode_frames, probe
+from batchvlm.training.export import export_run
 from batchvlm.training.interop import mm_token_type_ids
 from clips import make_clip
 from photos import photo_of_size
@@ -305,3 +306,5 @@ def test_messages_records_with_video_blocks_and_a_videos_column_store_what_their
         for column in ("input_ids", "video_spans", "video_grid_thw", "position_ids", "video_frame_indices",
                        "video_embeds", "token_tags", "loss_mask"):
             assert ours[key][column] == theirs[key][column], (key, column)
+    exported = export_run(twins, "swift", tmp_path / "export")  # a messages run's clip records: skipped as clips too
+    assert exported.exported == 0 and exported.skipped == {"video": 2}

@@ -380,3 +380,16 @@ def test_a_run_of_plain_texts_is_refused_before_anything_is_written(qwen_run, tm
     with pytest.raises(ConfigError, match=r"^run_dir: .* holds plain texts \(dataset.format=text\)"):
         export_run(qwen_run, "llamafactory", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stack", ["llamafactory", "swift"])
+def test_a_record_with_clips_is_skipped_as_video_never_exported_as_if_it_had_none(stack, clip_run, tmp_path):
+    """A clip's rows have no reference in the export (it names images only), so a clip record is left out under its
+    own reason, whatever else its text holds (its `<video>` would also read as a media tag)."""
+    summary = export_run(clip_run, stack, tmp_path / "out")
+    skipped = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
+    assert {(line["id"], line["reason"]) for line in skipped} == {
+        ("astronaut_pan", "video"), ("coffee_zoom_and_cat", "video"), ("moon_and_astronaut", "video")}
+    assert summary.exported == 0 and (tmp_path / "out" / f"{summary.files[0].name}").read_text() == ""
+    assert "video" in SKIPS and "| `video` |" in (REPO / "docs" / "training.md").read_text()
