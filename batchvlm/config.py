@@ -264,6 +264,8 @@ def required_path(cfg: DictConfig, key: str, usage: str) -> Path:
 
     if OmegaConf.is_missing(cfg, key):
         raise ConfigError(f"{key} is required: {usage}")
+    if not str(cfg[key]).strip():  # Path("") is ".": the user's current folder, which they did not name
+        raise ConfigError(f"{key} is empty: {usage}")
     return Path(cfg[key])
 
 

@@ -227,3 +227,15 @@ def test_an_override_the_schema_refuses_is_a_config_error_naming_the_key_before_
 def test_a_sweep_is_left_to_hydra_to_compose_job_by_job():
     register_schemas()
     check_overrides_compose("embed", ["-m", "run_name=a,b"])
+
+
+def test_an_empty_path_on_the_command_line_is_refused_naming_its_key_not_read_as_the_current_folder():
+    """`run_dir=` or `out=` give an empty string, which Path() reads as "." (the user's current folder)."""
+    from omegaconf import OmegaConf
+
+    from batchvlm.config import ConfigError, required_path
+
+    for blank in ("", "  "):
+        with pytest.raises(ConfigError, match=r"^run_dir is empty: run_dir=outputs/<run>$"):
+            required_path(OmegaConf.create({"run_dir": blank}), "run_dir", "run_dir=outputs/<run>")
+    assert str(required_path(OmegaConf.create({"out": "a b/c"}), "out", "out=...")) == "a b/c"
