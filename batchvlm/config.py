@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 import re
 import sys
 import typing
@@ -153,6 +154,8 @@ class ByteLimit:
 
 
 def positive(key: str, value: int | float) -> None:
+    if not math.isfinite(value):  # nan passes no limit check; inf overflows a wait or a sleep
+        raise ConfigError(f"{key}={value!r} must be a finite number > 0")
     if value <= 0:
         raise ConfigError(f"{key}={value!r} must be > 0")
 
