@@ -59,6 +59,7 @@ class RunFacts:
     embedding_columns: dict[str, int]  # column -> hidden size, from a data shard's schema metadata
     revision: str | None  # the checkpoint's commit on the Hub, where its download recorded one
     clip_rows: int | None = None  # rows holding clips; None: the run's format names no clips (no clip rule)
+    requeue_from: str | None = None  # a requeue run: the run whose quarantined records it read again
 
     @classmethod
     def of(cls, layout: RunLayout, first_shard: Path, shards: list[Path] | None = None) -> RunFacts:
@@ -68,7 +69,14 @@ class RunFacts:
         return cls(run_name=layout.root.name, fingerprint=fingerprint, config=config,
                    totals=read_json(layout.success) or {}, embedding_columns=embedding_columns(first_shard),
                    revision=checkpoint_revision(config["model"]["path"], fingerprint.get("model_config_sha256")),
-                   clip_rows=rows_with_clips(shards or [first_shard]) if CLIP_RULE in fingerprint else None)
+                   clip_rows=rows_with_clips(shards or [first_shard]) if CLIP_RULE in fingerprint else None,
+                   requeue_from=requeue_origin(layout))
+
+
+def requeue_origin(layout: RunLayout) -> str | None:
+    """The run a requeue run read its records from (its lineage.json, which `requeue_from=` writes); None otherwise."""
+    lineage = read_json(layout.lineage)
+    return str(lineage["requeue_from"]) if isinstance(lineage, dict) and lineage.get("requeue_from") else None
 
 
 CLIP_RULE = "video_rule"
@@ -194,6 +202,9 @@ def _count_lines(facts: RunFacts) -> list[str]:
     lines = [f"- records read: {totals['records_in']:,}; written (rows of this dataset): {totals['written']:,}; "
              f"quarantined: {totals['quarantined']:,} (not published)"]
     lines += [f"  - `{check}`: {count:,}" for check, count in sorted(totals.get("by_check", {}).items())]
+    if facts.requeue_from:
+        lines.append(f"- a requeue run of `{Path(facts.requeue_from).name}` (`{facts.requeue_from}`): it holds only "
+                     "the records read again from that run's quarantine; that run's own rows are not in this dataset")
     if moved := totals.get("duplicates", {}).get("in_data", 0):
         lines.append(f"- {moved:,} of the quarantined are later occurrences of an id already written (the run's "
                      "duplicate pass found them after their shards were committed): the shards holding them are "
