@@ -180,6 +180,11 @@ def check_exportable(runs: Runs, format: str, out: Path, name: str | None = None
     if name is not None and (not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", str(name)) or name == SKIPPED):
         raise ConfigError(f"name must be a plain file stem (letters, digits, _ . -) other than {SKIPPED!r}, not "
                           f"{name!r}")
+    named = [runs] if isinstance(runs, (str, Path)) else list(runs)
+    if not named:
+        raise ConfigError("run_dir names no run: run_dir=outputs/<run> or [outputs/<run>, outputs/<requeue run>]")
+    if any(not str(run).strip() for run in named):  # Path("") is the current folder, which no one named
+        raise ConfigError(f"run_dir holds an empty path: {named}")
     run_dir = first_run(runs)
     layout = RunLayout(run_dir)
     if not layout.config.exists():

@@ -229,6 +229,15 @@ def test_a_plain_text_run_or_a_bad_format_is_refused_naming_the_key(tmp_path):
     assert (tmp_path / "out" / "mine.txt").read_text() == "a user's file"
 
 
+def test_a_run_dir_list_that_is_empty_or_holds_an_empty_path_is_refused_naming_run_dir(tmp_path):
+    """`run_dir=[]` was an IndexError; an empty path was read as the current folder."""
+    for runs, message in (([], "run_dir names no run"), ([""], "run_dir holds an empty path"),
+                          ("", "run_dir holds an empty path"), ([str(tmp_path), " "], "run_dir holds an empty path")):
+        with pytest.raises(ConfigError, match=rf"^{message}"):
+            check_exportable(runs, "swift", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def turn(role, *content):
     return Turn(role, content)
 
