@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 import torch
 import yaml
 
-from batchvlm.config import ConfigError
+from batchvlm.config import ConfigError, check_folder_can_be_made
 from batchvlm.format.schema import FormatError
 from batchvlm.records import Turn
 from batchvlm.rundir.layout import DATA, RunLayout
@@ -194,6 +194,7 @@ def check_exportable(runs: Runs, format: str, out: Path, name: str | None = None
                           "nothing to export in a chat format")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"out: {out} already exists and is not an empty folder (an export never writes over files)")
+    check_folder_can_be_made("out", out)
     try:
         return trusted_shards(runs)
     except (RunNotFinished, FormatError, DamagedFile, ValueError) as error:  # runs the readers refuse: before `out`

@@ -238,6 +238,14 @@ def test_a_run_dir_list_that_is_empty_or_holds_an_empty_path_is_refused_naming_r
     assert not (tmp_path / "out").exists()
 
 
+def test_an_out_folder_under_a_file_is_refused_naming_out(tmp_path):
+    (tmp_path / "notes.txt").write_text("a user's file")
+    (tmp_path / "config.yaml").write_text("dataset:\n  format: messages\n")
+    with pytest.raises(ConfigError, match=rf"^out=.*: {tmp_path / 'notes.txt'} is a file, not a folder"):
+        check_exportable(tmp_path, "swift", tmp_path / "notes.txt" / "export")
+    assert (tmp_path / "notes.txt").read_text() == "a user's file"
+
+
 def turn(role, *content):
     return Turn(role, content)
 
