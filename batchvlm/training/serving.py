@@ -49,6 +49,9 @@ class ServedRun:
     merge_size: int = 2
 
     def __post_init__(self):
+        if not isinstance(self.merge_size, int) or isinstance(self.merge_size, bool) or self.merge_size < 1:
+            raise ValueError(f"merge_size={self.merge_size!r} must be a positive integer (the checkpoint's "
+                             "spatial merge: 2 for Qwen2/2.5/3-VL)")
         if self.engine not in FAMILIES:
             raise ValueError(f"engine={self.engine!r}: one of {sorted(FAMILIES)}")
         if self.family not in FAMILIES[self.engine]:

@@ -41,6 +41,9 @@ def test_an_engine_without_embedding_input_for_a_family_is_refused_naming_why():
             ServedRun(engine, "siglip2")
     with pytest.raises(ValueError, match="engine='tgi'"):
         ServedRun("tgi", "qwen2_vl")
+    for merge_size in (0, -2, 1.5, "2"):  # 0 was a ZeroDivisionError at the first record with an image
+        with pytest.raises(ValueError, match=rf"^merge_size={merge_size!r} must be a positive integer"):
+            ServedRun(VLLM, "qwen2_vl", merge_size)
 
 
 @pytest.fixture(scope="module", params=list(SERVED))
