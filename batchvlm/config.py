@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 import re
 import sys
 import typing
@@ -153,6 +154,8 @@ class ByteLimit:
 
 
 def positive(key: str, value: int | float) -> None:
+    if not math.isfinite(value):  # nan passes no limit check; inf overflows a wait or a sleep
+        raise ConfigError(f"{key}={value!r} must be a finite number > 0")
     if value <= 0:
         raise ConfigError(f"{key}={value!r} must be > 0")
 
@@ -242,6 +245,7 @@ def check_overrides_compose(config_name: str, arguments: list[str]) -> None:
     exit 2 like every other refusal, before Hydra makes the run folder. A sweep (-m) is composed job by job by Hydra."""
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
+    from omegaconf import DictConfig
     from omegaconf.errors import OmegaConfBaseException
 
     if any(argument in ("-m", "--multirun") for argument in arguments):
@@ -249,13 +253,28 @@ def check_overrides_compose(config_name: str, arguments: list[str]) -> None:
     overrides = [argument for argument in arguments if not argument.startswith("-") and "=" in argument]
     with initialize_config_module("batchvlm.conf", version_base=None):
         try:
-            compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+            cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
         except (HydraException, OmegaConfBaseException) as error:
             cause = error.__cause__ if isinstance(error.__cause__, OmegaConfBaseException) else error
             key = getattr(cause, "full_key", None)
             if not key:
                 raise ConfigError(str(error).strip()) from None
             raise ConfigError(f"{key}: {str(cause).strip().splitlines()[0]}") from None
+    try:
+        root = cfg.output.root if isinstance(cfg.get("output"), DictConfig) else None
+    except OmegaConfBaseException:  # an interpolation only Hydra's run resolves (${hydra:...}): its run checks it
+        root = None
+    if root:
+        check_folder_can_be_made("output.root", Path(root))
+
+
+def check_folder_can_be_made(key: str, folder: Path) -> None:
+    """Hydra makes the run folder under `folder` before the job runs: a file on the way would be its traceback."""
+    for parent in (folder, *folder.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{key}={folder}: {parent} is a file, not a folder")
+            return
 
 
 def required_path(cfg: DictConfig, key: str, usage: str) -> Path:
@@ -264,6 +283,8 @@ def required_path(cfg: DictConfig, key: str, usage: str) -> Path:
 
     if OmegaConf.is_missing(cfg, key):
         raise ConfigError(f"{key} is required: {usage}")
+    if not str(cfg[key]).strip():  # Path("") is ".": the user's current folder, which they did not name
+        raise ConfigError(f"{key} is empty: {usage}")
     return Path(cfg[key])
 
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from batchvlm.config import exit_on_config_error, job_main, required_path
-from batchvlm.format.schema import FORMAT_VERSION
+from batchvlm.format.schema import FORMAT_VERSION, FormatError
 from batchvlm.rundir.manifest import DamagedFile, ManifestError
 from batchvlm.rundir.upgrade import upgrade_run
 
 
 @job_main("upgrade")
 def main(cfg: DictConfig) -> None:
-    with exit_on_config_error(DamagedFile, ManifestError):
+    with exit_on_config_error(DamagedFile, ManifestError, FormatError):
         run_dir = required_path(cfg, "run_dir", "run_dir=outputs/<run>")
         done = upgrade_run(run_dir)
     if done.found == FORMAT_VERSION:

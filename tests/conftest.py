@@ -225,6 +225,14 @@ def siglip_run(tmp_path_factory) -> Path:
     return embed_in_process(root, "siglip", "model=siglip2_tiny", "dataset.limit=6")
 
 
+@pytest.fixture(scope="session")
+def clip_run(tmp_path_factory) -> Path:
+    """The demo's clips (dataset=demo_clips) through Qwen2-VL: a clip alone, a clip and an image, two clips, and a cut
+    clip quarantined; where the features that meet clips (export, serving, push, TRL) are tried on them."""
+    root = tmp_path_factory.mktemp("outputs")
+    return embed_in_process(root, "clips", "dataset=demo_clips", "model=qwen2_vl_tiny")
+
+
 # -- Qwen2-VL's real vocabulary (tests/qwen_vocab.py) ---------------------------------------------------------------
 @pytest.fixture(scope="session")
 def qwen_real_checkpoint(tmp_path_factory) -> Path:

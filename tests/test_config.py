@@ -240,6 +240,30 @@ def test_an_override_the_schema_refuses_is_a_config_error_naming_the_key_before_
     assert message in str(refused.value) and "\n" not in str(refused.value).split("Available options")[0].strip()
 
 
+def test_an_output_root_under_a_file_is_refused_naming_the_key_before_hydra_makes_the_run_folder(tmp_path):
+    """Hydra makes `${output.root}/${run_name}` before the job runs: under a file, that was its NotADirectoryError."""
+    register_schemas()
+    (tmp_path / "notes.txt").write_text("a user's file")
+    for root in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "deeper"):
+        with pytest.raises(ConfigError, match=rf"^output.root={root}: {tmp_path / 'notes.txt'} is a file, not a "
+                                              "folder"):
+            check_overrides_compose("embed", [f"output.root={root}"])
+    assert [path.name for path in tmp_path.iterdir()] == ["notes.txt"]
+    check_overrides_compose("embed", [f"output.root={tmp_path / 'new folder'}"])  # one to make is fine
+
+
 def test_a_sweep_is_left_to_hydra_to_compose_job_by_job():
     register_schemas()
     check_overrides_compose("embed", ["-m", "run_name=a,b"])
+
+
+def test_an_empty_path_on_the_command_line_is_refused_naming_its_key_not_read_as_the_current_folder():
+    """`run_dir=` or `out=` give an empty string, which Path() reads as "." (the user's current folder)."""
+    from omegaconf import OmegaConf
+
+    from batchvlm.config import ConfigError, required_path
+
+    for blank in ("", "  "):
+        with pytest.raises(ConfigError, match=r"^run_dir is empty: run_dir=outputs/<run>$"):
+            required_path(OmegaConf.create({"run_dir": blank}), "run_dir", "run_dir=outputs/<run>")
+    assert str(required_path(OmegaConf.create({"out": "a b/c"}), "out", "out=...")) == "a b/c"

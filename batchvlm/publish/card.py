@@ -58,14 +58,41 @@ class RunFacts:
     totals: dict  # the totals the run wrote last (RunLayout.success)
     embedding_columns: dict[str, int]  # column -> hidden size, from a data shard's schema metadata
     revision: str | None  # the checkpoint's commit on the Hub, where its download recorded one
+    clip_rows: int | None = None  # rows holding clips; None: the run's format names no clips (no clip rule)
+    requeue_from: str | None = None  # a requeue run: the run whose quarantined records it read again
 
     @classmethod
-    def of(cls, layout: RunLayout, first_shard: Path) -> RunFacts:
+    def of(cls, layout: RunLayout, first_shard: Path, shards: list[Path] | None = None) -> RunFacts:
+        """`shards`: the published data shards (default the first), whose footers count the rows with clips."""
         config = yaml.safe_load(layout.config.read_text())
         fingerprint = read_json(layout.fingerprint) or {}
         return cls(run_name=layout.root.name, fingerprint=fingerprint, config=config,
                    totals=read_json(layout.success) or {}, embedding_columns=embedding_columns(first_shard),
-                   revision=checkpoint_revision(config["model"]["path"], fingerprint.get("model_config_sha256")))
+                   revision=checkpoint_revision(config["model"]["path"], fingerprint.get("model_config_sha256")),
+                   clip_rows=rows_with_clips(shards or [first_shard]) if CLIP_RULE in fingerprint else None,
+                   requeue_from=requeue_origin(layout))
+
+
+def requeue_origin(layout: RunLayout) -> str | None:
+    """The run a requeue run read its records from (its lineage.json, which `requeue_from=` writes); None otherwise."""
+    lineage = read_json(layout.lineage)
+    return str(lineage["requeue_from"]) if isinstance(lineage, dict) and lineage.get("requeue_from") else None
+
+
+CLIP_RULE = "video_rule"
+"""The fingerprint's key for the family's clip rule, there only where the run's dataset format can name clips."""
+
+
+def rows_with_clips(shards: list[Path]) -> int:
+    """Rows whose video_embeds is set, from the shards' footers alone (each row group's null count of the column)."""
+    rows = 0
+    for shard in shards:
+        metadata = pq.read_metadata(shard)
+        column = metadata.schema.to_arrow_schema().get_field_index("video_embeds")
+        for group in range(metadata.num_row_groups):
+            chunk = metadata.row_group(group)
+            rows += chunk.num_rows - (chunk.column(column).statistics.null_count if column >= 0 else chunk.num_rows)
+    return rows
 
 
 def embedding_columns(shard: Path) -> dict[str, int]:
@@ -104,7 +131,7 @@ def card_header(facts: RunFacts, data_files: list[str], license: str) -> dict:
     return {
         "license": license,
         "pretty_name": f"{facts.run_name}: {family} vision features",
-        "tags": ["batchvlm", "vision-features", "embeddings", family],
+        "tags": ["batchvlm", "vision-features", "embeddings", family, *(["video"] if facts.clip_rows else [])],
         "size_categories": [size_category(facts.totals["written"])],
         "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": list(data_files)}]}],
     }
@@ -152,6 +179,21 @@ def _feature_lines(facts: RunFacts) -> list[str]:
         f"(`large_binary`; bfloat16 has no numpy dtype: view the bytes as int16, then as torch.bfloat16); each "
         "column's dtype and hidden size are also in the shards' `huggingface` schema metadata "
         "(`Value(\"large_binary\", id=\"batchvlm:embed:<dtype>:<hidden>\")`)",
+        *_clip_lines(facts),
+    ]
+
+
+def _clip_lines(facts: RunFacts) -> list[str]:
+    if facts.clip_rows is None:
+        return []
+    rule = facts.fingerprint[CLIP_RULE]
+    return [
+        f"- clips: {facts.clip_rows:,} of the {facts.totals.get('written', 0):,} rows hold clips. `video_embeds` "
+        f"[rows, {facts.embedding_columns.get('image_embeds')}] holds their merger tokens, one row per "
+        "`<|video_pad|>` token, placed by `video_spans` (null on a row without clips); `video_grid_thw`, "
+        "`second_per_grid_ts`, `video_num_tokens`, `video_frame_indices` and `video_frame_times` describe each clip",
+        f"- clip rule: {rule.get('rule')}; parameters `{json.dumps(rule.get('params', {}), sort_keys=True)}`; "
+        f"tokens_per_second {rule.get('tokens_per_second')}; positions: {rule.get('positions')}",
     ]
 
 
@@ -160,6 +202,9 @@ def _count_lines(facts: RunFacts) -> list[str]:
     lines = [f"- records read: {totals['records_in']:,}; written (rows of this dataset): {totals['written']:,}; "
              f"quarantined: {totals['quarantined']:,} (not published)"]
     lines += [f"  - `{check}`: {count:,}" for check, count in sorted(totals.get("by_check", {}).items())]
+    if facts.requeue_from:
+        lines.append(f"- a requeue run of `{Path(facts.requeue_from).name}` (`{facts.requeue_from}`): it holds only "
+                     "the records read again from that run's quarantine; that run's own rows are not in this dataset")
     if moved := totals.get("duplicates", {}).get("in_data", 0):
         lines.append(f"- {moved:,} of the quarantined are later occurrences of an id already written (the run's "
                      "duplicate pass found them after their shards were committed): the shards holding them are "

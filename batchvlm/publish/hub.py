@@ -341,7 +341,8 @@ def push_run(config: PushConfig, api=None) -> PushResult:
         raise PushRefused(f"{layout.root}: no data shard (every record was quarantined): nothing to publish")
     if problems := shard_problems(layout, shards):
         raise PushRefused("shards that cannot be published, nothing uploaded:\n" + "\n".join(problems))
-    card = dataset_card(RunFacts.of(layout, layout.listed(shards[0].listing.path)),
+    card = dataset_card(RunFacts.of(layout, layout.listed(shards[0].listing.path),
+                                    [layout.listed(shard.listing.path) for shard in shards]),
                         [shard.repo_path for shard in shards], config.license)
     with push_lock(layout, config.repo_id):
         if api is None:

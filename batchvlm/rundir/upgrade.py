@@ -53,7 +53,9 @@ SHARDS = {DATA: DATA_SHARD, QUARANTINE: QUARANTINE_SHARD}
 
 def run_format(layout: RunLayout) -> int | None:
     """The run's format version (1 for a run written before the format had one); None where the folder is not a
-    batchvlm run directory (no marker, and not a run of before the marker)."""
+    batchvlm run directory (no marker, and not a run of before the marker; a file)."""
+    if not layout.root.is_dir():
+        return None
     marker = read_json(layout.marker)
     if marker is not None:
         return int(marker.get("format_version", 1))

@@ -111,6 +111,9 @@ class DatasetConfig(Config):
         positive("dataset.unit_records", self.unit_records)
         if not self.placeholder:
             raise ConfigError("dataset.placeholder must not be empty")
+        for key in ("id_column", "images_column", "text_column", "status_column"):
+            if getattr(self, key) is not None and not str(getattr(self, key)).strip():  # no row has such a column
+                raise ConfigError(f"dataset.{key} must not be empty (null where a key allows none)")
         if self.limit is not None:
             positive("dataset.limit", self.limit)
 

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 import torch
 import yaml
 
-from batchvlm.config import ConfigError
+from batchvlm.config import ConfigError, check_folder_can_be_made
 from batchvlm.format.schema import FormatError
 from batchvlm.records import Turn
 from batchvlm.rundir.layout import DATA, RunLayout
@@ -49,6 +49,8 @@ STACK_MEDIA_TAGS = ("<image>", "<video>", "<audio>")
 """What both stacks read as a media slot wherever it appears in a message's text (LLaMA-Factory's
 IMAGE/VIDEO/AUDIO_PLACEHOLDER defaults, ms-swift's Template.special_tokens)."""
 SKIPS = {
+    "video": "the record holds clips: an export references stored images only, so a stack would get the clip's "
+             "<video> tag with no stored rows behind it (and take it for a media slot to load as a file)",
     "roles": "the turns are not an optional system turn, then user and assistant turns in turn, ending with an "
              "assistant turn (LLaMA-Factory drops such an example; ms-swift pairs a query with each response)",
     "empty_system": "the system turn is empty: LLaMA-Factory renders its default system prompt instead, ms-swift none",
@@ -121,10 +123,13 @@ SWIFT_ROUND_FIELDS = ("{{ROUND0}}", "{{ROUND1}}")
 """What ms-swift's template fills in a user turn's text after the text is put in (its _concat_context_list)."""
 
 
-def skip_reason(turns: list[Turn], num_images: int, format: str, control_as_text: bool = False) -> str | None:
+def skip_reason(turns: list[Turn], num_images: int, format: str, control_as_text: bool = False,
+                num_videos: int = 0) -> str | None:
     """Why the stacks would not train this conversation as the job rendered it (a key of SKIPS), or None.
     `control_as_text`: the run tokenized control strings in texts as plain text (text.control_tokens=text; otherwise
-    a written record holds none)."""
+    a written record holds none). `num_videos`: the record's stored clips."""
+    if num_videos:
+        return "video"
     roles = [turn.role for turn in turns]
     body = roles[1:] if roles[:1] == ["system"] else roles
     if not body or len(body) % 2 or body != ["user", "assistant"] * (len(body) // 2):
@@ -175,6 +180,11 @@ def check_exportable(runs: Runs, format: str, out: Path, name: str | None = None
     if name is not None and (not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", str(name)) or name == SKIPPED):
         raise ConfigError(f"name must be a plain file stem (letters, digits, _ . -) other than {SKIPPED!r}, not "
                           f"{name!r}")
+    named = [runs] if isinstance(runs, (str, Path)) else list(runs)
+    if not named:
+        raise ConfigError("run_dir names no run: run_dir=outputs/<run> or [outputs/<run>, outputs/<requeue run>]")
+    if any(not str(run).strip() for run in named):  # Path("") is the current folder, which no one named
+        raise ConfigError(f"run_dir holds an empty path: {named}")
     run_dir = first_run(runs)
     layout = RunLayout(run_dir)
     if not layout.config.exists():
@@ -184,6 +194,7 @@ def check_exportable(runs: Runs, format: str, out: Path, name: str | None = None
                           "nothing to export in a chat format")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"out: {out} already exists and is not an empty folder (an export never writes over files)")
+    check_folder_can_be_made("out", out)
     try:
         return trusted_shards(runs)
     except (RunNotFinished, FormatError, DamagedFile, ValueError) as error:  # runs the readers refuse: before `out`
@@ -224,7 +235,8 @@ def conversations(first: Path, shards: list[TrustedShard], format: str,
     for shard, group, at in row_groups(shards, shuffle_seed):
         placeholder, control_as_text = settings[shard.run.root]
         name = shard_name(first, shard.path)
-        table = checked_file(shard.path).read_row_group(group, columns=["id", "row", "text", "turns", "grid_thw"])
+        columns = ["id", "row", "text", "turns", "grid_thw", "video_grid_thw"]
+        table = checked_file(shard.path).read_row_group(group, columns=columns)
         rows = list(enumerate(table.to_pylist(), at))
         if shuffle_seed is not None:
             draw.shuffle(rows)
@@ -232,7 +244,8 @@ def conversations(first: Path, shards: list[TrustedShard], format: str,
             if row["row"] in shard.skipped:
                 continue
             turns = conversation_turns(row["text"], placeholder, len(row["turns"] or ()))
-            reason = skip_reason(turns, len(row["grid_thw"]), format, control_as_text)
+            reason = skip_reason(turns, len(row["grid_thw"]), format, control_as_text,
+                                 len(row["video_grid_thw"] or ()))
             references = [ImageReference(name, index, k) for k in range(len(row["grid_thw"]))]
             yield row["id"], reason, None if reason else exported_line(row["id"], turns, references)
 

@@ -260,6 +260,8 @@ def run_layouts(runs: Runs) -> list[RunLayout]:
     if not layouts:
         raise ValueError("no run directory to read")
     for layout in layouts:
+        if layout.root.is_file():  # its layout's paths would fail as "not a directory" inside the run
+            raise ValueError(f"{layout.root} is a file, not a run directory")
         check_run_format(layout)
     first = read_json(layouts[0].fingerprint) if len(layouts) > 1 else None
     for position, layout in enumerate(layouts[1:], 1):

@@ -14,6 +14,11 @@ What the engines take (read in their code; docs/training.md names the versions):
   `[t, h, w]` per image, `h * w // merge**2` tokens). Qwen3-VL's feature is laid out as vLLM's
   (`separate_deepstack_embeds` splits it at the language model's hidden size).
 
+A record with clips is refused, naming it: its ids hold each clip's <|video_pad|> tokens, and a request without the
+clip's rows would make the engine fail or answer without the clip. Serving clips needs the engines' video embedding
+input (`video_embeds` with `video_grid_thw`, and for Qwen2.5-VL's positions `second_per_grid_ts`), which is not built
+here: the readers give neither the clips' grids nor their timing, and no engine was run to check the form.
+
 Every tensor keeps the stored dtype (the engines cast to their tower's); grids are int64. A record is checked before
 its request is built: the engine's split of its rows must give exactly its stored image spans.
 """
@@ -44,6 +49,9 @@ class ServedRun:
     merge_size: int = 2
 
     def __post_init__(self):
+        if not isinstance(self.merge_size, int) or isinstance(self.merge_size, bool) or self.merge_size < 1:
+            raise ValueError(f"merge_size={self.merge_size!r} must be a positive integer (the checkpoint's "
+                             "spatial merge: 2 for Qwen2/2.5/3-VL)")
         if self.engine not in FAMILIES:
             raise ValueError(f"engine={self.engine!r}: one of {sorted(FAMILIES)}")
         if self.family not in FAMILIES[self.engine]:
@@ -102,9 +110,19 @@ def one_placeholder_per_image(record: RecordTensors) -> list[int]:
     return record.input_ids[keep].tolist()
 
 
+def refuse_clips(record: RecordTensors) -> None:
+    """A record with clips has no request here (module docstring): refused by id, naming what a request would lack."""
+    if record.video_spans is not None and len(record.video_spans):
+        raise ValueError(f"record {record.id!r} holds {len(record.video_spans)} clip(s) ({len(record.video_embeds)} "
+                         "video_embeds rows at its <|video_pad|> tokens): serving_requests builds image inputs only, "
+                         "so its request would lack the clips' video_embeds, video_grid_thw and second_per_grid_ts; "
+                         "serve the run's records without clips (read_run, then request() of each)")
+
+
 def request(record: RecordTensors, served: ServedRun) -> dict:
     """The engine's request for one record: `LLM.generate(request)` for vLLM, `Engine.generate(**request)` for
-    sglang. A record without images is a plain token prompt."""
+    sglang. A record without images is a plain token prompt; a record with clips is refused (refuse_clips)."""
+    refuse_clips(record)
     has_images = len(record.grid_thw) > 0
     if served.engine == VLLM:
         prompt = {"prompt_token_ids": one_placeholder_per_image(record)}

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from batchvlm.format.schema import VIDEO
 from batchvlm.training.interop import DatasetRows
 from batchvlm.training.loader import PackedLoader
 from batchvlm.training.model_inputs import forward_parameters, model_inputs, pad, takes_encoder_outputs
@@ -135,6 +136,8 @@ class PackedTrainer(Trainer):
 
 ROW_COLUMNS = ("id", "input_ids", "image_embeds", "grid_thw", "image_spans", "token_tags")
 """The columns a row of the run needs to become a record (interop.DatasetRows)."""
+CLIP_COLUMNS = ("video_embeds", "video_spans")
+"""What a row whose tokens hold clips needs besides (format 3): without them its clip tokens would go in as text."""
 
 
 class RowCollator:
@@ -156,4 +159,8 @@ class RowCollator:
         if missing:
             raise ValueError(f"the rows reach the collator without the columns {missing}: the Trainer removed them "
                              "(remove_unused_columns=True); pass TrainingArguments(remove_unused_columns=False)")
+        clipped = [name for name in CLIP_COLUMNS if name not in rows[0]]
+        if clipped and any(VIDEO in row["token_tags"] for row in rows):
+            raise ValueError(f"rows with clips reach the collator without the columns {clipped} (removed or not "
+                             f"selected): their clip tokens would train as text; keep them")
         return model_inputs(self.model, pad([self.rows.tensors(row) for row in rows], self.max_tokens))

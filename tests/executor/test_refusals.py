@@ -55,6 +55,14 @@ def test_an_input_the_config_does_not_fit_is_refused_leaving_nothing(tmp_path, o
     assert key in refused_in_process(tmp_path, *overrides)
 
 
+@pytest.mark.parametrize("key", ["dataset.images_column", "dataset.id_column", "dataset.text_column",
+                                 "dataset.status_column"])
+def test_a_column_named_by_an_empty_string_is_refused_naming_its_key(tmp_path, key):
+    """`dataset.images_column=''` read no image at all: each record with an image then failed its placeholder count."""
+    assert f"{key} must not be empty" in refused_in_process(tmp_path, "dataset=demo_clips", "model=qwen2_vl_tiny",
+                                                            f"{key}=''")
+
+
 @pytest.mark.slow  # a run of the job
 def test_a_full_disk_ends_the_job_in_one_line_naming_the_path(tmp_path):
     env = {**os.environ, "BATCHVLM_FAULTS": "disk_full.publish=8"}  # past the run's own files, at a unit's commit

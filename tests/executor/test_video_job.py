@@ -20,6 +20,7 @@ from PIL import Image
 
 from batchvlm.format.schema import FRAME, VIDEO
 from batchvlm.pipeline.video import VideoConfig, decode_frames, probe
+from batchvlm.training.export import export_run
 from batchvlm.training.interop import mm_token_type_ids
 from clips import make_clip
 from photos import photo_of_size
@@ -305,3 +306,32 @@ def test_messages_records_with_video_blocks_and_a_videos_column_store_what_their
         for column in ("input_ids", "video_spans", "video_grid_thw", "position_ids", "video_frame_indices",
                        "video_embeds", "token_tags", "loss_mask"):
             assert ours[key][column] == theirs[key][column], (key, column)
+    exported = export_run(twins, "swift", tmp_path / "export")  # a messages run's clip records: skipped as clips too
+    assert exported.exported == 0 and exported.skipped == {"video": 2}
+
+
+def test_odd_clip_files_are_each_quarantined_under_a_named_check_and_a_good_one_beside_them_is_written(tmp_path):
+    """A hostile dataset's clips through the job (the demo checkpoint): a directory named .mp4, a 0-byte file, a PNG
+    named .mp4 (FFmpeg reads it as a one-frame video), a missing file and a path out of the root; never a traceback."""
+    import io
+
+    from conftest import data_ids, quarantine_rows
+
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    (folder / "good.mp4").write_bytes(make_clip(12, fps=4))
+    (folder / "dir.mp4").mkdir()
+    (folder / "empty.mp4").write_bytes(b"")
+    png = io.BytesIO()
+    Image.fromarray(photo_of_size(40, 60)).save(png, format="PNG")
+    (folder / "image.mp4").write_bytes(png.getvalue())
+    names = ["good.mp4", "dir.mp4", "empty.mp4", "image.mp4", "missing.mp4", "../outside.mp4"]
+    (folder / "llava.json").write_text(json.dumps([
+        {"id": name, "video": name, "conversations": [{"from": "human", "value": "<video>What is it?"},
+                                                      {"from": "gpt", "value": "A clip."}]} for name in names]))
+    run = embed_in_process(tmp_path / "outputs", "odd", "dataset=llava", f"dataset.path={folder / 'llava.json'}",
+                           "model=qwen2_vl_tiny", "checks.max_quarantine_fraction=0.9")
+    assert data_ids(run) == {"good.mp4"}
+    assert {row["id"]: row["check"] for row in quarantine_rows(run)} == {
+        "dir.mp4": "decode.not_a_file", "empty.mp4": "video.unreadable", "image.mp4": "video.too_few_frames",
+        "missing.mp4": "decode.missing_file", "../outside.mp4": "decode.path_outside_root"}

@@ -146,6 +146,11 @@ def test_a_frame_rate_the_header_lacks_is_fps_invalid():
 def test_limits_that_cannot_work_name_their_key():
     with pytest.raises(ConfigError, match="video.max_decoded_bytes"):
         VideoConfig(max_decoded_bytes=0)
+    # nan: every clip would fail `<= nan` as video.too_long; inf: the decoder's wait on its child overflows
+    for key in ("max_duration_s", "timeout_s", "max_fps"):
+        for value in (float("nan"), float("inf")):
+            with pytest.raises(ConfigError, match=rf"^video.{key}={value!r} must be a finite number > 0"):
+                VideoConfig(**{key: value})
 
 
 def test_sampled_frames_of_two_sizes_are_frame_size_and_one_size_decodes():

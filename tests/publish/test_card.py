@@ -11,7 +11,7 @@ import yaml
 from conftest import committed_shards
 from huggingface_hub._local_folder import write_download_metadata
 
-from batchvlm.publish.card import RunFacts, checkpoint_revision, dataset_card, size_category
+from batchvlm.publish.card import RunFacts, checkpoint_revision, dataset_card, requeue_origin, size_category
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.training.reader import read_run
 
@@ -102,3 +102,16 @@ def test_the_facts_of_a_run_are_read_from_its_fingerprint_totals_and_shards(sigl
                                       "pooled_embeds": record.extras["pooled_embeds"].shape[1]}
     assert read.embedding_columns["image_embeds"] == fingerprint["hidden_size"]
     assert (read.run_name, read.revision, read.config["model"]["path"]) == ("siglip", None, "tiny")
+    assert read.requeue_from is None and read.clip_rows is None  # no lineage; the demo's texts name no clips
+
+
+def test_the_card_of_a_requeue_run_says_it_holds_only_the_records_requeued_from_its_run(tmp_path):
+    """A requeue run (lineage.json, as `requeue_from=` writes it) holds only the records it read again: pushed alone,
+    the card says so and names the run whose rows it lacks."""
+    _, body = header_and_body(dataset_card(facts(requeue_from="/shared/outputs/laion-qwen25"), FILES, "cc-by-4.0"))
+    assert ("a requeue run of `laion-qwen25` (`/shared/outputs/laion-qwen25`): it holds only the records read again "
+            "from that run's quarantine; that run's own rows are not in this dataset") in body
+    assert "requeue" not in header_and_body(dataset_card(facts(), FILES, "cc-by-4.0"))[1]
+    layout = RunLayout(tmp_path)
+    (tmp_path / "lineage.json").write_text(json.dumps({"requeue_from": "/shared/outputs/laion-qwen25", "records": []}))
+    assert requeue_origin(layout) == "/shared/outputs/laion-qwen25"

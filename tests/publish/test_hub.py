@@ -129,6 +129,23 @@ def test_load_dataset_on_the_pushed_repo_gives_the_rows_of_read_run_bit_for_bit_
 
 
 @pytest.mark.slow
+def test_a_run_with_clips_loads_back_bit_for_bit_and_its_card_states_the_clips(clip_run, tmp_path):
+    """Output format 3's clip columns (video_embeds, video_spans, ...) published as they are, and the card says what
+    they hold, how many rows have clips and the clip rule the run sampled them by."""
+    hub = FakeHub(tmp_path / "hub")
+    push(clip_run, hub)
+    records = list(read_run(clip_run))
+    assert sum(record.video_embeds is not None for record in records) == 3
+    folder = str(hub.folder(REPO_ID))
+    assert_rows_are(datasets.load_dataset(folder, split="train", cache_dir=str(tmp_path / "cache")), records)
+    assert_rows_are(datasets.load_dataset(folder, split="train", streaming=True), records)
+    card = (hub.folder(REPO_ID) / CARD).read_text()
+    assert "- video" in card.split("---\n")[1]  # a tag
+    assert "`video_embeds` [rows, 64]" in card and "clips: 3 of the 3 rows hold clips" in card
+    assert "Qwen2VLVideoProcessor" in card and '"fps": 2.0' in card and "second_per_grid_ts" in card
+
+
+@pytest.mark.slow
 def test_a_run_of_more_shards_than_a_folder_takes_is_spread_over_folders_and_reads_back_in_order(qwen_run, tmp_path,
                                                                                                  monkeypatch):
     monkeypatch.setattr(hub_module, "SHARDS_PER_FOLDER", 3)  # the Hub wants under 10k entries a folder

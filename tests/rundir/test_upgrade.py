@@ -173,3 +173,22 @@ def test_a_format_2_shard_is_rewritten_with_the_clip_columns_null(tmp_path):
         assert all(written[name] is None for name in clip_columns & set(written))
         assert {k: v for k, v in written.items() if k not in clip_columns} == {
             k: v for k, v in row.items() if k not in clip_columns}
+
+
+@pytest.mark.parametrize("job", ["upgrade", "report"])
+def test_a_run_dir_that_is_a_file_or_no_folder_ends_the_job_in_one_line_naming_it(job, tmp_path, monkeypatch, capsys):
+    """Was a NotADirectoryError (a file) or a FormatError traceback (upgrade of a folder that does not exist)."""
+    import importlib
+
+    module = importlib.import_module(f"batchvlm.jobs.{job}")
+    file = tmp_path / "notes.txt"
+    file.write_text("a user's file")
+    assert run_format(RunLayout(file)) is None
+    for run_dir in (file, tmp_path / "nowhere"):
+        monkeypatch.setattr("sys.argv", [f"{job}.py", f"run_dir={run_dir}"])
+        with pytest.raises(SystemExit) as exited:
+            module.main()
+        error = capsys.readouterr().err.strip()
+        assert exited.value.code == 2 and error.startswith("error: ") and str(run_dir) in error \
+            and "\n" not in error, error
+    assert file.read_text() == "a user's file" and sorted(tmp_path.iterdir()) == [file]

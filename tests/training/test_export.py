@@ -229,6 +229,23 @@ def test_a_plain_text_run_or_a_bad_format_is_refused_naming_the_key(tmp_path):
     assert (tmp_path / "out" / "mine.txt").read_text() == "a user's file"
 
 
+def test_a_run_dir_list_that_is_empty_or_holds_an_empty_path_is_refused_naming_run_dir(tmp_path):
+    """`run_dir=[]` was an IndexError; an empty path was read as the current folder."""
+    for runs, message in (([], "run_dir names no run"), ([""], "run_dir holds an empty path"),
+                          ("", "run_dir holds an empty path"), ([str(tmp_path), " "], "run_dir holds an empty path")):
+        with pytest.raises(ConfigError, match=rf"^{message}"):
+            check_exportable(runs, "swift", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_folder_under_a_file_is_refused_naming_out(tmp_path):
+    (tmp_path / "notes.txt").write_text("a user's file")
+    (tmp_path / "config.yaml").write_text("dataset:\n  format: messages\n")
+    with pytest.raises(ConfigError, match=rf"^out=.*: {tmp_path / 'notes.txt'} is a file, not a folder"):
+        check_exportable(tmp_path, "swift", tmp_path / "notes.txt" / "export")
+    assert (tmp_path / "notes.txt").read_text() == "a user's file"
+
+
 def turn(role, *content):
     return Turn(role, content)
 
@@ -380,3 +397,16 @@ def test_a_run_of_plain_texts_is_refused_before_anything_is_written(qwen_run, tm
     with pytest.raises(ConfigError, match=r"^run_dir: .* holds plain texts \(dataset.format=text\)"):
         export_run(qwen_run, "llamafactory", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stack", ["llamafactory", "swift"])
+def test_a_record_with_clips_is_skipped_as_video_never_exported_as_if_it_had_none(stack, clip_run, tmp_path):
+    """A clip's rows have no reference in the export (it names images only), so a clip record is left out under its
+    own reason, whatever else its text holds (its `<video>` would also read as a media tag)."""
+    summary = export_run(clip_run, stack, tmp_path / "out")
+    skipped = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
+    assert {(line["id"], line["reason"]) for line in skipped} == {
+        ("astronaut_pan", "video"), ("coffee_zoom_and_cat", "video"), ("moon_and_astronaut", "video")}
+    assert summary.exported == 0 and (tmp_path / "out" / f"{summary.files[0].name}").read_text() == ""
+    assert "video" in SKIPS and "| `video` |" in (REPO / "docs" / "training.md").read_text()

@@ -15,7 +15,7 @@ from rows import CURRENT_FORMAT, data_row
 
 from batchvlm.format.schema import DATA_SCHEMA
 from batchvlm.pipeline.assemble import embed_bytes
-from batchvlm.training.reader import read_run, read_shard, run_layouts, table_tensors, tensors_of
+from batchvlm.training.reader import read_run, read_shard, run_layouts, table_tensors, tensors_of, trusted_shards
 
 
 @pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"),
@@ -161,3 +161,17 @@ def test_runs_read_together_are_a_run_and_its_requeue_runs_of_one_fingerprint(tm
     tiny = _fake_run(tmp_path / "tiny-requeue", {"family": "kimi_k25"}, requeue_from=run)
     with pytest.raises(ValueError, match="another fingerprint .*family: 'qwen2_vl' -> 'kimi_k25'"):
         run_layouts([run, tiny])
+
+
+def test_a_run_dir_that_is_a_file_is_refused_naming_it_for_every_reader(tmp_path):
+    """read_run, the serving requests and the export take a run directory: a file given there is named, never an
+    OSError from inside the run's layout."""
+    from batchvlm.training.serving import serving_requests
+
+    file = tmp_path / "notes.txt"
+    file.write_text("a user's file")
+    for read in (lambda: list(read_run(file)), lambda: list(serving_requests(file, "vllm")),
+                 lambda: trusted_shards([file])):
+        with pytest.raises(ValueError, match=rf"^{file} is a file, not a run directory"):
+            read()
+    assert file.read_text() == "a user's file"

@@ -41,6 +41,9 @@ def test_an_engine_without_embedding_input_for_a_family_is_refused_naming_why():
             ServedRun(engine, "siglip2")
     with pytest.raises(ValueError, match="engine='tgi'"):
         ServedRun("tgi", "qwen2_vl")
+    for merge_size in (0, -2, 1.5, "2"):  # 0 was a ZeroDivisionError at the first record with an image
+        with pytest.raises(ValueError, match=rf"^merge_size={merge_size!r} must be a positive integer"):
+            ServedRun(VLLM, "qwen2_vl", merge_size)
 
 
 @pytest.fixture(scope="module", params=list(SERVED))
@@ -189,3 +192,19 @@ def test_rows_no_engine_takes_are_refused_naming_why(siglip_run, tmp_path):
     tower = embed_in_process(tmp_path, "tower", "model=qwen2_vl_tiny", "model.embedding=tower", "dataset.limit=2")
     with pytest.raises(ValueError, match="model.embedding=tower"):
         served_run(tower, VLLM)
+
+
+@pytest.mark.slow
+def test_a_record_with_clips_is_refused_by_id_naming_the_video_inputs_no_request_carries(clip_run):
+    """A clip's tokens are <|video_pad|> in the stored ids; a request without the clip's rows would have the engine
+    fail or answer without the clip, so each engine refuses the record, naming it and what it lacks."""
+    clips = [record for record in read_run(clip_run) if record.video_embeds is not None]
+    assert {record.id for record in clips} == {"astronaut_pan", "coffee_zoom_and_cat", "moon_and_astronaut"}
+    served = {engine: served_run(clip_run, engine) for engine in (VLLM, SGLANG)}
+    for record in clips:
+        for engine in (VLLM, SGLANG):
+            with pytest.raises(ValueError, match=rf"record {record.id!r} holds {len(record.video_spans)} clip.*"
+                                                 r"video_embeds.*video_grid_thw.*second_per_grid_ts"):
+                request(record, served[engine])
+    with pytest.raises(ValueError, match="record 'astronaut_pan' holds 1 clip"):
+        list(serving_requests(clip_run, VLLM))

@@ -174,3 +174,36 @@ def test_the_documented_trl_recipe_trains_on_the_run_and_checkpoints_the_loader(
     assert (tmp_path / "checkpoints" / "checkpoint-5" / LOADER_STATE).exists()
     logged = [entry["num_tokens"] for entry in trainer.state.log_history if "num_tokens" in entry]
     assert logged and logged[-1] > trainer.state.global_step  # tokens, not batches
+
+
+@pytest.mark.slow  # the job, then the full model and TRL's trainer
+def test_clips_reach_the_model_through_trls_loss_and_through_the_row_collator(clip_run, tmp_path):
+    """A clip run (output format 3): the packed loader's batch and the stock path's rows both give the model the
+    stored clip tokens as mm_encoder_outputs["video"]; TRL's loss on them is the model's own, and a different one
+    than with the clips left out (so they count). Rows whose clip columns were dropped are refused, naming them."""
+    checkpoint = tiny_checkpoint("qwen2_vl")
+    first = next(iter(PackedLoader(clip_run, WIDE)))
+    by_id = {record.id: record for record in read_run(clip_run)}
+    stored = [by_id[record_id] for record_id in first.ids]  # the pack's order
+    assert first.video_embeds is not None and torch.equal(
+        first.video_embeds, torch.cat([record.video_embeds for record in stored if record.video_embeds is not None]))
+    trainer = trainer_for(checkpoint, clip_run, tmp_path, config=WIDE, max_steps=1)
+    trainer.model.eval()
+    inputs = trainer.batch_inputs(first)
+    assert set(inputs["mm_encoder_outputs"]) == {"image", "video"}
+    with torch.no_grad():
+        expected = float(trainer.model(**model_inputs(trainer.model, first)).loss)
+        trl_loss = float(trainer.compute_loss(trainer.model, inputs))
+        del inputs["mm_encoder_outputs"]["video"]
+        without = float(trainer.model(**inputs).loss)
+    assert trl_loss == pytest.approx(expected, rel=1e-5, abs=1e-6) and abs(without - expected) > 1e-4
+
+    dataset = load_run_dataset(clip_run, cache_dir=str(tmp_path / "cache"))
+    collator = RowCollator(trainer.model, dataset, max_tokens=4096)
+    batch = collator([dataset[i] for i in range(len(dataset))])
+    clips = torch.cat([record.video_embeds for record in read_run(clip_run) if record.video_embeds is not None])
+    assert torch.equal(torch.cat(batch["mm_encoder_outputs"]["video"].pooler_output), clips)
+    stripped = dataset.remove_columns(["video_embeds", "video_spans"])
+    with pytest.raises(ValueError, match=r"rows with clips reach the collator without the columns "
+                                         r"\['video_embeds', 'video_spans'\]"):
+        RowCollator(trainer.model, stripped, max_tokens=4096)([stripped[i] for i in range(len(stripped))])
