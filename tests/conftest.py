@@ -60,6 +60,17 @@ def data_ids(run_dir: Path) -> set[str]:
             for row in pq.read_table(path, columns=["id"]).to_pylist()}
 
 
+def run_training_doc_recipe(heading: str, run_dir: Path) -> dict:
+    """The first python block under `heading` in docs/training.md, run as a reader copies it, with the demo's run
+    folder replaced by `run_dir`: its variables (it writes where the test runs)."""
+    page = (REPO / "docs" / "training.md").read_text()
+    section = page[page.index(heading):]
+    start = section.index("```python") + len("```python")
+    scope: dict = {}
+    exec(section[start:section.index("```\n", start)].replace('"outputs/demo-qwen2_vl_tiny"', repr(str(run_dir))), scope)
+    return scope
+
+
 def embed_command(*overrides: str) -> list[str]:
     """`python jobs/embed.py overrides...` as a user runs it."""
     return [sys.executable, str(REPO / "jobs" / "embed.py"), *overrides]

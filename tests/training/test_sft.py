@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, run_training_doc_recipe
 from hf_models import pretrained
 from test_training_equivalence import trained_run
 from transformers import AutoTokenizer, TrainingArguments
@@ -162,12 +162,8 @@ def test_the_stock_sft_trainer_over_the_runs_rows_with_the_row_collator_trains_a
 
 @pytest.mark.slow  # the job, then the full model and TRL's trainer
 def test_the_documented_trl_recipe_trains_on_the_run_and_checkpoints_the_loader(qwen_run, tmp_path, monkeypatch):
-    page = (REPO / "docs" / "training.md").read_text()
-    section = page[page.index("## Training with TRL"):]
-    code = section[section.index("```python") + len("```python"):section.index("```\n", section.index("```python"))]
     monkeypatch.chdir(tmp_path)  # the recipe writes checkpoints/ where it runs
-    scope: dict = {}
-    exec(code.replace('"outputs/demo-qwen2_vl_tiny"', repr(str(qwen_run))), scope)
+    scope = run_training_doc_recipe("## Training with TRL", qwen_run)
     trainer = scope["trainer"]
     assert isinstance(trainer, PackedSFTTrainer)
     assert trainer.state.global_step == trainer.args.max_steps > 5

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import run_training_doc_recipe
 from hf_models import pretrained
 from transformers import TrainingArguments
 
@@ -170,12 +170,8 @@ def test_rows_whose_columns_the_trainer_removed_are_refused_naming_them(qwen_run
 
 
 def test_the_documented_trainer_recipe_trains_on_the_run_and_checkpoints_the_loader(qwen_run, tmp_path, monkeypatch):
-    page = (REPO / "docs" / "training.md").read_text()
-    section = page[page.index("## Training with HF Trainer"):]
-    code = section[section.index("```python") + len("```python"):section.index("```\n", section.index("```python"))]
     monkeypatch.chdir(tmp_path)  # the recipe writes checkpoints/ where it runs
-    scope: dict = {}
-    exec(code.replace('"outputs/demo-qwen2_vl_tiny"', repr(str(qwen_run))), scope)
+    scope = run_training_doc_recipe("## Training with HF Trainer", qwen_run)
     trainer = scope["trainer"]
     assert trainer.state.global_step == trainer.args.max_steps > 5
     assert (tmp_path / "checkpoints" / "checkpoint-5" / LOADER_STATE).exists()
