@@ -115,10 +115,10 @@ DATA_COLUMNS = (
     Column("video_spans", pa.list_(pa.struct([("start", pa.int32()), ("length", pa.int32())])),
            "each clip's run of video tokens in `input_ids`, in clip order", CLIPS, read=True),
     Column("video_grid_thw", pa.list_(pa.list_(pa.int32())), "per clip (t, h, w) in patches (transformers' "
-           "`video_grid_thw`)", CLIPS),
+           "`video_grid_thw`)", CLIPS, read=True),
     Column("second_per_grid_ts", pa.list_(pa.float64()), "per clip, the seconds one temporal patch spans: "
            "temporal_patch_size / the sampled frame rate (Qwen2.5-VL's M-RoPE time step, with tokens_per_second)",
-           CLIPS),
+           CLIPS, read=True),
     Column("video_num_tokens", pa.list_(pa.int32()), "per clip, its LLM tokens", CLIPS),
     Column("video_frame_indices", pa.list_(pa.list_(pa.int32())), "per clip, the sampled frames' positions among its "
            "frames (presentation order)", CLIPS),

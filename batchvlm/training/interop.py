@@ -105,4 +105,8 @@ class DatasetRows:
             if row.get("video_embeds") is not None else None,
             video_spans=torch.tensor([(s["start"], s["length"]) for s in row["video_spans"]], dtype=torch.int64
                                      ).reshape(-1, 2) if row.get("video_spans") is not None else None,
+            video_grid_thw=torch.tensor(row["video_grid_thw"], dtype=torch.int64).reshape(-1, 3)
+            if row.get("video_grid_thw") is not None else None,
+            second_per_grid_ts=torch.tensor(row["second_per_grid_ts"], dtype=torch.float64)
+            if row.get("second_per_grid_ts") is not None else None,
         )

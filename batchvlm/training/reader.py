@@ -36,6 +36,8 @@ class RecordTensors:
     loss_mask: torch.Tensor | None = None  # [seq] int8, 1 where trained: a conversation's; None for a plain text
     video_embeds: torch.Tensor | None = None  # [n_video_tokens, hidden]: a record with clips (qwen2_vl)
     video_spans: torch.Tensor | None = None  # [n_clips, 2] int64: (start, length)
+    video_grid_thw: torch.Tensor | None = None  # [n_clips, 3] int64: each clip's (t, h, w) in patches
+    second_per_grid_ts: torch.Tensor | None = None  # [n_clips] float64: seconds one temporal patch spans
 
     def image_token_positions(self) -> torch.Tensor:
         """Sequence positions of the image tokens, in the order of the rows of image_embeds."""
@@ -92,6 +94,8 @@ class RecordArrays:
     rope_delta: int | None
     loss_mask: np.ndarray | None = None  # [seq] int8, or None
     video_spans: np.ndarray | None = None  # [n_clips, 2]: (start, length); its rows in embeds["video_embeds"]
+    video_grid_thw: np.ndarray | None = None  # [n_clips, 3]
+    second_per_grid_ts: np.ndarray | None = None  # [n_clips]
 
     def tensors(self) -> RecordTensors:
         embeds = {name: tensor_of(rows, self.embed_dtype) for name, rows in self.embeds.items()}
@@ -99,6 +103,10 @@ class RecordArrays:
             id=self.id, input_ids=torch.from_numpy(self.input_ids.astype(np.int64)),
             image_embeds=embeds.pop("image_embeds"), video_embeds=embeds.pop("video_embeds", None),
             video_spans=torch.from_numpy(self.video_spans.astype(np.int64)) if self.video_spans is not None else None,
+            video_grid_thw=(torch.from_numpy(self.video_grid_thw.astype(np.int64))
+                            if self.video_grid_thw is not None else None),
+            second_per_grid_ts=(torch.from_numpy(self.second_per_grid_ts.astype(np.float64))
+                                if self.second_per_grid_ts is not None else None),
             grid_thw=torch.from_numpy(self.grid_thw.astype(np.int64)),
             image_spans=torch.from_numpy(self.image_spans.astype(np.int64)),
             token_tags=torch.from_numpy(self.token_tags.copy()), extras=embeds,
@@ -119,7 +127,10 @@ def record_arrays(record: RecordTensors) -> RecordArrays:
         embeds={name: _as_bits(rows) for name, rows in embeds.items()}, embed_dtype=record.image_embeds.dtype,
         rope_delta=record.rope_delta,
         loss_mask=record.loss_mask.numpy(force=True) if record.loss_mask is not None else None,
-        video_spans=record.video_spans.numpy(force=True) if record.video_spans is not None else None)
+        video_spans=record.video_spans.numpy(force=True) if record.video_spans is not None else None,
+        video_grid_thw=record.video_grid_thw.numpy(force=True) if record.video_grid_thw is not None else None,
+        second_per_grid_ts=(record.second_per_grid_ts.numpy(force=True)
+                            if record.second_per_grid_ts is not None else None))
 
 
 def _one_array(column: pa.ChunkedArray) -> pa.Array:
@@ -180,6 +191,12 @@ class ShardColumns:
         # Clips (a record without any holds nulls): their tokens as wide as the images'.
         self.video_spans, self.videos = _flat_values(column("video_spans"))
         self.has_videos = column("video_spans").is_valid().to_pylist()
+        # Each clip's grid and time step (a format-2 run upgraded holds nulls: the record then has neither).
+        self.video_grid_thw, grid_bounds = _flat_values(column("video_grid_thw"))
+        self.video_grid_thw, self.video_grids = self.video_grid_thw.reshape(-1, 3), grid_bounds // 3
+        self.has_video_grids = column("video_grid_thw").is_valid().to_pylist()
+        self.seconds, self.has_seconds = _flat_values(column("second_per_grid_ts")), \
+            column("second_per_grid_ts").is_valid().to_pylist()
         self.embeds["video_embeds"] = (*_flat_embeddings(column("video_embeds"), element_size, hidden),
                                        self.has_videos)
         for name in EXTRA_OUTPUTS:  # the columns of the outputs the family has: their hidden size is in the metadata
@@ -206,7 +223,9 @@ class ShardColumns:
             embeds={name: rows[bounds[i]:bounds[i + 1]] for name, (rows, bounds, valid) in self.embeds.items()
                     if valid is None or valid[i]},
             embed_dtype=self.embed_dtype, rope_delta=self.rope[i], loss_mask=mask,
-            video_spans=self.video_spans[slice(*self.videos[i:i + 2])].reshape(-1, 2) if self.has_videos[i] else None)
+            video_spans=self.video_spans[slice(*self.videos[i:i + 2])].reshape(-1, 2) if self.has_videos[i] else None,
+            video_grid_thw=self.video_grid_thw[slice(*self.video_grids[i:i + 2])] if self.has_video_grids[i] else None,
+            second_per_grid_ts=self.seconds[0][slice(*self.seconds[1][i:i + 2])] if self.has_seconds[i] else None)
 
 
 def table_tensors(table: pa.Table) -> list[RecordTensors]:

@@ -14,10 +14,13 @@ What the engines take (read in their code; docs/training.md names the versions):
   `[t, h, w]` per image, `h * w // merge**2` tokens). Qwen3-VL's feature is laid out as vLLM's
   (`separate_deepstack_embeds` splits it at the language model's hidden size).
 
-A record with clips is refused, naming it: its ids hold each clip's <|video_pad|> tokens, and a request without the
-clip's rows would make the engine fail or answer without the clip. Serving clips needs the engines' video embedding
-input (`video_embeds` with `video_grid_thw`, and for Qwen2.5-VL's positions `second_per_grid_ts`), which is not built
-here: the readers give neither the clips' grids nor their timing, and no engine was run to check the form.
+Clips (Qwen2/2.5-VL runs), vLLM: `multi_modal_data["video"] = {"video_embeds": [n_video_tokens, hidden],
+"video_grid_thw": [n_clips, 3], "second_per_grid_ts": [n_clips]}` (the last where the run stores it: Qwen2.5-VL's
+M-RoPE time step, a `batched("video")` field of its processor). vLLM splits the rows per clip by
+`prod(grid) // merge_size**2`, as for images, and expands each `<|video_pad|>` placeholder of a token prompt into that
+many video tokens, so the prompt carries one placeholder per clip. sglang: its precomputed-embedding item is read here
+for images only (the video form was not found clear in its code), so a record with clips is refused for sglang,
+naming it. A record with clips whose run lacks their grids (a format-2 run upgraded) is refused too.
 
 Every tensor keeps the stored dtype (the engines cast to their tower's); grids are int64. A record is checked before
 its request is built: the engine's split of its rows must give exactly its stored image spans.
@@ -102,33 +105,66 @@ def sglang_image_item(record: RecordTensors, merge_size: int = 2) -> dict:
     return {"format": "precomputed_embedding", "feature": engine_embeds(record), "image_grid_thw": record.grid_thw}
 
 
-def one_placeholder_per_image(record: RecordTensors) -> list[int]:
-    """The record's input_ids with each image's span of image tokens reduced to its first: the prompt vLLM expands."""
+def has_clips(record: RecordTensors) -> bool:
+    return record.video_spans is not None and len(record.video_spans) > 0
+
+
+def checked_clip_split(record: RecordTensors, merge_size: int) -> None:
+    """vLLM's split of video_embeds, `prod(grid) // merge_size**2` rows per clip, must be the record's clip spans."""
+    if record.video_grid_thw is None or len(record.video_grid_thw) != len(record.video_spans):
+        raise ValueError(f"record {record.id!r} holds {len(record.video_spans)} clip(s) but its run stores no "
+                         "video_grid_thw for them (a format-2 run upgraded): vLLM's video_embeds input needs each "
+                         "clip's grid")
+    per_clip = (record.video_grid_thw.prod(-1) // merge_size ** 2).tolist()
+    stored = record.video_spans[:, 1].tolist()
+    if per_clip != stored or sum(stored) != len(record.video_embeds):
+        raise ValueError(f"record {record.id}: video grids give {per_clip} tokens per clip, its spans {stored} and "
+                         f"video_embeds {len(record.video_embeds)} rows; merge_size={merge_size} is not its checkpoint's")
+
+
+def vllm_video_input(record: RecordTensors, merge_size: int = 2) -> dict[str, torch.Tensor]:
+    """vLLM's `multi_modal_data["video"]` for the record's clips (Qwen2/2.5-VL); `second_per_grid_ts` where stored."""
+    checked_clip_split(record, merge_size)
+    video = {"video_embeds": record.video_embeds, "video_grid_thw": record.video_grid_thw}
+    if record.second_per_grid_ts is not None:
+        video["second_per_grid_ts"] = record.second_per_grid_ts
+    return video
+
+
+def one_placeholder_per_item(record: RecordTensors) -> list[int]:
+    """The record's input_ids with each image's span of image tokens, and each clip's of video tokens, reduced to its
+    first: the prompt vLLM expands."""
     keep = torch.ones(len(record.input_ids), dtype=torch.bool)
-    for start, length in record.image_spans.tolist():
+    spans = record.image_spans.tolist() + (record.video_spans.tolist() if has_clips(record) else [])
+    for start, length in spans:
         keep[start + 1:start + length] = False
     return record.input_ids[keep].tolist()
 
 
-def refuse_clips(record: RecordTensors) -> None:
-    """A record with clips has no request here (module docstring): refused by id, naming what a request would lack."""
-    if record.video_spans is not None and len(record.video_spans):
+def refuse_clips_for_sglang(record: RecordTensors) -> None:
+    """sglang's video input for stored rows is not built (module docstring): a record with clips is refused by id."""
+    if has_clips(record):
         raise ValueError(f"record {record.id!r} holds {len(record.video_spans)} clip(s) ({len(record.video_embeds)} "
-                         "video_embeds rows at its <|video_pad|> tokens): serving_requests builds image inputs only, "
-                         "so its request would lack the clips' video_embeds, video_grid_thw and second_per_grid_ts; "
-                         "serve the run's records without clips (read_run, then request() of each)")
+                         "video_embeds rows at its <|video_pad|> tokens): the sglang request is built for images "
+                         "only, so it would lack the clips' video_embeds, video_grid_thw and second_per_grid_ts; "
+                         "serve it with vLLM, or serve the run's records without clips with sglang")
 
 
 def request(record: RecordTensors, served: ServedRun) -> dict:
     """The engine's request for one record: `LLM.generate(request)` for vLLM, `Engine.generate(**request)` for
-    sglang. A record without images is a plain token prompt; a record with clips is refused (refuse_clips)."""
-    refuse_clips(record)
+    sglang. A record without images or clips is a plain token prompt; sglang refuses clips (refuse_clips_for_sglang)."""
     has_images = len(record.grid_thw) > 0
     if served.engine == VLLM:
-        prompt = {"prompt_token_ids": one_placeholder_per_image(record)}
+        prompt = {"prompt_token_ids": one_placeholder_per_item(record)}
+        media = {}
         if has_images:
-            prompt["multi_modal_data"] = {"image": vllm_image_input(record, served.merge_size)}
+            media["image"] = vllm_image_input(record, served.merge_size)
+        if has_clips(record):
+            media["video"] = vllm_video_input(record, served.merge_size)
+        if media:
+            prompt["multi_modal_data"] = media
         return prompt
+    refuse_clips_for_sglang(record)
     prompt = {"input_ids": record.input_ids.tolist()}
     if has_images:
         prompt["image_data"] = [sglang_image_item(record, served.merge_size)]

@@ -335,3 +335,41 @@ def test_odd_clip_files_are_each_quarantined_under_a_named_check_and_a_good_one_
     assert {row["id"]: row["check"] for row in quarantine_rows(run)} == {
         "dir.mp4": "decode.not_a_file", "empty.mp4": "video.unreadable", "image.mp4": "video.too_few_frames",
         "missing.mp4": "decode.missing_file", "../outside.mp4": "decode.path_outside_root"}
+
+
+def test_vllms_video_request_from_stored_clips_carries_the_processors_grids_and_time_steps(video_run):
+    """vLLM's request for each record with a clip and an image (serving, issue 30 item 7), on both versions: its
+    `video_grid_thw` and (Qwen2.5-VL) `second_per_grid_ts` are the checkpoint's processor's; vLLM's rules read in
+    its code (qwen2_vl.py @002d181a: rows per clip prod(grid) // merge**2, each placeholder of a modality expanded
+    to that many of it) give back each clip's stored rows bit for bit and the stored input_ids."""
+    from transformers import AutoConfig
+
+    from batchvlm.training.reader import read_run
+    from batchvlm.training.serving import VLLM, request, served_run
+
+    version, checkpoint, folder, run = video_run
+    config = AutoConfig.from_pretrained(checkpoint)
+    merge = config.vision_config.spatial_merge_size
+    served = served_run(run, VLLM)
+    for record in read_run(run):
+        reference = reference_inputs(version, checkpoint, folder, next(r for r in RECORDS if r["id"] == record.id))
+        media = request(record, served)["multi_modal_data"]
+        video = media["video"]
+        assert torch.equal(video["video_grid_thw"], reference["video_grid_thw"]), record.id
+        if version == "qwen2_5_vl":
+            assert video["second_per_grid_ts"].tolist() == pytest.approx(reference["second_per_grid_ts"].tolist())
+        sizes = (video["video_grid_thw"].prod(-1) // merge // merge).tolist()
+        lengths = record.video_spans[:, 1].tolist()
+        offsets = np.cumsum([0] + lengths[:-1]).tolist()
+        for rows, offset, length in zip(video["video_embeds"].split(sizes), offsets, lengths, strict=True):
+            assert torch.equal(rows.view(torch.uint8),
+                               record.video_embeds[offset:offset + length].view(torch.uint8)), record.id
+        counts = {config.video_token_id: iter(sizes)}
+        if "image" in media:
+            counts[config.image_token_id] = iter((media["image"]["image_grid_thw"].prod(-1) // merge // merge).tolist())
+        prompt = request(record, served)["prompt_token_ids"]
+        expanded = [t for token in prompt for t in ([token] * next(counts[token]) if token in counts else [token])]
+        assert expanded == reference["input_ids"][0].tolist() == record.input_ids.tolist(), record.id
+        at = [i for i, token in enumerate(prompt) if token == config.video_token_id]  # one pad a clip, in its frame
+        assert len(at) == len(lengths) and all(
+            (prompt[i - 1], prompt[i + 1]) == (config.vision_start_token_id, config.vision_end_token_id) for i in at)

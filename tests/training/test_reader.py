@@ -82,6 +82,30 @@ def test_a_table_in_several_chunks_gives_the_tensors_of_each_chunk(qwen_run):
             assert torch.equal(getattr(whole, name), getattr(alone, name)), name
 
 
+@pytest.mark.slow
+def test_each_clips_grid_and_time_step_are_read_as_the_shard_stores_them(clip_run):
+    """video_grid_thw (int64 [n_clips, 3]) and second_per_grid_ts (float64 [n_clips]) beside video_spans, equal to
+    the columns as pyarrow gives them; a record without clips has neither; a table in several chunks reads the same."""
+    table = pq.read_table(committed_shards(clip_run)[0])
+    stored = table.select(["id", "video_grid_thw", "second_per_grid_ts"]).to_pylist()
+    records = table_tensors(table)
+    assert sum(record.video_grid_thw is not None for record in records) == 3
+    for record, row in zip(records, stored, strict=True):
+        assert record.id == row["id"]
+        if row["video_grid_thw"] is None:
+            assert record.video_grid_thw is None and record.second_per_grid_ts is None and record.video_spans is None
+            continue
+        assert record.video_grid_thw.dtype == torch.int64 and record.video_grid_thw.tolist() == row["video_grid_thw"]
+        assert record.video_grid_thw.shape == (len(record.video_spans), 3)
+        assert record.second_per_grid_ts.dtype == torch.float64
+        assert record.second_per_grid_ts.tolist() == row["second_per_grid_ts"]
+    chunked = table_tensors(pa.concat_tables([table.slice(0, 2), table.slice(2)]))
+    for whole, alone in zip(chunked, records, strict=True):
+        for name in ("video_grid_thw", "second_per_grid_ts"):
+            ours, theirs = getattr(whole, name), getattr(alone, name)
+            assert (ours is None and theirs is None) or torch.equal(ours, theirs), (whole.id, name)
+
+
 # -- every reader reads the same records, of a finished run, from files that are what their manifests say ------------
 def damaged_copy(run, tmp_path, damage) -> tuple:
     copy = tmp_path / "copy"

@@ -9,6 +9,8 @@ greedy output from stored embeddings == from pixels is left to a machine with vL
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import embed_in_process
@@ -194,17 +196,79 @@ def test_rows_no_engine_takes_are_refused_naming_why(siglip_run, tmp_path):
         served_run(tower, VLLM)
 
 
+def clip_rows(record) -> list[torch.Tensor]:
+    """Each clip's stored rows of video_embeds, by its span."""
+    lengths = record.video_spans[:, 1]
+    return [record.video_embeds[offset:offset + length]
+            for offset, length in zip((lengths.cumsum(0) - lengths).tolist(), lengths.tolist())]
+
+
+def vllm_video_split(video: dict, config) -> list[torch.Tensor]:
+    """vLLM's field factory for video: video_embeds flat_from_sizes by video_grid_thw.prod(-1) // merge // merge."""
+    merge = config.vision_config.spatial_merge_size
+    return list(video["video_embeds"].split((video["video_grid_thw"].prod(-1) // merge // merge).tolist()))
+
+
+def expanded_by_vllm_per_item(prompt: list[int], items: dict[int, torch.Tensor], config) -> list[int]:
+    """vLLM's prompt update for each modality: the i-th placeholder token of a modality (image_token_id,
+    video_token_id) becomes prod(grid_i) // merge**2 of it."""
+    merge = config.vision_config.spatial_merge_size
+    counts = {token: iter((grid.prod(-1) // merge // merge).tolist()) for token, grid in items.items()}
+    for token, grid in items.items():
+        assert prompt.count(token) == len(grid)
+    return [t for token_id in prompt
+            for t in ([token_id] * next(counts[token_id]) if token_id in counts else [token_id])]
+
+
 @pytest.mark.slow
-def test_a_record_with_clips_is_refused_by_id_naming_the_video_inputs_no_request_carries(clip_run):
-    """A clip's tokens are <|video_pad|> in the stored ids; a request without the clip's rows would have the engine
-    fail or answer without the clip, so each engine refuses the record, naming it and what it lacks."""
+def test_vllms_video_split_gives_back_each_clips_stored_rows_and_its_prompt(clip_run):
+    """The clip run (Qwen2-VL, bf16): vLLM's split of video_embeds by video_grid_thw gives back each clip's stored
+    rows bit for bit, its prompt (one <|video_pad|> per clip, in vision_start/end) expands to the stored input_ids,
+    and the fields have the names, dtypes and shapes of Qwen2VLVideoEmbeddingInputs."""
+    from batchvlm.families import tiny_checkpoint
+
+    config = AutoConfig.from_pretrained(tiny_checkpoint("qwen2_vl"))
+    served = served_run(clip_run, VLLM)
     clips = [record for record in read_run(clip_run) if record.video_embeds is not None]
     assert {record.id for record in clips} == {"astronaut_pan", "coffee_zoom_and_cat", "moon_and_astronaut"}
-    served = {engine: served_run(clip_run, engine) for engine in (VLLM, SGLANG)}
     for record in clips:
-        for engine in (VLLM, SGLANG):
-            with pytest.raises(ValueError, match=rf"record {record.id!r} holds {len(record.video_spans)} clip.*"
-                                                 r"video_embeds.*video_grid_thw.*second_per_grid_ts"):
-                request(record, served[engine])
+        prompt = request(record, served)
+        video = prompt["multi_modal_data"]["video"]
+        assert {"video_embeds", "video_grid_thw"} <= video.keys()
+        embeds, grid = video["video_embeds"], video["video_grid_thw"]
+        assert embeds.dtype == torch.bfloat16 == record.video_embeds.dtype and grid.dtype == torch.int64
+        assert embeds.ndim == 2 and embeds.shape[1] == config.get_text_config().hidden_size  # ("nf", "hs")
+        assert grid.shape == (len(record.video_spans), 3)  # ("nv", 3)
+        assert video["second_per_grid_ts"].shape == (len(grid),) and video["second_per_grid_ts"].is_floating_point()
+        assert (video["second_per_grid_ts"] > 0).all()
+        ours = vllm_video_split(video, config)
+        assert len(ours) == len(record.video_spans)
+        for got, stored in zip(ours, clip_rows(record)):
+            assert torch.equal(got.view(torch.uint8), stored.view(torch.uint8)), record.id
+        ids = prompt["prompt_token_ids"]
+        for token in (config.video_token_id, config.image_token_id):  # each placeholder wrapped in vision_start/end
+            at = [i for i, t in enumerate(ids) if t == token]
+            assert all(ids[i - 1] == config.vision_start_token_id and ids[i + 1] == config.vision_end_token_id
+                       for i in at)
+        items = {config.video_token_id: grid}
+        if "image" in prompt["multi_modal_data"]:
+            items[config.image_token_id] = prompt["multi_modal_data"]["image"]["image_grid_thw"]
+        assert expanded_by_vllm_per_item(ids, items, config) == record.input_ids.tolist()
+    assert any("image" in request(record, served)["multi_modal_data"] for record in clips)  # a clip and an image
+
+
+@pytest.mark.slow
+def test_sglang_refuses_a_record_with_clips_by_id_and_a_clip_without_its_grid_is_refused(clip_run):
+    """sglang's precomputed video item is not built: each record with clips is refused by id, naming what it lacks.
+    A record whose run stores no grids for its clips (a format-2 run upgraded) has no vLLM request either."""
+    clips = [record for record in read_run(clip_run) if record.video_embeds is not None]
+    served = served_run(clip_run, SGLANG)
+    for record in clips:
+        with pytest.raises(ValueError, match=rf"record {record.id!r} holds {len(record.video_spans)} clip.*"
+                                             r"video_embeds.*video_grid_thw.*second_per_grid_ts"):
+            request(record, served)
     with pytest.raises(ValueError, match="record 'astronaut_pan' holds 1 clip"):
-        list(serving_requests(clip_run, VLLM))
+        list(serving_requests(clip_run, SGLANG))
+    ungridded = dataclasses.replace(clips[0], video_grid_thw=None, second_per_grid_ts=None)
+    with pytest.raises(ValueError, match=rf"record {clips[0].id!r} holds .* no video_grid_thw"):
+        request(ungridded, served_run(clip_run, VLLM))
