@@ -88,6 +88,40 @@ def test_minimax_h3_types_of_real_clip_and_image_rows_and_of_their_pack(clip_run
                                                   for r in alone]))  # pad at the pack's tail only, none between
 
 
+@pytest.mark.slow  # the clip job, then a (tiny) MiniMax-H3 DiT saved and loaded
+def test_minimax_h3s_own_forward_takes_the_tags_of_a_real_clip_row(clip_run, tmp_path):
+    """diffusers' MiniMaxH3Transformer3DModel checks `token_tags.shape == (seq_len,)` and indexes its per-(timestep,
+    modality) AdaLN table with them: our tags of a clip row pass its check and address its video and text rows. Its
+    port carries no padding (the reference's -1 tail is split off before it), so the row's tags go unpadded
+    (alignment=1)."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    torch.manual_seed(0)
+    MiniMaxH3Transformer3DModel(num_attention_heads=2, attention_head_dim=48, hidden_size=64, num_layers=1,
+                                num_refiner_layers=1, ffn_dim=96, in_channels=4, audio_in_channels=4, text_dim=32,
+                                freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32, rope_freq_dim=8
+                                ).save_pretrained(tmp_path / "h3")
+    model = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "h3").eval()
+    record = next(r for r in read_run(clip_run) if r.video_spans is not None and not len(r.grid_thw))
+    types = minimax_h3_token_types(record.token_tags, alignment=1)
+    seq_len = len(types)
+    video, text = (types == 0).nonzero()[:, 0], (types == 1).nonzero()[:, 0]
+    assert len(video) == int(record.video_spans[:, 1].sum()) and len(video) + len(text) == seq_len
+    with torch.no_grad():
+        out = model(hidden_states=torch.randn(1, len(video), 16), audio_hidden_states=torch.randn(1, 0, 4),
+                    encoder_hidden_states=torch.randn(1, len(text), 32), timestep=torch.tensor([0.5]),
+                    timestep_indices=torch.zeros(seq_len, dtype=torch.int64), token_tags=types,
+                    position_ids=torch.zeros(seq_len, 3, dtype=torch.int64), video_indices=video,
+                    audio_indices=torch.zeros(0, dtype=torch.int64), text_indices=text)
+    assert out.sample.shape == (1, len(video), 16) and torch.isfinite(out.sample).all()
+    with pytest.raises(ValueError, match="token_tags"):  # its own check: the tags must cover the sequence
+        model(hidden_states=torch.randn(1, len(video), 16), audio_hidden_states=torch.randn(1, 0, 4),
+              encoder_hidden_states=torch.randn(1, len(text), 32), timestep=torch.tensor([0.5]),
+              timestep_indices=torch.zeros(seq_len, dtype=torch.int64), token_tags=types[:-1],
+              position_ids=torch.zeros(seq_len, 3, dtype=torch.int64), video_indices=video,
+              audio_indices=torch.zeros(0, dtype=torch.int64), text_indices=text)
+
+
 def assert_same_record(ours, record) -> None:
     """Every tensor equal, the embeddings bit for bit (a NaN or a -0.0 must survive too)."""
     assert ours.id == record.id and ours.rope_delta == record.rope_delta and ours.extras.keys() == record.extras.keys()
