@@ -35,8 +35,9 @@ def mm_token_type_ids(token_tags: torch.Tensor) -> torch.Tensor:
     return (token_tags == IMAGE).long() + 2 * (token_tags == VIDEO).long()
 
 
-MINIMAX_H3_VIDEO, MINIMAX_H3_TEXT, MINIMAX_H3_AUDIO, MINIMAX_H3_PAD = 0, 1, 2, -1
-"""MiniMax-H3's per-row modality tags (its AdaLN keeps one modulation per timestep and modality)."""
+MINIMAX_H3_VIDEO, MINIMAX_H3_TEXT, MINIMAX_H3_PAD = 0, 1, -1
+"""MiniMax-H3's per-row modality tags (its AdaLN keeps one modulation per timestep and modality; 2, audio, batchvlm
+never writes)."""
 MINIMAX_H3_ALIGNMENT = 64
 """MiniMax-H3's packed sequence length is padded up to a multiple of this (FlashAttention's tile)."""
 
@@ -55,15 +56,15 @@ def minimax_h3_token_types(token_tags: torch.Tensor, images_as_video: bool = Fal
                          f"got {list(token_tags.shape)}")
     if alignment < 1:
         raise ValueError(f"alignment must be a positive row count, got {alignment}")
-    known = (TEXT, FRAME, VIDEO, IMAGE) if images_as_video else (TEXT, FRAME, VIDEO)
-    odd = token_tags[~torch.isin(token_tags, torch.tensor(known, dtype=token_tags.dtype))]
-    if len(odd):
-        if images_as_video or not bool((odd == IMAGE).all()):
-            raise ValueError(f"token_tags hold values batchvlm never writes: {sorted(set(odd.tolist()))}")
-        raise ValueError(f"MiniMax-H3 has no image type (0 video, 1 text, 2 audio): {len(odd)} image token(s) in "
+    unknown = token_tags[~torch.isin(token_tags, torch.tensor((TEXT, IMAGE, FRAME, VIDEO), dtype=token_tags.dtype))]
+    if len(unknown):
+        raise ValueError(f"token_tags hold values batchvlm never writes: {sorted(set(unknown.tolist()))}")
+    images = int((token_tags == IMAGE).sum())
+    if images and not images_as_video:
+        raise ValueError(f"MiniMax-H3 has no image type (0 video, 1 text, 2 audio): {images} image token(s) in "
                          "token_tags; pass images_as_video=True if they stand for H3's conditioning rows (tagged video)")
     types = torch.full((-(-len(token_tags) // alignment) * alignment,), MINIMAX_H3_PAD, dtype=torch.int64)
-    video = (token_tags == VIDEO) | (token_tags == IMAGE)  # no image survives the check unless images_as_video
+    video = (token_tags == VIDEO) | (token_tags == IMAGE)  # images are here only under images_as_video
     types[:len(token_tags)] = torch.where(video, MINIMAX_H3_VIDEO, MINIMAX_H3_TEXT)
     return types
 

@@ -50,8 +50,9 @@ def test_minimax_h3_refuses_image_tokens_unless_told_they_are_conditioning_rows_
     with pytest.raises(ValueError, match=r"no image type .*2 image token\(s\).*images_as_video=True"):
         minimax_h3_token_types(tags)
     assert minimax_h3_token_types(tags, images_as_video=True)[:7].tolist() == [1, 1, 0, 0, 1, 0, -1]
-    with pytest.raises(ValueError, match=r"never writes: \[7\]"):
-        minimax_h3_token_types(torch.tensor([TEXT, 7], dtype=torch.int8), images_as_video=True)
+    for images_as_video in (False, True):
+        with pytest.raises(ValueError, match=r"never writes: \[-1, 7\]"):
+            minimax_h3_token_types(torch.tensor([TEXT, IMAGE, 7, -1], dtype=torch.int8), images_as_video)
     with pytest.raises(ValueError, match=r"one packed sequence.*\[2, 3\]"):
         minimax_h3_token_types(torch.zeros((2, 3), dtype=torch.int8))
 
