@@ -5,6 +5,15 @@ token_tags -> mm_token_type_ids: batchvlm tags 0 text, 1 image token, 2 frame to
 vision_start / media_begin ... tokens around a span), 3 video token; transformers' `mm_token_type_ids` are 0 text,
 1 image, 2 video, and a frame token is text to it (`get_rope_index` gives it a text position). So
 image tokens map to 1, video tokens to 2 and everything else to 0.
+
+token_tags -> MiniMax-H3's `token_tags` (diffusers' `MiniMaxH3Transformer3DModel`, sglang's `minimax_h3` DiT): one
+int64 tag per row of one packed 1-D sequence, 0 video, 1 text, 2 audio, and -1 on the rows that pad the sequence to a
+multiple of 64 (the reference pads for FlashAttention and splits the tail off with `cu_seqlens = [0, used, S]`; its
+AdaLN clamps -1 to 0, so a pad row must never be counted as a modality's row). Clip tokens map to 0 and text and frame
+tokens to 1 (a frame token is a token of the text stream there too). H3 has no image type: an image is a conditioning
+row only as a video latent, which a VLM's image-embedding position is not, so image tokens are refused unless the
+caller says they stand for conditioning rows (then 0, as H3 tags its conditioning images). batchvlm writes no audio,
+so 2 is never produced.
 """
 
 from __future__ import annotations
@@ -18,12 +27,46 @@ from batchvlm.format.hf_features import EMBED_ID_PREFIX, embedding_layouts
 from batchvlm.rundir.dedup import duplicate_rows
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.training.reader import RecordTensors, Runs, trusted_shards
-from batchvlm.format.schema import IMAGE, VIDEO
+from batchvlm.format.schema import FRAME, IMAGE, TEXT, VIDEO
 
 
 def mm_token_type_ids(token_tags: torch.Tensor) -> torch.Tensor:
     """transformers' `mm_token_type_ids` (int64, same shape) for batchvlm `token_tags`."""
     return (token_tags == IMAGE).long() + 2 * (token_tags == VIDEO).long()
+
+
+MINIMAX_H3_VIDEO, MINIMAX_H3_TEXT, MINIMAX_H3_PAD = 0, 1, -1
+"""MiniMax-H3's per-row modality tags (its AdaLN keeps one modulation per timestep and modality; 2, audio, batchvlm
+never writes)."""
+MINIMAX_H3_ALIGNMENT = 64
+"""MiniMax-H3's packed sequence length is padded up to a multiple of this (FlashAttention's tile)."""
+
+
+def minimax_h3_token_types(token_tags: torch.Tensor, images_as_video: bool = False,
+                           alignment: int = MINIMAX_H3_ALIGNMENT) -> torch.Tensor:
+    """MiniMax-H3's `token_tags` (int64, `(S,)`, S the first multiple of `alignment` >= the tokens) for batchvlm
+    `token_tags` of one record or of one packed batch (`PackedBatch.token_tags`, `[1, L]`: H3 packs one sequence and
+    its batch axis only replicates it). Every token gets its modality, the padded tail -1. Image tokens are refused
+    (H3 has no image type) unless `images_as_video`, which tags them as video rows, as H3 tags its conditioning
+    images; any other value is refused too, naming it."""
+    if token_tags.dim() == 2 and token_tags.shape[0] == 1:
+        token_tags = token_tags[0]
+    if token_tags.dim() != 1:
+        raise ValueError(f"MiniMax-H3 tags one packed sequence: token_tags must be (L,) or (1, L), "
+                         f"got {list(token_tags.shape)}")
+    if alignment < 1:
+        raise ValueError(f"alignment must be a positive row count, got {alignment}")
+    unknown = token_tags[~torch.isin(token_tags, torch.tensor((TEXT, IMAGE, FRAME, VIDEO), dtype=token_tags.dtype))]
+    if len(unknown):
+        raise ValueError(f"token_tags hold values batchvlm never writes: {sorted(set(unknown.tolist()))}")
+    images = int((token_tags == IMAGE).sum())
+    if images and not images_as_video:
+        raise ValueError(f"MiniMax-H3 has no image type (0 video, 1 text, 2 audio): {images} image token(s) in "
+                         "token_tags; pass images_as_video=True if they stand for H3's conditioning rows (tagged video)")
+    types = torch.full((-(-len(token_tags) // alignment) * alignment,), MINIMAX_H3_PAD, dtype=torch.int64)
+    video = (token_tags == VIDEO) | (token_tags == IMAGE)  # images are here only under images_as_video
+    types[:len(token_tags)] = torch.where(video, MINIMAX_H3_VIDEO, MINIMAX_H3_TEXT)
+    return types
 
 
 def load_run_dataset(runs: Runs, allow_unfinished: bool = False, checksums: bool = False, **kwargs):

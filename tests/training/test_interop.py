@@ -14,7 +14,8 @@ from transformers import Qwen2VLForConditionalGeneration
 
 from batchvlm.families import ModelConfig
 from batchvlm.families import load_family
-from batchvlm.training import DatasetRows, load_run_dataset, mm_token_type_ids
+from batchvlm.format.schema import FRAME, IMAGE, TEXT, VIDEO
+from batchvlm.training import DatasetRows, load_run_dataset, minimax_h3_token_types, mm_token_type_ids, pack
 from batchvlm.training.reader import read_run
 
 
@@ -26,6 +27,100 @@ def test_mm_token_type_ids_are_what_transformers_computes_the_stored_positions_f
         positions, _ = model.model.get_rope_index(record.input_ids[None], mm_token_type_ids(record.token_tags)[None],
                                                   image_grid_thw=record.grid_thw)
         assert torch.equal(positions[:, 0], record.position_ids), record.id
+
+
+def test_minimax_h3_types_cover_every_token_video_0_text_and_frames_1_and_pad_with_minus_1_to_64():
+    tags = torch.tensor([TEXT] * 5 + [FRAME] + [VIDEO] * 60 + [FRAME] + [TEXT] * 3, dtype=torch.int8)  # 70 tokens
+    types = minimax_h3_token_types(tags)
+    assert types.dtype == torch.int64 and types.shape == (128,)  # H3 checks token_tags.shape == (seq_len,)
+    assert types[:5].eq(1).all() and types[5] == 1 and types[6:66].eq(0).all() and types[66:70].eq(1).all()
+    assert types[70:].eq(-1).all()
+    assert minimax_h3_token_types(tags[:64]).tolist() == types[:64].tolist()  # a multiple of 64 gets no pad row
+    assert minimax_h3_token_types(tags[None]).tolist() == types.tolist()  # a PackedBatch's [1, L] is one sequence
+    assert mm_token_type_ids(tags).tolist() == [0] * 6 + [2] * 60 + [0] * 4  # transformers' mapping of the same tags
+
+
+def test_the_transformers_mapping_is_unchanged_beside_it():
+    tags = torch.tensor([TEXT, FRAME, IMAGE, IMAGE, FRAME, FRAME, VIDEO, VIDEO, FRAME, TEXT], dtype=torch.int8)
+    assert mm_token_type_ids(tags).tolist() == [0, 0, 1, 1, 0, 0, 2, 2, 0, 0]
+
+
+def test_minimax_h3_refuses_image_tokens_unless_told_they_are_conditioning_rows_and_any_unknown_tag():
+    tags = torch.tensor([TEXT, FRAME, IMAGE, IMAGE, FRAME, VIDEO], dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"no image type .*2 image token\(s\).*images_as_video=True"):
+        minimax_h3_token_types(tags)
+    assert minimax_h3_token_types(tags, images_as_video=True)[:7].tolist() == [1, 1, 0, 0, 1, 0, -1]
+    for images_as_video in (False, True):
+        with pytest.raises(ValueError, match=r"never writes: \[-1, 7\]"):
+            minimax_h3_token_types(torch.tensor([TEXT, IMAGE, 7, -1], dtype=torch.int8), images_as_video)
+    with pytest.raises(ValueError, match=r"one packed sequence.*\[2, 3\]"):
+        minimax_h3_token_types(torch.zeros((2, 3), dtype=torch.int8))
+
+
+def _covered(spans: torch.Tensor | None, n: int) -> torch.Tensor:
+    """The positions a record's (start, length) spans cover."""
+    covered = torch.zeros(n, dtype=torch.bool)
+    for start, length in (spans.tolist() if spans is not None else []):
+        covered[start:start + length] = True
+    return covered
+
+
+@pytest.mark.slow  # the clip job and the image job run first
+def test_minimax_h3_types_of_real_clip_and_image_rows_and_of_their_pack(clip_run, records):
+    clips = list(read_run(clip_run))
+    assert any(r.video_spans is not None and not len(r.grid_thw) for r in clips)  # a clip alone
+    assert any(r.video_spans is not None and len(r.grid_thw) for r in clips)  # a clip and an image
+    for record in clips + [r for r in records if len(r.grid_thw)][:4]:
+        n = len(record.token_tags)
+        video, image = _covered(record.video_spans, n), _covered(record.image_spans, n)
+        if image.any():
+            with pytest.raises(ValueError, match=f"no image type .*{int(image.sum())} image token"):
+                minimax_h3_token_types(record.token_tags)
+        types = minimax_h3_token_types(record.token_tags, images_as_video=True)  # images as conditioning rows
+        assert len(types) % 64 == 0 and len(types) - n < 64 and types[n:].eq(-1).all(), record.id
+        assert torch.equal(types[:n] == 0, video | image) and types[:n][~(video | image)].eq(1).all(), record.id
+        assert torch.equal(mm_token_type_ids(record.token_tags), image.long() + 2 * video.long()), record.id
+    alone = [record for record in clips if not len(record.grid_thw)]
+    packed = pack(alone, max_tokens=sum(len(r.token_tags) for r in alone))
+    types = minimax_h3_token_types(packed.token_tags)
+    length = packed.token_tags.shape[1]
+    assert len(types) == -(-length // 64) * 64 and types[length:].eq(-1).all()
+    assert torch.equal(types[:length], torch.cat([minimax_h3_token_types(r.token_tags)[:len(r.token_tags)]
+                                                  for r in alone]))  # pad at the pack's tail only, none between
+
+
+@pytest.mark.slow  # the clip job, then a (tiny) MiniMax-H3 DiT saved and loaded
+def test_minimax_h3s_own_forward_takes_the_tags_of_a_real_clip_row(clip_run, tmp_path):
+    """diffusers' MiniMaxH3Transformer3DModel checks `token_tags.shape == (seq_len,)` and indexes its per-(timestep,
+    modality) AdaLN table with them: our tags of a clip row pass its check and address its video and text rows. Its
+    port carries no padding (the reference's -1 tail is split off before it), so the row's tags go unpadded
+    (alignment=1)."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    torch.manual_seed(0)
+    MiniMaxH3Transformer3DModel(num_attention_heads=2, attention_head_dim=48, hidden_size=64, num_layers=1,
+                                num_refiner_layers=1, ffn_dim=96, in_channels=4, audio_in_channels=4, text_dim=32,
+                                freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32, rope_freq_dim=8
+                                ).save_pretrained(tmp_path / "h3")
+    model = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "h3").eval()
+    record = next(r for r in read_run(clip_run) if r.video_spans is not None and not len(r.grid_thw))
+    types = minimax_h3_token_types(record.token_tags, alignment=1)
+    seq_len = len(types)
+    video, text = (types == 0).nonzero()[:, 0], (types == 1).nonzero()[:, 0]
+    assert len(video) == int(record.video_spans[:, 1].sum()) and len(video) + len(text) == seq_len
+    with torch.no_grad():
+        out = model(hidden_states=torch.randn(1, len(video), 16), audio_hidden_states=torch.randn(1, 0, 4),
+                    encoder_hidden_states=torch.randn(1, len(text), 32), timestep=torch.tensor([0.5]),
+                    timestep_indices=torch.zeros(seq_len, dtype=torch.int64), token_tags=types,
+                    position_ids=torch.zeros(seq_len, 3, dtype=torch.int64), video_indices=video,
+                    audio_indices=torch.zeros(0, dtype=torch.int64), text_indices=text)
+    assert out.sample.shape == (1, len(video), 16) and torch.isfinite(out.sample).all()
+    with pytest.raises(ValueError, match="token_tags"):  # its own check: the tags must cover the sequence
+        model(hidden_states=torch.randn(1, len(video), 16), audio_hidden_states=torch.randn(1, 0, 4),
+              encoder_hidden_states=torch.randn(1, len(text), 32), timestep=torch.tensor([0.5]),
+              timestep_indices=torch.zeros(seq_len, dtype=torch.int64), token_tags=types[:-1],
+              position_ids=torch.zeros(seq_len, 3, dtype=torch.int64), video_indices=video,
+              audio_indices=torch.zeros(0, dtype=torch.int64), text_indices=text)
 
 
 def assert_same_record(ours, record) -> None:
