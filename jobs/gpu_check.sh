@@ -105,8 +105,9 @@ PY
     fi
 }
 
-# A pytest step: collected only in a dry run.
-tests() { "$PYTHON" -m pytest -q -p no:cacheprovider $([[ $MODE == dry ]] && echo --collect-only -q) "$@"; }
+# A pytest step: collected only in a dry run; in one process (pyproject's addopts would start two xdist workers on
+# the one GPU, and the image has no pytest-xdist).
+tests() { "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="-ra --strict-markers" $([[ $MODE == dry ]] && echo --collect-only -q) "$@"; }
 # A bench step: its config checked and its task imported only in a dry run.
 bench() { "$PYTHON" jobs/bench.py "$@" $([[ $MODE == dry ]] && echo dry_run=true); }
 # A bench for each family (its tiny checkpoint's processor and plan), every one run: fails where one failed.

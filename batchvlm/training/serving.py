@@ -86,11 +86,18 @@ def engine_embeds(record: RecordTensors) -> torch.Tensor:
 
 def checked_split(record: RecordTensors, merge_size: int) -> None:
     """The engines' split, `prod(grid) // merge_size**2` rows per image, must be the record's image spans."""
-    per_image = (record.grid_thw.prod(-1) // merge_size ** 2).tolist()
-    stored = record.image_spans[:, 1].tolist()
-    if per_image != stored or sum(stored) != len(record.image_embeds):
-        raise ValueError(f"record {record.id}: grids give {per_image} tokens per image, its spans {stored} and "
-                         f"image_embeds {len(record.image_embeds)} rows; merge_size={merge_size} is not its checkpoint's")
+    checked_rows(record.id, "image", record.grid_thw, record.image_spans, record.image_embeds, merge_size)
+
+
+def checked_rows(record_id: str, kind: str, grids: torch.Tensor, spans: torch.Tensor, rows: torch.Tensor,
+                 merge_size: int) -> None:
+    """An engine's split of a record's `rows`, `prod(grid) // merge_size**2` per image or clip (`kind`), must give
+    exactly its stored `spans`."""
+    per_item = (grids.prod(-1) // merge_size ** 2).tolist()
+    stored = spans[:, 1].tolist()
+    if per_item != stored or sum(stored) != len(rows):
+        raise ValueError(f"record {record_id}: {kind} grids give {per_item} tokens per {kind}, its spans {stored} and "
+                         f"{len(rows)} {kind} rows; merge_size={merge_size} is not its checkpoint's")
 
 
 def vllm_image_input(record: RecordTensors, merge_size: int = 2) -> dict[str, torch.Tensor]:
@@ -115,11 +122,7 @@ def checked_clip_split(record: RecordTensors, merge_size: int) -> None:
         raise ValueError(f"record {record.id!r} holds {len(record.video_spans)} clip(s) but its run stores no "
                          "video_grid_thw for them (a format-2 run upgraded): vLLM's video_embeds input needs each "
                          "clip's grid")
-    per_clip = (record.video_grid_thw.prod(-1) // merge_size ** 2).tolist()
-    stored = record.video_spans[:, 1].tolist()
-    if per_clip != stored or sum(stored) != len(record.video_embeds):
-        raise ValueError(f"record {record.id}: video grids give {per_clip} tokens per clip, its spans {stored} and "
-                         f"video_embeds {len(record.video_embeds)} rows; merge_size={merge_size} is not its checkpoint's")
+    checked_rows(record.id, "clip", record.video_grid_thw, record.video_spans, record.video_embeds, merge_size)
 
 
 def vllm_video_input(record: RecordTensors, merge_size: int = 2) -> dict[str, torch.Tensor]:
