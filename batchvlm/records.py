@@ -147,9 +147,6 @@ class DecodedClip:
     total_frames: int
     fps: float
 
-    def on_host(self) -> np.ndarray:
-        return self.pixels.cpu().numpy() if isinstance(self.pixels, torch.Tensor) else self.pixels
-
     @property
     def height(self) -> int:
         return int(self.pixels.shape[1])

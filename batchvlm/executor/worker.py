@@ -40,8 +40,7 @@ def prepare(record: SourceRecord, family, job: JobConfig, decoder: Decoder,
     try:
         content = text.placed(record)
         images = [decoder(ref, index) for index, ref in enumerate(record.images)]
-        clips = [decoded_clip(decoder, ref, index, family) for index, ref in enumerate(record.videos)] \
-            if record.videos else []
+        clips = [decoded_clip(decoder, ref, index, family) for index, ref in enumerate(record.videos)]
         return plan_and_lay_out(record, content, images, family, job, text, clips)
     except CheckFailed as failed:
         return QuarantinedRecord(record, failed.to_failure())

@@ -28,7 +28,7 @@ from batchvlm.config import Choice, Config, ConfigError, operational, positive, 
 from batchvlm.faults import fault
 from batchvlm.kernels.reference import composite, resize_image
 from batchvlm.devices import Syncs, images_on, to_device
-from batchvlm.records import DecodedClip, DecodedImage, ImagePlan, PixelBatch, PreparedRecord, PreprocessStats
+from batchvlm.records import DecodedImage, ImagePlan, PixelBatch, PreparedRecord, PreprocessStats
 
 
 class Backend(Choice):
@@ -365,8 +365,9 @@ def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: Preproc
     owners = [(record, index) for record in records for index in range(len(record.plans))]
     clips = [(record, index, clip, plan) for record in records
              for index, (clip, plan) in enumerate(zip(record.clips, record.clip_plans))]
-    clip_rows = [frame_rows(frames_on(clip, preprocessor.device), plan.resized, preprocessor.family.layout,
-                            preprocessor.family, preprocessor.family.resample) for _, _, clip, plan in clips]
+    frames = images_on([clip.pixels for _, _, clip, _ in clips], preprocessor.device) if clips else []
+    clip_rows = [frame_rows(clip_frames, plan.resized, preprocessor.family.layout, preprocessor.family,
+                            preprocessor.family.resample) for (_, _, _, plan), clip_frames in zip(clips, frames)]
     every = rows + clip_rows
     on_device = torch.stack([torch.isfinite(part).all() for part in every]) if every else None
     finite = syncs.read(on_device) if syncs is not None and every else [True] * len(every)
@@ -382,11 +383,6 @@ def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: Preproc
             expected=int(grid_thw.prod(-1).sum()), observed=pixel_values.shape[0])
     return PixelBatch(pixel_values=pixel_values, grid_thw=grid_thw, records=records,
                       finite=None if syncs is not None else on_device)
-
-
-def frames_on(clip: DecodedClip, device: torch.device) -> torch.Tensor:
-    """A clip's sampled frames, (n, H, W, 3) uint8, on `device`."""
-    return to_device(torch.as_tensor(clip.pixels), device)
 
 
 def checked_clip_rows(record: PreparedRecord, index: int, plan, rows: torch.Tensor, all_finite: bool) -> torch.Tensor:

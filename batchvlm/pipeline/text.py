@@ -41,8 +41,8 @@ class Conversation:
     def __init__(self, renderer: ChatRenderer, missing_placeholder: str):
         self.renderer, self.missing = renderer, missing_placeholder
         family = renderer.family
-        # What a clip is refused with where the family has no clip rule (None: it has one).
-        self.no_clips = None if getattr(family, "video_rule", None) else (
+        # What a clip is refused with where the family has no clip rule (the renderer then has no video token).
+        self.no_clips = None if renderer.video_token_id is not None else (
             f"model.family={family.name} ({getattr(family, 'version', family.name)}) has no video rule in batchvlm "
             "yet: its clips are not embedded")
 

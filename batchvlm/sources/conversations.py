@@ -86,16 +86,11 @@ def _no_video(text: str, index: int, where: str = "a text block (a clip's place 
     return text
 
 
-def _text(text: str, placeholder: str) -> tuple[str | Slot | None, ...]:
-    """A turn's text as parts, None where each image placeholder was, Slot.VIDEO where each `<video>` was."""
-    return split_placeholders(text, placeholder, video=True)
-
-
 def llava_turns(value, placeholder: str, image_first: bool = False, column: str = "conversations") -> list[Turn]:
     turns = []
     for index, turn in enumerate(_turn_list(value, column)):
         speaker = _string(turn, "from", index)
-        parts = _text(_string(turn, "value", index), placeholder)
+        parts = split_placeholders(_string(turn, "value", index), placeholder, video=True)
         turns.append(Turn(LLAVA_ROLES.get(speaker, speaker), _image_first(parts) if image_first else parts))
     return turns
 
@@ -122,7 +117,7 @@ def messages_turns(value, placeholder: str, column: str = "messages") -> list[Tu
     for index, turn in enumerate(_turn_list(value, column)):
         role, content = _string(turn, "role", index), turn.get("content")
         parts = _blocks(content, index) if isinstance(content, (list, tuple)) else \
-            _text(_string(turn, "content", index), placeholder)
+            split_placeholders(_string(turn, "content", index), placeholder, video=True)
         turns.append(Turn(role, parts))
     return turns
 
