@@ -86,7 +86,8 @@ class PackedTrainer(Trainer):
                              " that model.forward does not take, and training would run on text alone: pass "
                              "TrainingArguments(remove_unused_columns=False)")
         self.loader, self.epochs = loader, training_epochs(args)
-        self.planned_batches = sum(loader.batches_in_epoch(epoch) for epoch in range(self.epochs))
+        self._epoch_batches: dict[int, int] = {}  # an epoch's plan is a pass over the run's index: made once
+        self.planned_batches = sum(self.batches_in_epoch(epoch) for epoch in range(self.epochs))
         planned_steps = math.ceil(self.planned_batches / args.gradient_accumulation_steps)
         if args.max_steps > planned_steps:
             raise ValueError(f"max_steps={args.max_steps}: the loader plans {planned_steps} optimizer steps in "
@@ -102,15 +103,21 @@ class PackedTrainer(Trainer):
     def get_train_dataloader(self) -> _TrainingBatches:
         return _TrainingBatches(self)
 
+    def batches_in_epoch(self, epoch: int) -> int:
+        """The loader's batches of this rank in `epoch`, planned once."""
+        if epoch not in self._epoch_batches:
+            self._epoch_batches[epoch] = self.loader.batches_in_epoch(epoch)
+        return self._epoch_batches[epoch]
+
     def consumed_batches(self) -> int:
         """Batches this rank has taken from the loader since the start of training, by the loader's state."""
         loader = self.loader
-        return sum(loader.batches_in_epoch(e) for e in range(loader.epoch)) + loader.next_pack // loader.world_size
+        return sum(self.batches_in_epoch(e) for e in range(loader.epoch)) + loader.next_pack // loader.world_size
 
     def get_resumed_dataloader(self, dataloader: _TrainingBatches, num_batches: int) -> _TrainingBatches:
         """The loader's restored state already stands after the batches the Trainer would skip: checked, not skipped."""
-        if self.consumed_batches() != num_batches:
-            raise ValueError(f"the checkpoint's loader state stands after {self.consumed_batches()} batches, its "
+        if (consumed := self.consumed_batches()) != num_batches:
+            raise ValueError(f"the checkpoint's loader state stands after {consumed} batches, its "
                              f"trainer state after {num_batches}: they were not saved together")
         return dataloader
 
