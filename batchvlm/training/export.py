@@ -21,6 +21,7 @@ each one named in `skipped.jsonl`; the rules are the stacks' own, read in their 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -217,7 +218,8 @@ def row_groups(shards: list[TrustedShard], shuffle_seed: int | None) -> list[tup
     for shard in shards:
         metadata = checked_file(shard.path).metadata
         sizes = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
-        groups += [(shard, g, sum(sizes[:g])) for g in range(len(sizes))]
+        starts = list(itertools.accumulate(sizes, initial=0))
+        groups += [(shard, g, starts[g]) for g in range(len(sizes))]
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(groups)
     return groups
@@ -232,11 +234,14 @@ def conversations(first: Path, shards: list[TrustedShard], format: str,
     runs = {shard.run.root: shard.run for shard in shards}.values()
     settings = {run.root: (run_setting(run, "dataset.placeholder") or STACK_IMAGE_TAG,
                            run_setting(run, "text.control_tokens") == "text") for run in runs}
+    open_path = file = None
     for shard, group, at in row_groups(shards, shuffle_seed):
         placeholder, control_as_text = settings[shard.run.root]
         name = shard_name(first, shard.path)
+        if shard.path != open_path:  # in the run's order each shard is opened once; one file is open at a time
+            open_path, file = shard.path, checked_file(shard.path)
         columns = ["id", "row", "text", "turns", "grid_thw", "video_grid_thw"]
-        table = checked_file(shard.path).read_row_group(group, columns=columns)
+        table = file.read_row_group(group, columns=columns)
         rows = list(enumerate(table.to_pylist(), at))
         if shuffle_seed is not None:
             draw.shuffle(rows)

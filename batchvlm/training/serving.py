@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import pyarrow.parquet as pq
 import torch
 
-from batchvlm.training.reader import RecordTensors, Runs, read_run, trusted_shards
+from batchvlm.training.reader import RecordTensors, Runs, TrustedShard, read_shard, trusted_shards
 
 VLLM, SGLANG = "vllm", "sglang"
 FAMILIES = {VLLM: ("qwen2_vl",), SGLANG: ("qwen2_vl", "kimi_k25")}
@@ -66,7 +66,11 @@ class ServedRun:
 def served_run(runs: Runs, engine: str, merge_size: int = 2) -> ServedRun:
     """The run's family as its shards record it, checked for `engine`; rows stored before the projector (a run with
     `model.embedding=tower`) are refused: no engine takes them."""
-    shards = trusted_shards(runs)
+    return served_shards(runs, trusted_shards(runs), engine, merge_size)
+
+
+def served_shards(runs: Runs, shards: list[TrustedShard], engine: str, merge_size: int) -> ServedRun:
+    """`served_run` of the run's shards, listed and checked already."""
     if not shards:
         raise ValueError(f"{runs} has no committed shards")
     metadata = pq.read_schema(shards[0].path).metadata
@@ -176,6 +180,8 @@ def request(record: RecordTensors, served: ServedRun) -> dict:
 
 def serving_requests(runs: Runs, engine: str, merge_size: int = 2) -> Iterator[tuple[str, dict]]:
     """(record id, the engine's request) for every record of a finished run, in `read_run`'s order."""
-    served = served_run(runs, engine, merge_size)
-    for record in read_run(runs):
-        yield record.id, request(record, served)
+    shards = trusted_shards(runs)  # listed and checked once, for the family and for the records (read_run's order)
+    served = served_shards(runs, shards, engine, merge_size)
+    for shard in shards:
+        for record in read_shard(shard.path, shard.skipped):
+            yield record.id, request(record, served)
