@@ -256,6 +256,19 @@ def checked_file(path: str | Path) -> pq.ParquetFile:
     return file
 
 
+def row_group_starts(file: pq.ParquetFile) -> np.ndarray:
+    """The first row of each of a shard's row groups, then its row count: from the footer, without reading a row."""
+    metadata = file.metadata
+    return np.cumsum([0] + [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)])
+
+
+def row_group_of(starts: np.ndarray, row: int) -> int | None:
+    """The row group (of `row_group_starts`) holding a shard's `row`; None past the shard's last row."""
+    if not 0 <= row < starts[-1]:
+        return None
+    return int(np.searchsorted(starts, row, side="right")) - 1
+
+
 def tensors_of(table: pa.Table, index: int) -> RecordTensors:
     """Row `index` of a data shard as tensors; image_embeds is a view on the Arrow buffer."""
     return table_tensors(table.slice(index, 1))[0]
