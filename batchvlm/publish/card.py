@@ -88,10 +88,12 @@ def rows_with_clips(shards: list[Path]) -> int:
     rows = 0
     for shard in shards:
         metadata = pq.read_metadata(shard)
-        column = metadata.schema.to_arrow_schema().get_field_index("video_embeds")
+        # The footer numbers leaf columns: a struct or nested list before video_embeds makes them more than the fields.
+        column = next((i for i in range(metadata.num_columns) if metadata.schema.column(i).path == "video_embeds"), None)
         for group in range(metadata.num_row_groups):
             chunk = metadata.row_group(group)
-            rows += chunk.num_rows - (chunk.column(column).statistics.null_count if column >= 0 else chunk.num_rows)
+            rows += chunk.num_rows - (chunk.column(column).statistics.null_count if column is not None
+                                      else chunk.num_rows)
     return rows
 
 
