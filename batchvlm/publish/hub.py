@@ -166,17 +166,18 @@ def refuse_unpublishable(layout: RunLayout) -> None:
         raise PushRefused(str(error)) from None
 
 
-def oversized_row_groups(path: Path, limit: int = VIEWER_ROW_GROUP_BYTES) -> list[str]:
-    """Each row group of a shard over `limit` bytes in memory, named; from the footer alone."""
-    metadata = pq.read_metadata(path)
+def oversized_row_groups(path: Path, footer: pq.FileMetaData, limit: int = VIEWER_ROW_GROUP_BYTES) -> list[str]:
+    """Each row group of a shard over `limit` bytes in memory, named; from its footer alone."""
     return [f"{path}: row group {group} is {size:,} bytes in memory, over the dataset viewer's {limit:,}"
-            for group in range(metadata.num_row_groups)
-            if (size := metadata.row_group(group).total_byte_size) > limit]
+            for group in range(footer.num_row_groups)
+            if (size := footer.row_group(group).total_byte_size) > limit]
 
 
-def shard_problems(layout: RunLayout, shards: list[Shard], row_group_limit: int = VIEWER_ROW_GROUP_BYTES) -> list[str]:
-    """What stops a shard from being published, read from its size and footer (no shard is hashed here)."""
-    problems = []
+def publishable_footers(layout: RunLayout, shards: list[Shard],
+                        row_group_limit: int = VIEWER_ROW_GROUP_BYTES) -> list[pq.FileMetaData]:
+    """Each shard's Parquet footer, read once: its row groups are checked here and the card's facts read from it.
+    PushRefused naming every shard that cannot be published, from its size and footer (no shard is hashed here)."""
+    problems, footers = [], []
     for shard in shards:
         try:
             path = checked(layout, shard.listing)
@@ -185,8 +186,11 @@ def shard_problems(layout: RunLayout, shards: list[Shard], row_group_limit: int 
             continue
         if shard.listing.bytes > MAX_FILE_BYTES:
             problems.append(f"{path}: {shard.listing.bytes:,} bytes, over the Hub's {MAX_FILE_BYTES:,} a file")
-        problems += oversized_row_groups(path, row_group_limit)
-    return problems
+        footers.append(pq.read_metadata(path))
+        problems += oversized_row_groups(path, footers[-1], row_group_limit)
+    if problems:
+        raise PushRefused("shards that cannot be published, nothing uploaded:\n" + "\n".join(problems))
+    return footers
 
 
 def git_blob_id(content: bytes) -> str:
@@ -339,11 +343,8 @@ def push_run(config: PushConfig, api=None) -> PushResult:
     shards = published_shards(layout)
     if not shards:
         raise PushRefused(f"{layout.root}: no data shard (every record was quarantined): nothing to publish")
-    if problems := shard_problems(layout, shards):
-        raise PushRefused("shards that cannot be published, nothing uploaded:\n" + "\n".join(problems))
-    card = dataset_card(RunFacts.of(layout, layout.listed(shards[0].listing.path),
-                                    [layout.listed(shard.listing.path) for shard in shards]),
-                        [shard.repo_path for shard in shards], config.license)
+    card = dataset_card(RunFacts.of(layout, publishable_footers(layout, shards)), [shard.repo_path for shard in shards],
+                        config.license)
     with push_lock(layout, config.repo_id):
         if api is None:
             from huggingface_hub import HfApi

@@ -146,6 +146,17 @@ def test_a_run_with_clips_loads_back_bit_for_bit_and_its_card_states_the_clips(c
 
 
 @pytest.mark.slow
+def test_a_push_reads_each_shards_footer_once(clip_run, tmp_path, monkeypatch):
+    """A shard's footer gives the row-group check and the card's facts (embedding columns, rows with clips) alike."""
+    footers_read, read_metadata = [], pq.read_metadata
+    monkeypatch.setattr(pq, "read_metadata", lambda where, *args, **kwargs: (
+        footers_read.append(Path(where)), read_metadata(where, *args, **kwargs))[1])
+    monkeypatch.setattr(pq, "read_schema", None)  # a footer read too, which the card no longer makes
+    push(clip_run, FakeHub(tmp_path / "hub"))
+    assert sorted(path for path in footers_read if path.is_relative_to(clip_run)) == sorted(committed_shards(clip_run))
+
+
+@pytest.mark.slow
 def test_a_run_of_more_shards_than_a_folder_takes_is_spread_over_folders_and_reads_back_in_order(qwen_run, tmp_path,
                                                                                                  monkeypatch):
     monkeypatch.setattr(hub_module, "SHARDS_PER_FOLDER", 3)  # the Hub wants under 10k entries a folder
@@ -355,8 +366,8 @@ def test_a_row_group_over_the_viewers_limit_is_named_with_its_shard(qwen_run):
     shard = committed_shards(qwen_run)[0]
     biggest = max(pq.read_metadata(shard).row_group(group).total_byte_size
                   for group in range(pq.read_metadata(shard).num_row_groups))
-    assert oversized_row_groups(shard) == []
-    assert oversized_row_groups(shard, limit=biggest - 1) == [
+    assert oversized_row_groups(shard, pq.read_metadata(shard)) == []
+    assert oversized_row_groups(shard, pq.read_metadata(shard), limit=biggest - 1) == [
         f"{shard}: row group 0 is {biggest:,} bytes in memory, over the dataset viewer's {biggest - 1:,}"]
 
 
