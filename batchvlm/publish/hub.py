@@ -56,9 +56,9 @@ from batchvlm.format.schema import FormatError
 from batchvlm.publish.card import RunFacts, dataset_card
 from batchvlm.rundir.claims import gone_from_this_host
 from batchvlm.rundir.dedup import excluded_rows
-from batchvlm.rundir.durable import publish_exclusive, read_json, sha256_file, temporary_name
+from batchvlm.rundir.durable import publish_exclusive, read_json, temporary_name
 from batchvlm.rundir.layout import DATA, RunLayout
-from batchvlm.rundir.manifest import DamagedFile, Listing, all_manifests, checked
+from batchvlm.rundir.manifest import DamagedFile, Listing, all_manifests, checked, sha256_differs
 from batchvlm.rundir.upgrade import check_run_format, compression_of
 
 log = logging.getLogger("batchvlm")
@@ -218,16 +218,13 @@ def verified_uploads(layout: RunLayout, shards: list[Shard], staged: dict[str, o
         if shard.repo_path in staged:
             operations.append(staged[shard.repo_path])
             continue
-        operation = CommitOperationAdd(shard.repo_path, layout.listed(shard.listing.path))
+        path = layout.listed(shard.listing.path)
+        operation = CommitOperationAdd(shard.repo_path, path)
         if operation.upload_info.sha256.hex() != shard.listing.sha256:
-            damaged.append(_damaged(shard))
+            damaged.append(str(sha256_differs(path)))
         operations.append(operation)
     _refuse_damaged(damaged)
     return operations
-
-
-def _damaged(shard: Shard) -> str:
-    return f"{shard.listing.path} does not match its sha256 in the manifest"
 
 
 def _refuse_damaged(damaged: list[str]) -> None:
@@ -249,9 +246,10 @@ def staged_copies(layout: RunLayout, shards: list[Shard]) -> dict[str, object]:
     for shard in shards:
         if not shard.skipped:
             continue
-        source = layout.listed(shard.listing.path)
-        if sha256_file(source) != shard.listing.sha256:
-            damaged.append(_damaged(shard))
+        try:
+            source = checked(layout, shard.listing, checksums=True)
+        except DamagedFile as error:
+            damaged.append(str(error))
             continue
         staging.mkdir(exist_ok=True)
         copy = write_without_rows(source, staging / source.name, shard.skipped)

@@ -359,6 +359,15 @@ def test_a_run_with_later_occurrences_of_an_id_in_its_shards_is_published_withou
     assert len(first.uploaded) == len(published_shards(RunLayout(run_dir))) + 1
     again = push(run_dir, hub)  # the copies without them are the same bytes again
     assert (again.uploaded, again.commits) == ([], [])
+    copied = next(shard for shard in published_shards(RunLayout(run_dir)) if shard.skipped)
+    flipped = RunLayout(run_dir).listed(copied.listing.path)
+    content = bytearray(flipped.read_bytes())
+    content[10] ^= 0xFF  # in its first page, of the same size: only its sha256 tells, checked before it is copied
+    flipped.write_bytes(bytes(content))
+    fresh = FakeHub(tmp_path / "fresh")
+    with pytest.raises(PushRefused, match=re.escape(f"{flipped} does not match its sha256 in the manifest")):
+        push(run_dir, fresh)
+    assert REPO_ID not in fresh.repos and not RunLayout(run_dir).push_staging.exists()
 
 
 @pytest.mark.slow
