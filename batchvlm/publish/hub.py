@@ -186,7 +186,11 @@ def publishable_footers(layout: RunLayout, shards: list[Shard],
             continue
         if shard.listing.bytes > MAX_FILE_BYTES:
             problems.append(f"{path}: {shard.listing.bytes:,} bytes, over the Hub's {MAX_FILE_BYTES:,} a file")
-        footers.append(pq.read_metadata(path))
+        try:
+            footers.append(pq.read_metadata(path))
+        except (OSError, pa.ArrowException) as error:  # bytes changed in place, of the same size
+            problems.append(f"{path}: its Parquet footer does not read ({error}): verify the run, or rerun it")
+            continue
         problems += oversized_row_groups(path, footers[-1], row_group_limit)
     if problems:
         raise PushRefused("shards that cannot be published, nothing uploaded:\n" + "\n".join(problems))

@@ -318,6 +318,13 @@ def test_a_damaged_shard_is_refused_by_name_before_any_commit(qwen_run, tmp_path
     truncated.write_bytes(truncated.read_bytes()[:-10])
     with pytest.raises(PushRefused, match=re.escape(f"{truncated} has ") + r"\d+ bytes, its manifest says"):
         push(run_dir, hub)
+    unreadable = committed_shards(run_dir)[0]
+    content = bytearray(unreadable.read_bytes())
+    content[-8:-4] = (len(content) * 2).to_bytes(4, "little")  # the footer's length, past the file's start
+    unreadable.write_bytes(bytes(content))
+    with pytest.raises(PushRefused, match=re.escape(f"{unreadable}: its Parquet footer does not read (")):
+        push(run_dir, hub)
+    assert len(hub.commits(REPO_ID)) == 1
 
 
 @pytest.mark.slow
