@@ -59,7 +59,7 @@ from batchvlm.rundir.dedup import excluded_rows
 from batchvlm.rundir.durable import publish_exclusive, read_json, temporary_name
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.rundir.manifest import DamagedFile, Listing, all_manifests, checked, sha256_differs
-from batchvlm.rundir.upgrade import check_run_format, compression_of
+from batchvlm.rundir.upgrade import check_run_format, compression_of, run_format
 
 log = logging.getLogger("batchvlm")
 
@@ -112,7 +112,9 @@ class PushConfig(Config):
         if self.files_per_commit > MAX_FILES_PER_COMMIT:
             raise ConfigError(f"files_per_commit={self.files_per_commit} is over {MAX_FILES_PER_COMMIT}: the Hub "
                               "recommends under 100 files a commit")
-        if not RunLayout(Path(self.run_dir)).marker.exists():
+        # A run of an older format (one from before the marker too) is a run: the push refuses it as the readers do,
+        # naming the upgrade.
+        if run_format(RunLayout(Path(self.run_dir))) is None:
             raise ConfigError(f"run_dir={self.run_dir!r} is not a batchvlm run directory (no .batchvlm marker)")
 
 

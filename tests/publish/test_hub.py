@@ -25,6 +25,7 @@ import yaml
 from conftest import committed_shards, embed_in_process
 from fake_hub import FakeHub
 from PIL import Image
+from rundir.test_upgrade import as_format_1
 from skimage import data
 
 from batchvlm.config import ConfigError
@@ -334,6 +335,19 @@ def test_an_unfinished_run_is_refused_before_any_upload(qwen_run, tmp_path):
     hub = FakeHub(tmp_path / "hub")
     with pytest.raises(PushRefused, match="has no _SUCCESS: the run is unfinished or still being written"):
         push(run_dir, hub)
+    assert REPO_ID not in hub.repos
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("marker", [True, False], ids=["with-marker", "before-the-marker"])
+def test_a_run_of_the_older_format_is_refused_naming_the_upgrade_as_the_readers_do(qwen_run, tmp_path, marker):
+    """A run written before the output format had a version, with the marker or from before it: the push says what
+    every reader says (upgrade the run), never that the folder is no run directory."""
+    older = as_format_1(qwen_run, tmp_path / "qwen", marker)
+    hub = FakeHub(tmp_path / "hub")
+    with pytest.raises(PushRefused, match=r"written in output format 1; .*upgrade the run directory once with "
+                                          r"`batchvlm-upgrade run_dir=<run>`"):
+        push(older, hub)
     assert REPO_ID not in hub.repos
 
 
