@@ -89,7 +89,8 @@ def rows_with_clips(footers: list[pq.FileMetaData]) -> int:
     rows = 0
     for metadata in footers:
         # The footer numbers leaf columns: a struct or nested list before video_embeds makes them more than the fields.
-        column = next((i for i in range(metadata.num_columns) if metadata.schema.column(i).path == "video_embeds"), None)
+        column = next((i for i in range(metadata.num_columns) if metadata.schema.column(i).path == "video_embeds"),
+                      None)
         for group in range(metadata.num_row_groups):
             chunk = metadata.row_group(group)
             rows += chunk.num_rows - (chunk.column(column).statistics.null_count if column is not None

@@ -57,7 +57,8 @@ class LoaderConfig:
 @dataclass(frozen=True)
 class RunIndex:
     """The committed shards of a run, the token count of each of their rows, the first row of each of their row
-    groups (then their row count: reader.row_group_starts), and the rows to read: all but the later occurrences of an id that the run's duplicate pass listed."""
+    groups (then their row count: reader.row_group_starts), and the rows to read: all but the later occurrences of an
+    id that the run's duplicate pass listed."""
     shards: list[Path]
     lengths: list[np.ndarray]
     kept: list[np.ndarray]
