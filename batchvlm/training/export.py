@@ -91,6 +91,10 @@ class ImageReference:
         return f"{self.shard}?row={self.row}&image={self.image}"
 
     @classmethod
+    def of(cls, reference: ImageReference | str) -> ImageReference:
+        return cls.parse(reference) if isinstance(reference, str) else reference
+
+    @classmethod
     def parse(cls, text: str) -> ImageReference:
         match = REFERENCE.match(text) if isinstance(text, str) else None
         if match is None:
@@ -224,6 +228,10 @@ def row_groups(shards: list[TrustedShard], shuffle_seed: int | None) -> list[tup
     return groups
 
 
+CONVERSATION_COLUMNS = ["id", "row", "text", "turns", "grid_thw", "video_grid_thw"]
+"""What an exported line and its skip reason are made of: no embedding is read."""
+
+
 def conversations(first: Path, shards: list[TrustedShard], format: str,
                   shuffle_seed: int | None = None) -> Iterator[tuple[str, str | None, dict | None]]:
     """(id, skip reason, exported line) of every record the readers read, a row group at a time: in the run's order,
@@ -239,8 +247,7 @@ def conversations(first: Path, shards: list[TrustedShard], format: str,
         name = shard_name(first, shard.path)
         if shard.path != open_path:  # in the run's order each shard is opened once; one file is open at a time
             open_path, file = shard.path, checked_file(shard.path)
-        columns = ["id", "row", "text", "turns", "grid_thw", "video_grid_thw"]
-        table = file.read_row_group(group, columns=columns)
+        table = file.read_row_group(group, columns=CONVERSATION_COLUMNS)
         rows = list(enumerate(table.to_pylist(), at))
         if shuffle_seed is not None:
             draw.shuffle(rows)
@@ -298,7 +305,7 @@ class StoredImages:
 
     def record(self, reference: ImageReference | str) -> RecordTensors:
         """The written record a reference points into."""
-        reference = ImageReference.parse(reference) if isinstance(reference, str) else reference
+        reference = ImageReference.of(reference)
         if reference.shard not in self.shards:
             raise ValueError(f"{reference} names {reference.shard}, which no manifest of the run lists")
         if reference.shard not in self._starts:
@@ -312,7 +319,7 @@ class StoredImages:
 
     def image(self, reference: ImageReference | str) -> tuple[torch.Tensor, torch.Tensor]:
         """(grid_thw [3], image_embeds rows [tokens, hidden]) of one referenced image."""
-        reference = ImageReference.parse(reference) if isinstance(reference, str) else reference
+        reference = ImageReference.of(reference)
         record = self.record(reference)
         if reference.image >= len(record.grid_thw):
             raise ValueError(f"{reference} names image {reference.image}; record {record.id!r} has "
