@@ -10,3 +10,33 @@ def pretrained(checkpoint, model_class=None, **kwargs):
     from batchvlm.families import full_model
 
     return full_model(checkpoint, model_class, **kwargs).eval()
+
+
+def lfm2_vl_over(siglip2_checkpoint, folder):
+    """An LFM2-VL checkpoint (transformers' `lfm2_vl`: a SigLIP2 NaFlex tower, a pixel-unshuffle projector, an LFM2
+    language model) whose tower is the given SigLIP2 checkpoint's, saved with save_pretrained and loaded back.
+
+    Its vision_config is the SigLIP2 checkpoint's (without the pooling head, as LFM2-VL's released configs set it);
+    the projector's layer norm gets non-trivial values so that a wrong block order cannot hide behind a unit norm."""
+    import torch
+    from transformers import Lfm2VlConfig, Lfm2VlForConditionalGeneration, Siglip2Model
+
+    siglip = Siglip2Model.from_pretrained(siglip2_checkpoint)
+    vision = siglip.config.vision_config.to_dict() | {"vision_use_head": False}
+    text = dict(model_type="lfm2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"])
+    config = Lfm2VlConfig(vision_config=vision, text_config=text, image_token_id=LFM2_IMAGE_TOKEN,
+                          projector_hidden_size=48, downsample_factor=2)
+    generator = torch.Generator().manual_seed(30)
+    model = Lfm2VlForConditionalGeneration(config)
+    model.model.vision_tower.load_state_dict({name: value for name, value in siglip.vision_model.state_dict().items()
+                                              if not name.startswith("head.")})
+    norm = model.model.multi_modal_projector.layer_norm
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=generator))
+        norm.bias.copy_(0.1 * torch.randn(norm.bias.shape, generator=generator))
+    model.save_pretrained(folder)
+    return Lfm2VlForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+LFM2_IMAGE_TOKEN = 400
