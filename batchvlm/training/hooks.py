@@ -126,3 +126,57 @@ def stored_image_features(model, batch: PackedBatch | PaddedBatch, column: str =
         yield
     finally:
         del inner.get_image_features
+
+
+# LLaVA (github.com/haotian-liu/LLaVA, llava/model/llava_arch.py): `LlavaMetaForCausalLM.encode_images(images)` takes
+# the batch's images as one [N, 3, H, W] tensor and returns `get_model().mm_projector(get_model().get_vision_tower()
+# (images))`, [N, P, D]: the tower's selected layer (`mm_vision_select_layer`, CLS dropped), then the projector.
+# `prepare_inputs_labels_for_multimodal` takes one [P, D] slice per image placeholder, in order, and for a list of
+# images splits that tensor along its first dimension, so it must stay one tensor of equal-sized images.
+
+@contextmanager
+def stored_encode_images(model, batch: PackedBatch | PaddedBatch, column: str = "image_embeds"):
+    """Within the block, the LLaVA model's `encode_images` returns the batch's stored rows of `column` (the tower's
+    selected-layer patch features, before the projector) through its own `mm_projector`, which then trains, as the
+    [N, P, D] tensor LLaVA expects; its vision tower is not called."""
+    rows = stored_rows(batch, column)
+    module = model.get_model().mm_projector
+    images = equal_images(batch, rows, projector_width(module))
+
+    def encode_images(*_, **__):
+        return module(images.to(next(module.parameters()).dtype))
+
+    model.encode_images = encode_images  # the instance's, over the class's: prepare_inputs_... calls this one
+    try:
+        yield
+    finally:
+        del model.encode_images
+
+
+def stored_rows(batch: PackedBatch | PaddedBatch, column: str) -> torch.Tensor:
+    if column == "image_embeds":
+        return batch.image_embeds
+    if column not in getattr(batch, "extras", {}):
+        raise ValueError(f"the batch has no {column}: the run was written without it (model.embedding=both stores "
+                         f"{PRE_PROJECTOR})")
+    return batch.extras[column]
+
+
+def projector_width(module: torch.nn.Module) -> int:
+    """The feature width the projector takes: its first linear layer's input."""
+    return next(layer for layer in module.modules() if isinstance(layer, torch.nn.Linear)).in_features
+
+
+def equal_images(batch: PackedBatch | PaddedBatch, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """The rows as [images, patches per image, D]; refused unless every image has the same grid (LLaVA's images are
+    all one size) and the rows are as wide as the projector takes."""
+    if rows.shape[-1] != width:
+        raise ValueError(f"stored rows are {rows.shape[-1]} wide but the model's mm_projector takes {width}: the run "
+                         "was written with another tower or layer")
+    grids = batch.grid_thw
+    if len(grids) == 0:
+        raise ValueError(f"the batch ({', '.join(batch.ids)}) has no image: LLaVA calls encode_images only for images")
+    if not (grids == grids[0]).all():
+        raise ValueError(f"the batch's images have the grids {grids.tolist()}: LLaVA's encode_images returns one "
+                         "[images, patches, D] tensor, so every image must have the same patch grid")
+    return rows.view(len(grids), -1, width)
