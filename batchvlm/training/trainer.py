@@ -9,6 +9,10 @@ What the stock Trainer would do to stored features, and what this one does inste
   checkpoint, puts it where it stopped instead.
 - The loader has an epoch's plan, not a length the Trainer can read: `max_steps` comes from the plans of
   `num_train_epochs` epochs (each epoch packs its own shuffle, so their batch counts may differ).
+- Attention stays within each packed record under every implementation (transformers 5 builds the mask per record
+  from the restarted text positions when there is no attention mask and no cache; flash attention finds the records
+  in them too). Under flash attention the batch's own record bounds go in as well (`cu_seq_lens_*`, `max_length_*`),
+  which it would otherwise derive from the positions again in every layer, with a device sync each time.
 - An `eval_dataset` would be collated by the Trainer's collator, which knows no stored features: the eval data is a
   second PackedLoader, over the eval run, passed as `eval_dataset`; every evaluation is one pass over its first
   epoch (the same batches each time), this rank's share of its packs, never handed to accelerate either.
@@ -24,6 +28,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.utils.generic import is_flash_attention_requested
 
 from batchvlm.format.schema import VIDEO
 from batchvlm.training.interop import DatasetRows
@@ -130,9 +135,12 @@ class PackedTrainer(Trainer):
             args.max_steps = planned_steps
 
     def batch_inputs(self, batch) -> dict:
-        """The model's inputs for one packed batch (on the training device): `model_inputs`. A subclass adds what its
-        setup needs (on GPU with flash attention, `batch.flash_attn_kwargs()`)."""
-        return model_inputs(self.model, batch)
+        """The model's inputs for one packed batch (on the training device): `model_inputs`, and under flash attention
+        the records' bounds (`batch.flash_attn_kwargs()`). A subclass adds what its setup needs besides."""
+        inputs = model_inputs(self.model, batch)
+        if is_flash_attention_requested(self.model.config.get_text_config()):
+            inputs |= batch.flash_attn_kwargs()
+        return inputs
 
     def get_train_dataloader(self) -> _TrainingBatches:
         return _TrainingBatches(self)
