@@ -1,0 +1,193 @@
+"""Kimi-K2.5 clips sampled, chunked, sized and prompted by batchvlm's rule (families.kimi_k25.VIDEO_RULE: the
+checkpoint's own processor), against the rule's text where transformers samples otherwise, and against transformers'
+Kimi_K25VideoProcessor / Kimi_K25Processor (grids, pixels, ids) and Kimi_K25Model (the clip's embeddings) on the
+frames the rule samples."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+
+import numpy as np
+import pytest
+import torch
+from transformers import Kimi_K25Processor, Kimi_K25VideoProcessor
+from transformers.video_utils import VideoMetadata
+
+from batchvlm.checks import CheckFailed
+from batchvlm.config import ConfigError
+from batchvlm.families.kimi_k25 import (KimiVideoParams, kimi_sample_frames, kimi_video_plan, timestamp_text,
+                                        write_tiny_checkpoint)
+from batchvlm.format.schema import FRAME, VIDEO
+from batchvlm.pipeline.preprocess import TorchPreprocessor
+from batchvlm.pipeline.video import VideoConfig, decode_frames, probe
+from clips import frame_pixels, make_clip
+from photos import photo_of_size, preprocessed
+
+
+# -- sampling and time: the rule's text (transformers samples otherwise) --------------------------------------------
+@pytest.mark.parametrize("total, video_fps, sample_fps, expected", [
+    (30, 10, 2.0, [0, 6, 12, 17, 23, 29]),  # 6 of 30: linspace(0, 29, 6) = 0, 5.8, 11.6, 17.4, 23.2, 29
+    (31, 10, 2.0, [0, 6, 12, 18, 24, 30]),
+    (5, 1, 2.0, [0, 1, 2, 3, 4]),  # the clip's own rate is below sample_fps: every frame
+    (3, 30, 2.0, [0]),  # round(3 * 2 / 30) = 0 frames: at least one, linspace(0, 2, 1) = [0]
+    (45, 30, 2.0, [0, 22, 44]),  # round(3.0) = 3
+    (25, 10, 2.0, [0, 6, 12, 18, 24]),  # round(5.0) = 5
+    (35, 10, 1.0, [0, 11, 23, 34]),  # round(3.5) = 4 (Python's round: half to even)
+    (25, 10, 1.0, [0, 24]),  # round(2.5) = 2
+])
+def test_frames_are_sampled_at_the_smaller_rate_spread_by_linspace_as_the_checkpoint_processor_does(
+        total, video_fps, sample_fps, expected):
+    """split_video_chunks: sample_fps = min(sample_fps, fps); n = max(round(frames * sample_fps / fps), 1);
+    indices = np.linspace(0, frames - 1, n).round()."""
+    assert kimi_sample_frames(total, video_fps, KimiVideoParams(sample_fps=sample_fps)) == expected
+
+
+def test_a_clip_without_frames_is_too_few_frames():
+    with pytest.raises(CheckFailed, match="video.too_few_frames"):
+        kimi_sample_frames(0, 24.0, KimiVideoParams())
+
+
+def reference_timestamp(seconds: float) -> str:
+    """media_utils.timestamp_as_str (hh:mm:ss.fff) and transformers' Kimi_K25Processor, as their text writes it."""
+    theirs = datetime.fromtimestamp(seconds, tz=timezone.utc).strftime("%H:%M:%S") + f".{int((seconds % 1) * 1000):03d}"
+    assert theirs == time.strftime("%H:%M:%S", time.gmtime(seconds)) + f".{int(seconds % 1 * 1000):03d}"
+    return theirs
+
+
+def test_chunk_times_are_written_as_the_reference_writes_them():
+    rates = [1, 7.5, 10, 23.976, 24, 25, 29.97, 30, 60]
+    for seconds in [index / rate for rate in rates for index in range(0, 4000, 37)] + [3599.9995, 59.9999, 0.001]:
+        assert timestamp_text(seconds, "hh:mm:ss.fff") == reference_timestamp(seconds), seconds
+    assert timestamp_text(75.25, "mm:ss.fff") == "01:15.250" and timestamp_text(75.25, "mm:ss") == "01:15"
+
+
+def test_video_params_come_from_the_checkpoints_media_proc_cfg_and_bad_ones_are_refused(tmp_path):
+    write_tiny_checkpoint(tmp_path)
+    assert KimiVideoParams.from_checkpoint(tmp_path) == KimiVideoParams()  # the release's defaults
+    config = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    config["media_proc_cfg"] |= {"sample_fps": 4.0, "temporal_merge_kernel_size": 2, "in_patch_limit_video": 100,
+                                 "in_patch_limit_each_frame": None, "timestamp_mode": "mm:ss"}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(config))
+    assert KimiVideoParams.from_checkpoint(tmp_path) == KimiVideoParams(4.0, 2, None, 100, "mm:ss")
+    with pytest.raises(ConfigError, match="temporal_merge_kernel_size"):
+        KimiVideoParams(temporal_merge_kernel_size=0)
+    with pytest.raises(ConfigError, match="timestamp_mode"):
+        KimiVideoParams(timestamp_mode="seconds")
+
+
+# -- chunks: grids and pixels against transformers' video processor ------------------------------------------------
+def hf_video_processor(family, max_patches: int, chunk: int = 4) -> Kimi_K25VideoProcessor:
+    params = family.params
+    return Kimi_K25VideoProcessor(
+        patch_size=params.patch_size, merge_size=params.merge_size, temporal_patch_size=chunk,
+        max_patches=max_patches, size={"max_height": params.max_patches_per_side,
+                                       "max_width": params.max_patches_per_side},
+        image_mean=list(params.image_mean), image_std=list(params.image_std), do_sample_frames=False)
+
+
+def chunk_rows(family, frames: np.ndarray, plan) -> list[torch.Tensor]:
+    """Each chunk's frames through the torch backend as images at the chunk's plan, frame after frame."""
+    preprocessor = TorchPreprocessor(family, torch.device("cpu"), "black")
+    rows, start = [], 0
+    for chunk in plan.chunks:
+        count = len(chunk.frames)
+        rows.append(torch.cat([preprocessor.rows_of(torch.from_numpy(frame), chunk.plan)[0]
+                               for frame in frames[start:start + count]]))
+        start += count
+    return rows
+
+
+def sampled_clip(frames: int, video_fps: int, height: int, width: int, video: KimiVideoParams):
+    data = make_clip(frames, fps=video_fps, height=height, width=width)
+    limits = VideoConfig()
+    header = probe(data, limits)
+    indices = kimi_sample_frames(header.frames, header.fps, video)
+    return header, indices, decode_frames(data, header, indices, limits).frames
+
+
+@pytest.mark.parametrize("frames, video_fps, height, width, video", [
+    (31, 10, 64, 96, KimiVideoParams()),  # 6 frames: a chunk of 4, then one of 2
+    (40, 5, 90, 160, KimiVideoParams(sample_fps=4.0)),  # 32 frames: 8 whole chunks
+    (9, 10, 300, 200, KimiVideoParams(in_patch_limit_each_frame=64)),  # each frame shrunk to its budget
+    (13, 5, 70, 120, KimiVideoParams(sample_fps=5.0, temporal_merge_kernel_size=3)),  # 13 frames: chunks 3,3,3,3,1
+])
+def test_chunk_grids_and_pixels_match_transformers_video_processor_on_the_sampled_frames(
+        kimi_family, frames, video_fps, height, width, video):
+    header, indices, decoded = sampled_clip(frames, video_fps, height, width, video)
+    plan = kimi_video_plan(indices, header.fps, height, width, kimi_family.params, video)
+    limit = video.in_patch_limit_each_frame or kimi_family.params.max_patches
+    reference = hf_video_processor(kimi_family, limit, video.temporal_merge_kernel_size)(
+        videos=[torch.from_numpy(decoded).permute(0, 3, 1, 2)], return_tensors="pt")
+    assert reference["num_chunks_per_video"].tolist() == [len(plan.chunks)]
+    assert reference["video_grid_thw"].tolist() == [list(grid) for grid in plan.grids]
+    assert [len(chunk.frames) for chunk in plan.chunks][:-1] == [video.temporal_merge_kernel_size] * (
+        len(plan.chunks) - 1)
+    rows = torch.cat(chunk_rows(kimi_family, decoded, plan))
+    assert rows.shape == reference["pixel_values_videos"].shape
+    torch.testing.assert_close(rows, reference["pixel_values_videos"], atol=2 / 255 / 0.5 + 1e-6, rtol=0)
+
+
+def test_in_patch_limit_video_is_shared_by_a_chunks_frames_so_a_short_last_chunk_gets_more(kimi_family):
+    """navit_resize_video on a chunk (its frames at 1 fps, sample_fps inf): each frame's budget is
+    min(round(in_patch_limit_video / frames in the chunk), in_patch_limit_each_frame). transformers has no such limit:
+    the rule's text is the oracle."""
+    video = KimiVideoParams(in_patch_limit_video=96)
+    plan = kimi_video_plan(list(range(6)), 2.0, 280, 280, kimi_family.params, video)  # 20 x 20 patches a frame
+    first, last = plan.chunks
+    # 96 / 4 = 24 patches: scale sqrt(24 / 400) -> 68 px -> padded 84 -> 6 x 6; 96 / 2 = 48: 97 px -> 112 -> 8 x 8
+    assert first.plan.grid_thw == (4, 6, 6) and last.plan.grid_thw == (2, 8, 8)
+    assert (first.num_tokens, last.num_tokens) == (9, 16)
+
+
+# -- the prompt: ids against transformers' Kimi_K25Processor ---------------------------------------------------------
+def expanded_by_family(family, rendered: str, plans: list, image_plans: list) -> tuple[list[int], list[int]]:
+    """The rendered conversation tokenized, each clip token replaced by the family's expansion, each image's pad by
+    its tokens (the template frames images itself)."""
+    ids = family.tokenizer.encode(rendered, add_special_tokens=False)
+    clips, images, out, tags = iter(plans), iter(image_plans), [], []
+    for token in ids:
+        if token == family.video_token_id:
+            span_ids, span_tags = family.expand_video(next(clips))
+        elif token == family.image_token_id:
+            span_ids = [token] * next(images).num_tokens
+            span_tags = [2] * len(span_ids)
+        else:
+            span_ids, span_tags = [token], [0]
+        out += span_ids
+        tags += span_tags
+    return out, tags
+
+
+def test_a_clips_chunks_expand_to_the_ids_kimi_k25_processor_gives_its_chat_template(kimi_family):
+    """A conversation with a clip (two chunks, the last of 2 frames) and an image, rendered by Kimi_K25Processor's
+    apply_chat_template and run through it with the sampled frames and their metadata, gives the ids the family's
+    expansion gives: per chunk `hh:mm:ss.fff` as text, `<|media_begin|>video<|media_content|>`, (h/2)(w/2) pads,
+    `<|media_end|>`."""
+    family, video_fps = kimi_family, 10
+    frames = np.stack([frame_pixels(i, 64, 96) for i in range(31)])
+    indices = family.video_sampler()(31, video_fps)
+    plan = family.plan_video(indices, 31, video_fps, 64, 96)
+    processor = Kimi_K25Processor(image_processor=family.reference_processor(), tokenizer=family.tokenizer,
+                                  video_processor=hf_video_processor(family, family.video_params.in_patch_limit_each_frame),
+                                  chat_template=family.tokenizer.chat_template)
+    image = photo_of_size(70, 120)
+    # Text before a clip ends at a token boundary: the reference tokenizes the timestamp with the text before it
+    # (docs/video.md: a digit, or for a byte-level BPE a space, before a clip fuses with it there).
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Watch:"}, {"type": "video"},
+                                             {"type": "text", "text": " then"}, {"type": "image"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "A ball rolls."}]}]
+    rendered = processor.apply_chat_template(messages, tokenize=False)
+    metadata = VideoMetadata(total_num_frames=31, fps=video_fps, height=64, width=96, frames_indices=indices)
+    reference = processor(text=[rendered], images=[image], videos=[torch.from_numpy(frames[indices]).permute(0, 3, 1, 2)],
+                          video_metadata=[metadata], return_tensors="pt")
+    ids, tags = expanded_by_family(family, rendered, [plan], [family.plan(*image.shape[:2])])
+    assert ids == reference["input_ids"][0].tolist()
+    # frame 24 at 10 fps: 2.4 % 1 * 1000 = 399.99..., truncated as the reference truncates it
+    assert "00:00:02.399<|media_begin|>video<|media_content|>" in family.tokenizer.decode(ids)
+    pads = [i for i, token in enumerate(ids) if token == family.video_token_id]
+    assert len(pads) == plan.num_tokens == sum((h // 2) * (w // 2) for _, h, w in plan.grids)
+    assert all(tags[i] == VIDEO for i in pads)
+    first = pads[0]
+    assert tags[first - 1] == FRAME and tags[pads[-1] + 1] == FRAME
