@@ -191,3 +191,42 @@ def test_a_clips_chunks_expand_to_the_ids_kimi_k25_processor_gives_its_chat_temp
     assert all(tags[i] == VIDEO for i in pads)
     first = pads[0]
     assert tags[first - 1] == FRAME and tags[pads[-1] + 1] == FRAME
+
+
+# -- the tower: time embedding and temporal pooling, against the model's own video forward ---------------------------
+@pytest.mark.slow  # the full model (its one-layer LLM too) is loaded with from_pretrained
+def test_chunks_packed_with_an_image_embed_as_the_models_own_video_forward_on_the_processors_pixels(kimi_family):
+    """Two clips' chunks (4 frames and a last one of 2 and of 1: the time embedding, none for t = 1, and the mean
+    over t) packed with a still image through the tower as batchvlm loads it, vs Kimi_K25Model.get_video_features
+    (from_pretrained) on transformers' video processor's pixels of each clip alone (fp32)."""
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    from hf_models import pretrained
+
+    family = kimi_family
+    model = pretrained(family.checkpoint, Kimi_K25ForConditionalGeneration, dtype=torch.float32)
+    video = family.video_params
+    clips = [sampled_clip(31, 10, 64, 96, video), sampled_clip(25, 10, 90, 50, video)]  # 6 and 5 frames
+    plans = [kimi_video_plan(indices, header.fps, *decoded.shape[1:3], family.params, video)
+             for header, indices, decoded in clips]
+    assert [[grid[0] for grid in plan.grids] for plan in plans] == [[4, 2], [4, 1]]
+    image_rows, image_grids = preprocessed(family, [photo_of_size(70, 120)])
+    clip_rows = [chunk_rows(family, decoded, plan) for (_, _, decoded), plan in zip(clips, plans)]
+    rows = [*clip_rows[0], image_rows[0], *clip_rows[1]]
+    grids = [*plans[0].grids, image_grids[0], *plans[1].grids]
+    packed = family.load_encoder(torch.device("cpu"), torch.float32)(torch.cat(rows), torch.tensor(grids))
+    ours = packed["image_embeds"]
+    with torch.inference_mode():
+        for (_, _, decoded), plan, first in zip(clips, plans, (0, 3)):
+            reference = hf_video_processor(family, video.in_patch_limit_each_frame)(
+                videos=[torch.from_numpy(decoded).permute(0, 3, 1, 2)], return_tensors="pt")
+            alone = model.model.get_video_features(reference["pixel_values_videos"],
+                                                   reference["video_grid_thw"]).pooler_output
+            assert len(alone) == len(plan.chunks)
+            for chunk, expected, got in zip(plan.chunks, alone, ours[first:first + len(plan.chunks)]):
+                assert got.shape == expected.shape == (chunk.num_tokens, model.config.text_config.hidden_size)
+                assert (got - expected).abs().max() <= 1e-3 * expected.abs().max() + 1e-5
+        # the time embedding and the pooling matter: the chunk's frames alone, as images, give other tokens
+        frame_by_frame = model.model.get_image_features(clip_rows[0][0], torch.tensor(
+            [(1, *plans[0].grids[0][1:])] * 4)).pooler_output
+        assert (torch.stack(frame_by_frame).mean(0) - ours[0]).abs().max() > 1e-3 * ours[0].abs().max()
