@@ -186,6 +186,11 @@ class KimiVideoPlan:
         return sum(chunk.plan.num_patches for chunk in self.chunks)
 
     @property
+    def parts(self) -> tuple[ImagePlan, ...]:
+        """What the tower encodes and the output stores of the clip (records.clip_parts): its chunks."""
+        return tuple(chunk.plan for chunk in self.chunks)
+
+    @property
     def grids(self) -> list[tuple[int, int, int]]:
         return [chunk.plan.grid_thw for chunk in self.chunks]
 
@@ -294,7 +299,12 @@ class KimiK25(PatchFamily):
         if framing == "k3":
             self.frame_ids = [token_id(tokenizer, token, self.name) for token in FRAME_TOKENS]
         self.video_params = KimiVideoParams.from_checkpoint(checkpoint)
-        self.video_token_id = _video_token_id(tokenizer, read_config(checkpoint))
+        raw = read_config(checkpoint)
+        # A chunk's frames index the tower's time table: a chunk longer than it has no time for its last frames.
+        vision = raw if raw.get("model_type") == "kimi_k25_vision" else raw.get("vision_config") or {}
+        times = vision.get("init_pos_emb_time", vision.get("pos_emb_time", 4))
+        fits = self.video_params.temporal_merge_kernel_size <= times
+        self.video_token_id = _video_token_id(tokenizer, raw) if fits else None
 
     # -- plan and layout ------------------------------------------------------------------------
     def plan(self, height: int, width: int) -> ImagePlan:
@@ -311,6 +321,12 @@ class KimiK25(PatchFamily):
         return head + pads + [end], [FRAME] * len(head) + [IMAGE] * len(pads) + [FRAME]
 
     # -- clips ----------------------------------------------------------------------------------
+    @property
+    def video_rule(self) -> str | None:
+        """The rule clips are taken by; None where the tokenizer lacks the checkpoint's clip token or a chunk is longer
+        than the tower's time table (a record with clips is then text.video)."""
+        return VIDEO_RULE if self.video_token_id is not None else None
+
     def video_sampler(self) -> functools.partial:
         """(frames in a clip, its fps) -> the frames sampled (pipeline.video.Sampler), picklable for the decoder."""
         return functools.partial(kimi_sample_frames, video=self.video_params)
@@ -319,8 +335,8 @@ class KimiK25(PatchFamily):
         """A clip's chunks from its sampled frames, its header's rate and its frames' upright size."""
         return kimi_video_plan(indices, video_fps, height, width, self.params, self.video_params)
 
-    def expand_video(self, plan: KimiVideoPlan) -> tuple[list[int], list[int]]:
-        """The ids (and tags) that replace the template's one clip token: per chunk its time as plain text, then
+    def replace_video(self, plan: KimiVideoPlan) -> tuple[list[int], list[int]]:
+        """The ids (and tags) that replace the template's one clip token (pipeline.chat): per chunk its time as plain text, then
         `<|media_begin|>video<|media_content|>`, a pad per token, `<|media_end|>` (transformers' Kimi_K25Processor)."""
         begin, content, end = (token_id(self.tokenizer, token, self.name) for token in FRAME_TOKENS)
         word = self.encode_text("video")
@@ -332,8 +348,10 @@ class KimiK25(PatchFamily):
             tags += [FRAME] * len(head) + [VIDEO] * chunk.num_tokens + [FRAME]
         return ids, tags
 
-    def video_fingerprint(self) -> dict:
+    def video_fingerprint(self) -> dict | None:
         """What a clip's output depends on beyond the image processor: the rule and its parameters as read."""
+        if self.video_rule is None:
+            return None
         return {"rule": VIDEO_RULE, "params": dataclasses.asdict(self.video_params),
                 "video_token_id": self.video_token_id}
 

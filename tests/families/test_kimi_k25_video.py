@@ -149,7 +149,7 @@ def expanded_by_family(family, rendered: str, plans: list, image_plans: list) ->
     clips, images, out, tags = iter(plans), iter(image_plans), [], []
     for token in ids:
         if token == family.video_token_id:
-            span_ids, span_tags = family.expand_video(next(clips))
+            span_ids, span_tags = family.replace_video(next(clips))
         elif token == family.image_token_id:
             span_ids = [token] * next(images).num_tokens
             span_tags = [2] * len(span_ids)
@@ -230,3 +230,69 @@ def test_chunks_packed_with_an_image_embed_as_the_models_own_video_forward_on_th
         frame_by_frame = model.model.get_image_features(clip_rows[0][0], torch.tensor(
             [(1, *plans[0].grids[0][1:])] * 4)).pooler_output
         assert (torch.stack(frame_by_frame).mean(0) - ours[0]).abs().max() > 1e-3 * ours[0].abs().max()
+
+
+def test_clips_are_taken_only_where_the_checkpoint_reads_them_at_the_clip_token_and_a_chunk_fits_its_time_table(
+        kimi_family, tmp_path):
+    import shutil
+
+    from batchvlm.families import ModelConfig, load_family
+
+    assert kimi_family.video_rule is not None and kimi_family.video_fingerprint()["params"]["sample_fps"] == 2.0
+    shutil.copytree(kimi_family.checkpoint, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"video_token_id": kimi_family.video_token_id}))
+    assert load_family(ModelConfig(path=str(tmp_path))).video_rule is not None
+    (tmp_path / "config.json").write_text(json.dumps(config | {"video_token_id": 999}))
+    assert load_family(ModelConfig(path=str(tmp_path))).video_rule is None
+    config["vision_config"]["init_pos_emb_time"] = 2  # chunks of 4 frames would index past the time table
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    family = load_family(ModelConfig(path=str(tmp_path)))
+    assert family.video_rule is None and family.video_fingerprint() is None
+
+
+# -- the job's text side: the renderer splices each chunk's prompt where the template put the clip ------------------
+@pytest.mark.parametrize("format", ["llava", "messages"])
+def test_a_record_with_a_clip_and_an_image_lays_out_as_kimi_k25_processor_gives_it_spans_and_tags_per_chunk(
+        kimi_family, format):
+    from batchvlm.pipeline.chat import TextConfig
+    from batchvlm.pipeline.text import laid_out, text_side
+    from batchvlm.records import ImageRef, SourceRecord
+    from batchvlm.sources.conversations import read_turns
+
+    family, video_fps = kimi_family, 10
+    turns = {"llava": [{"from": "human", "value": "<video>\nWhat happens, and in <image>?"},
+                       {"from": "gpt", "value": "A ball rolls."}],
+             "messages": [{"role": "user", "content": [{"type": "video"},
+                                                       {"type": "text", "text": "\nWhat happens, and in "},
+                                                       {"type": "image"}, {"type": "text", "text": "?"}]},
+                          {"role": "assistant", "content": "A ball rolls."}]}[format]
+    record = SourceRecord(id="r", unit_id="u", source="s", row=0, text="", images=[ImageRef(data=b"i")],
+                          videos=[ImageRef(path="/clips/a.mp4")], turns=read_turns(format, turns, "<image>", 1))
+    side = text_side(family, format, "<image>", "prepend", TextConfig())
+    indices = family.video_sampler()(31, video_fps)
+    clip, image = family.plan_video(indices, 31, video_fps, 64, 96), family.plan(70, 120)
+    layout = laid_out(side, side.placed(record), [image], TextConfig(), [clip])
+
+    processor = Kimi_K25Processor(image_processor=family.reference_processor(), tokenizer=family.tokenizer,
+                                  video_processor=hf_video_processor(family, family.video_params.in_patch_limit_each_frame),
+                                  chat_template=family.tokenizer.chat_template)
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "\nWhat happens, and in "},
+                                             {"type": "image"}, {"type": "text", "text": "?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "A ball rolls."}]}]
+    frames = np.stack([frame_pixels(i, 64, 96) for i in indices])
+    reference = processor(text=[processor.apply_chat_template(messages, tokenize=False)],
+                          images=[photo_of_size(70, 120)], videos=[torch.from_numpy(frames).permute(0, 3, 1, 2)],
+                          video_metadata=[VideoMetadata(total_num_frames=31, fps=video_fps, frames_indices=indices)],
+                          return_tensors="pt")
+    assert layout.input_ids == reference["input_ids"][0].tolist()
+    assert [length for _, length in layout.video_spans] == [chunk.num_tokens for chunk in clip.chunks]
+    tags, mask = np.asarray(layout.token_tags), np.asarray(layout.chat.loss_mask)
+    for start, length in layout.video_spans:
+        assert (tags[start:start + length] == VIDEO).all() and tags[start - 1] == FRAME and tags[start + length] == FRAME
+    first = layout.video_spans[0][0]
+    head = len(family.encode_text("00:00:00.000")) + 2 + len(family.encode_text("video"))
+    assert (tags[first - head:first] == FRAME).all()  # the time, <|media_begin|>, "video", <|media_content|>
+    assert tags[first - head - 1] != FRAME  # the template's <|im_middle|> before it
+    assert not mask[:layout.video_spans[-1][0] + layout.video_spans[-1][1] + 1].any()  # the user turn: untrained
+    assert mask.any() and (tags == VIDEO).sum() == clip.num_tokens
