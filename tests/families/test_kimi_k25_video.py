@@ -296,3 +296,27 @@ def test_a_record_with_a_clip_and_an_image_lays_out_as_kimi_k25_processor_gives_
     assert tags[first - head - 1] != FRAME  # the template's <|im_middle|> before it
     assert not mask[:layout.video_spans[-1][0] + layout.video_spans[-1][1] + 1].any()  # the user turn: untrained
     assert mask.any() and (tags == VIDEO).sum() == clip.num_tokens
+
+
+def test_after_a_space_the_reference_fuses_the_text_before_a_clip_with_its_time_and_batchvlm_does_not(kimi_family):
+    """The one place the ids depart from Kimi_K25Processor's: it replaces the clip token in the text and tokenizes the
+    whole, so the text before a clip and the first chunk's time can share a token (here a byte-level BPE's " 0"; the
+    release's tokenizer splits digits from a space, not from a digit before them); batchvlm encodes the time apart,
+    as it does the K3 frame text. The text is the same, character for character."""
+    family = kimi_family
+    indices = family.video_sampler()(31, 10)
+    plan = family.plan_video(indices, 31, 10, 64, 96)
+    processor = Kimi_K25Processor(image_processor=family.reference_processor(), tokenizer=family.tokenizer,
+                                  video_processor=hf_video_processor(family, family.video_params.in_patch_limit_each_frame),
+                                  chat_template=family.tokenizer.chat_template)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Watch "}, {"type": "video"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "A ball rolls."}]}]
+    rendered = processor.apply_chat_template(messages, tokenize=False)
+    frames = np.stack([frame_pixels(i, 64, 96) for i in indices])
+    reference = processor(text=[rendered], videos=[torch.from_numpy(frames).permute(0, 3, 1, 2)], return_tensors="pt",
+                          video_metadata=[VideoMetadata(total_num_frames=31, fps=10, frames_indices=indices)])
+    theirs = reference["input_ids"][0].tolist()
+    ours, _ = expanded_by_family(family, rendered, [plan], [])
+    assert ours != theirs and family.tokenizer.decode(ours) == family.tokenizer.decode(theirs)
+    differ = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+    assert family.tokenizer.decode(ours[differ[0]:differ[0] + 2]) == " 0"  # " ", "0" vs " 0": the boundary alone

@@ -1,0 +1,168 @@
+"""Kimi-K2.5 clips through the embed job, end to end (issue 31): LLaVA records with a clip and an image, two clips, a
+cut clip and a clip without its placeholder, run in this process (its DataLoader worker and isolated decoder as the job
+starts them) with the tiny Kimi-K2.5 checkpoint. Each stored value is held to an oracle no one here wrote: the ids to
+transformers' Kimi_K25Processor (apply_chat_template, then its expansion of each chunk and the image) on the frames
+the rule samples, `video_grid_thw` to its video processor, the stored chunk tokens to Kimi_K25Model's own
+get_video_features (from_pretrained) on that processor's pixels."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import embed_in_process
+from PIL import Image
+
+from batchvlm.families import ModelConfig, load_family
+from batchvlm.format.schema import FRAME, VIDEO
+from batchvlm.pipeline.video import VideoConfig, decode_frames, probe
+from clips import make_clip
+from photos import photo_of_size
+
+pytestmark = pytest.mark.slow
+
+CLIPS = {"a.mp4": (31, 10, 64, 96), "b.mp4": (25, 10, 90, 50)}
+"""name -> (frames, fps, height, width): 6 sampled frames (chunks of 4 and 2), and 5 (4 and 1). No clip follows a
+space or a digit, where the reference tokenizes the text before a clip together with its first chunk's time
+(docs/video.md; tests/families/test_kimi_k25_video.py)."""
+RECORDS = [
+    {"id": "clip_and_image", "video": "a.mp4", "image": "photo.png",
+     "conversations": [{"from": "human", "value": "<video>\nWhat happens, and in <image>?"},
+                       {"from": "gpt", "value": "A ball rolls past a wall."}]},
+    {"id": "two_clips", "video": ["b.mp4", "a.mp4"], "image": [],
+     "conversations": [{"from": "human", "value": "<video> then:<video> which is longer?"},
+                       {"from": "gpt", "value": "The second."}]},
+    {"id": "truncated", "video": "cut.webm", "image": [],
+     "conversations": [{"from": "human", "value": "<video>What is it?"}, {"from": "gpt", "value": "Cut short."}]},
+    {"id": "unplaced", "video": "a.mp4", "image": [],
+     "conversations": [{"from": "human", "value": "What is it?"}, {"from": "gpt", "value": "No place for it."}]},
+]
+
+
+@pytest.fixture(scope="module")
+def kimi_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("clips")
+    for name, (frames, fps, height, width) in CLIPS.items():
+        (folder / name).write_bytes(make_clip(frames, fps=fps, height=height, width=width))
+    whole = make_clip(60, codec="libvpx", container="webm")  # Matroska states its duration: the cut is seen
+    (folder / "cut.webm").write_bytes(whole[:len(whole) * 2 // 3])
+    Image.fromarray(photo_of_size(70, 120)).save(folder / "photo.png")
+    (folder / "llava.json").write_text(json.dumps(RECORDS))
+    root = tmp_path_factory.mktemp("outputs")
+    run = embed_in_process(root, "clips", "dataset=llava", f"dataset.path={folder / 'llava.json'}",
+                           "model=kimi_k25_tiny", "output.embed_dtype=float32", "preprocess.backend=torch",
+                           "checks.max_quarantine_fraction=0.9")
+    return folder, run
+
+
+def rows_of(run: Path, kind: str) -> dict[str, dict]:
+    import pyarrow.parquet as pq
+
+    return {row["id"]: row for path in sorted((run / kind).rglob("*.parquet"))
+            for row in pq.read_table(path).to_pylist()}
+
+
+def sampled(path: Path, family) -> tuple[list[int], float, np.ndarray]:
+    data = path.read_bytes()
+    header = probe(data, VideoConfig())
+    indices = family.video_sampler()(header.frames, header.fps)
+    return indices, header.fps, decode_frames(data, header, indices, VideoConfig()).frames
+
+
+def blocks(text: str) -> list[dict]:
+    """A LLaVA turn's text as content blocks, `<video>` and `<image>` where they stand."""
+    parts = []
+    for piece in text.replace("<video>", "\0video\0").replace("<image>", "\0image\0").split("\0"):
+        if piece in ("video", "image"):
+            parts.append({"type": piece})
+        elif piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def reference_inputs(family, folder: Path, record: dict) -> dict:
+    """transformers' Kimi_K25Processor on the record: its chat template over the turns as messages, then its
+    expansion of each clip (the frames the rule samples, with their metadata) and the image."""
+    from transformers import Kimi_K25Processor, Kimi_K25VideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    params = family.params
+    video_processor = Kimi_K25VideoProcessor(
+        patch_size=params.patch_size, merge_size=params.merge_size, max_patches=family.video_params.in_patch_limit_each_frame,
+        temporal_patch_size=family.video_params.temporal_merge_kernel_size, do_sample_frames=False,
+        size={"max_height": params.max_patches_per_side, "max_width": params.max_patches_per_side},
+        image_mean=list(params.image_mean), image_std=list(params.image_std))
+    processor = Kimi_K25Processor(image_processor=family.reference_processor(), tokenizer=family.tokenizer,
+                                  video_processor=video_processor, chat_template=family.tokenizer.chat_template)
+    messages = [{"role": {"human": "user", "gpt": "assistant"}[turn["from"]], "content": blocks(turn["value"])}
+                for turn in record["conversations"]]
+    videos = [record["video"]] if isinstance(record["video"], str) else record["video"]
+    images = [record["image"]] if isinstance(record["image"], str) else record["image"]
+    clips = [sampled(folder / name, family) for name in videos]
+    return processor(text=[processor.apply_chat_template(messages, tokenize=False)],
+                     images=[np.asarray(Image.open(folder / name)) for name in images] or None,
+                     videos=[torch.from_numpy(frames).permute(0, 3, 1, 2) for _, _, frames in clips],
+                     video_metadata=[VideoMetadata(total_num_frames=CLIPS[name][0], fps=fps, frames_indices=indices)
+                                     for name, (indices, fps, _) in zip(videos, clips)], return_tensors="pt")
+
+
+def test_clips_and_an_image_are_stored_as_kimi_k25s_processor_and_model_give_them(kimi_run):
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    from hf_models import pretrained
+
+    folder, run = kimi_run
+    family = load_family(ModelConfig())
+    rows = rows_of(run, "data")
+    assert set(rows) == {"clip_and_image", "two_clips"}
+    model = pretrained(family.checkpoint, Kimi_K25ForConditionalGeneration, dtype=torch.float32)
+    for record in RECORDS[:2]:
+        row, reference = rows[record["id"]], reference_inputs(family, folder, record)
+        assert row["input_ids"] == reference["input_ids"][0].tolist(), record["id"]
+        # a grid, a span and tokens per chunk; the frames and their times per clip
+        assert row["video_grid_thw"] == reference["video_grid_thw"].tolist(), record["id"]
+        assert [span["length"] for span in row["video_spans"]] == row["video_num_tokens"] == [
+            h * w // 4 for _, h, w in row["video_grid_thw"]]
+        assert row["second_per_grid_ts"] is None
+        with torch.inference_mode():
+            theirs = torch.cat(model.model.get_video_features(reference["pixel_values_videos"],
+                                                             reference["video_grid_thw"]).pooler_output)
+        ours = torch.frombuffer(bytearray(row["video_embeds"]), dtype=torch.float32).view(-1, theirs.shape[-1])
+        assert ours.shape == theirs.shape and sum(row["video_num_tokens"]) == len(ours)
+        assert (ours - theirs).abs().max() <= 1e-3 * theirs.abs().max(), record["id"]
+        tags, mask = np.asarray(row["token_tags"]), np.asarray(row["loss_mask"])
+        for span in row["video_spans"]:
+            start, length = span["start"], span["length"]
+            assert tags[start - 1:start + length + 1].tolist() == [FRAME] + [VIDEO] * length + [FRAME]
+        assert (tags == VIDEO).sum() == sum(row["video_num_tokens"]) and not mask[tags == VIDEO].any()
+        assert not mask[tags == FRAME].any() and mask.any()
+        videos = [record["video"]] if isinstance(record["video"], str) else record["video"]
+        for indices, times, name in zip(row["video_frame_indices"], row["video_frame_times"], videos):
+            assert indices == sampled(folder / name, family)[0]
+            assert times == pytest.approx([i / CLIPS[name][1] for i in indices])
+
+
+def test_a_truncated_clip_and_a_clip_without_its_placeholder_are_quarantined_naming_the_clip(kimi_run):
+    _, run = kimi_run
+    quarantined = rows_of(run, "quarantine")
+    assert {key: row["check"] for key, row in quarantined.items()} == {
+        "truncated": "video.truncated", "unplaced": "text.placeholder_count"}
+    assert quarantined["truncated"]["video_index"] == 0
+    assert [Path(path).name for path in quarantined["truncated"]["video_paths"]] == ["cut.webm"]
+
+
+def test_the_packed_loader_puts_each_chunk_token_row_where_its_token_is(kimi_run):
+    from batchvlm.training.packing import pack
+    from batchvlm.training.reader import read_run
+
+    _, run = kimi_run
+    stored = {record.id: record for record in read_run(run)}
+    batch = pack([stored["two_clips"], stored["clip_and_image"]], 4096)
+    assert batch.video_embeds is not None and len(batch.video_embeds) == (batch.token_tags == VIDEO).sum()
+    rows = rows_of(run, "data")
+    hidden = batch.video_embeds.shape[-1]
+    first = torch.frombuffer(bytearray(rows["two_clips"]["video_embeds"]), dtype=torch.float32).view(-1, hidden)
+    assert torch.equal(batch.video_embeds[:len(first)].float(), first)
