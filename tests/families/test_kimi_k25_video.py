@@ -320,3 +320,31 @@ def test_after_a_space_the_reference_fuses_the_text_before_a_clip_with_its_time_
     assert ours != theirs and family.tokenizer.decode(ours) == family.tokenizer.decode(theirs)
     differ = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
     assert family.tokenizer.decode(ours[differ[0]:differ[0] + 2]) == " 0"  # " ", "0" vs " 0": the boundary alone
+
+
+@pytest.mark.slow  # the real vocabulary takes seconds to build
+def test_over_a_real_bpe_that_splits_digits_the_ids_equal_the_processors_after_a_space_and_a_digit_too(
+        tmp_path, qwen_real_checkpoint):
+    """The tiny Kimi-K2.5 checkpoint over Qwen2's real BPE, whose pre-tokenizer keeps every digit a token of its own and
+    apart from a space: the reference's whole-text tokenization and batchvlm's time-apart one give the same ids,
+    whatever text stands before a clip."""
+    import qwen_vocab
+
+    from batchvlm.families import ModelConfig, load_family, tiny_checkpoint
+
+    qwen_vocab.write_kimi_checkpoint(tmp_path, qwen_real_checkpoint, tiny_checkpoint("kimi_k25"))
+    family = load_family(ModelConfig(family="kimi_k25", path=str(tmp_path)))
+    assert family.video_rule is not None
+    indices = family.video_sampler()(31, 10)
+    plan = family.plan_video(indices, 31, 10, 64, 96)
+    processor = Kimi_K25Processor(image_processor=family.reference_processor(), tokenizer=family.tokenizer,
+                                  video_processor=hf_video_processor(family, family.video_params.in_patch_limit_each_frame),
+                                  chat_template=family.tokenizer.chat_template)
+    frames = torch.from_numpy(np.stack([frame_pixels(i, 64, 96) for i in indices])).permute(0, 3, 1, 2)
+    for before in ("Watch ", "clip 2", "Look:", ""):
+        messages = [{"role": "user", "content": [{"type": "text", "text": before}, {"type": "video"}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "A ball rolls."}]}]
+        rendered = processor.apply_chat_template(messages, tokenize=False)
+        reference = processor(text=[rendered], videos=[frames], return_tensors="pt",
+                              video_metadata=[VideoMetadata(total_num_frames=31, fps=10, frames_indices=indices)])
+        assert expanded_by_family(family, rendered, [plan], [])[0] == reference["input_ids"][0].tolist(), before
