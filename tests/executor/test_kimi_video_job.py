@@ -166,3 +166,47 @@ def test_the_packed_loader_puts_each_chunk_token_row_where_its_token_is(kimi_run
     hidden = batch.video_embeds.shape[-1]
     first = torch.frombuffer(bytearray(rows["two_clips"]["video_embeds"]), dtype=torch.float32).view(-1, hidden)
     assert torch.equal(batch.video_embeds[:len(first)].float(), first)
+
+
+def test_the_estimate_sizes_kimi_clip_records_from_their_headers_alone(kimi_run):
+    """batchvlm-estimate on the same records: each clip probed and sampled, none decoded, planned in chunks as the job
+    plans them; the bad records quarantined as the job does."""
+    from batchvlm.rundir.sink import OutputConfig
+    from batchvlm.sizing.estimate import EstimateConfig, estimate
+    from batchvlm.sources.config import dataset_config
+
+    folder, run = kimi_run
+    result = estimate(EstimateConfig(
+        dataset=dataset_config(kind="json", format="llava", images_column="image", text_column="conversations",
+                               path=str(folder / "llava.json")),
+        model=ModelConfig(), output=OutputConfig(embed_dtype="float32"), records=len(RECORDS)))
+    assert result.sampled == len(RECORDS) and result.quarantined == 2
+    written = rows_of(run, "data")
+    assert result.data_bytes_per_record > min(len(row["video_embeds"]) for row in written.values())
+
+
+def test_a_stored_kimi_clip_row_trains_with_the_loss_the_model_gives_on_its_pixels(kimi_run):
+    """training.model_inputs on the stored rows (the chunks' tokens as `mm_encoder_outputs["video"]`) against the
+    model's own forward on the processor's `pixel_values_videos` and `pixel_values`, with the same labels. The tiny
+    checkpoint's config.json states no video_token_id: the model is told the tokenizer's, as a trainer would."""
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    from batchvlm.training.model_inputs import model_inputs
+    from batchvlm.training.packing import pack
+    from batchvlm.training.reader import read_run
+    from hf_models import pretrained
+
+    folder, run = kimi_run
+    family = load_family(ModelConfig())
+    model = pretrained(family.checkpoint, Kimi_K25ForConditionalGeneration, dtype=torch.float32)
+    model.config.video_token_id = family.video_token_id
+    stored = {record.id: record for record in read_run(run)}
+    for record in RECORDS[:2]:
+        batch = pack([stored[record["id"]]], 4096)
+        reference = reference_inputs(family, folder, record)
+        pixels = {key: reference[key] for key in ("pixel_values", "image_grid_thw", "pixel_values_videos",
+                                                  "video_grid_thw") if key in reference}
+        with torch.inference_mode():
+            ours = model(**model_inputs(model, batch)).loss
+            theirs = model(input_ids=reference["input_ids"], **pixels, labels=batch.labels, use_cache=False).loss
+        assert torch.isfinite(ours) and abs(float(ours) - float(theirs)) <= 1e-4 * abs(float(theirs)), record["id"]
