@@ -210,3 +210,17 @@ def test_a_stored_kimi_clip_row_trains_with_the_loss_the_model_gives_on_its_pixe
             ours = model(**model_inputs(model, batch)).loss
             theirs = model(input_ids=reference["input_ids"], **pixels, labels=batch.labels, use_cache=False).loss
         assert torch.isfinite(ours) and abs(float(ours) - float(theirs)) <= 1e-4 * abs(float(theirs)), record["id"]
+
+
+def test_the_demos_clips_embed_with_kimi_k25_and_its_cut_clip_is_quarantined_with_its_check(tmp_path):
+    """`dataset=demo_clips` with the default family (the tiny Kimi-K2.5): every clip in chunks, a grid and a span
+    per chunk; the clip cut short quarantined as video.truncated."""
+    run = embed_in_process(tmp_path, "demo-clips", "dataset=demo_clips", "preprocess.backend=torch")
+    written, quarantined = rows_of(run, "data"), rows_of(run, "quarantine")
+    assert set(written) == {"astronaut_pan", "coffee_zoom_and_cat", "moon_and_astronaut"}
+    assert {key: row["check"] for key, row in quarantined.items()} == {"bad_cut_short": "video.truncated"}
+    for row in written.values():
+        chunks = [-(-len(indices) // 4) for indices in row["video_frame_indices"]]
+        assert len(row["video_grid_thw"]) == len(row["video_spans"]) == sum(chunks)
+        assert [t for t, _, _ in row["video_grid_thw"]] == [
+            min(4, len(indices) - 4 * k) for indices in row["video_frame_indices"] for k in range(-(-len(indices) // 4))]
