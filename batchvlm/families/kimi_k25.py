@@ -44,7 +44,8 @@ VIDEO_TOKEN = "<|kimi_k25_video_placeholder|>"
 remote code and vLLM pad chunks with <|media_pad|> instead: the embeddings land on the same places either way)."""
 VIDEO_RULE = ("Kimi-K2.5's checkpoint processor (kimi_k25_vision_processing.split_video_chunks, "
               "media_utils.navit_resize_video): min(sample_fps, video fps), linspace(0, n-1, k).round(), chunks of "
-              "temporal_merge_kernel_size frames, the last one shorter; chunk prompts as transformers' Kimi_K25Processor")
+              "temporal_merge_kernel_size frames, the last one shorter; chunk prompts as transformers' "
+              "Kimi_K25Processor")
 """The one reference batchvlm samples, chunks, sizes and prompts Kimi-K2.5 clips by. transformers' video processor
 samples otherwise (fps 2 by arange(n) * total // n, no min with the clip's rate) and has no in_patch_limit_video: it is
 the oracle of grids, pixels and ids on frames sampled by this rule, not of the sampling."""
@@ -336,8 +337,9 @@ class KimiK25(PatchFamily):
         return kimi_video_plan(indices, video_fps, height, width, self.params, self.video_params)
 
     def replace_video(self, plan: KimiVideoPlan) -> tuple[list[int], list[int]]:
-        """The ids (and tags) that replace the template's one clip token (pipeline.chat): per chunk its time as plain text, then
-        `<|media_begin|>video<|media_content|>`, a pad per token, `<|media_end|>` (transformers' Kimi_K25Processor)."""
+        """The ids (and tags) that replace the template's one clip token (pipeline.chat): per chunk its time as plain
+        text, then `<|media_begin|>video<|media_content|>`, a pad per token, `<|media_end|>` (transformers'
+        Kimi_K25Processor)."""
         begin, content, end = (token_id(self.tokenizer, token, self.name) for token in FRAME_TOKENS)
         word = self.encode_text("video")
         ids, tags = [], []

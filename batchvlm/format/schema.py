@@ -113,7 +113,8 @@ DATA_COLUMNS = (
     Column("rope_delta", pa.int32(), "max position + 1 - sequence length (where decoding continues)", "qwen2_vl",
            read=True),
     Column("video_spans", pa.list_(pa.struct([("start", pa.int32()), ("length", pa.int32())])),
-           "each clip's run of video tokens in `input_ids` (a Kimi-K2.5 clip: each chunk's), in clip order", CLIPS, read=True),
+           "each clip's run of video tokens in `input_ids` (a Kimi-K2.5 clip: each chunk's), in clip order", CLIPS,
+           read=True),
     Column("video_grid_thw", pa.list_(pa.list_(pa.int32())), "per clip (Kimi-K2.5: per chunk) (t, h, w) in patches "
            "(transformers' `video_grid_thw`)", CLIPS, read=True),
     Column("second_per_grid_ts", pa.list_(pa.float64()), "per clip, the seconds one temporal patch spans: "

@@ -396,8 +396,8 @@ def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: Preproc
     rows = [guard.checked_rows(record, index, image, plan, grid, image_rows, all_finite)
             for (record, index), image, plan, grid, image_rows, all_finite
             in zip(owners, images, plans, grids, rows, finite)]
-    clips_rows = [checked_clip_rows(record, index, plan, part, all_finite) for (record, index, _, plan), part, all_finite
-                  in zip(clips, clips_rows, finite[len(rows):])]
+    clips_rows = [checked_clip_rows(record, index, plan, part, all_finite)
+                  for (record, index, _, plan), part, all_finite in zip(clips, clips_rows, finite[len(rows):])]
     pixel_values = torch.cat(in_record_order(records, rows, clips_rows) if clips_rows else rows)
     grid_thw = torch.tensor([plan.grid_thw for record in records for plan in record.media_plans], dtype=torch.int64)
     require(pixel_values.shape[0] == int(grid_thw.prod(-1).sum()), "preprocess.feature_length",

@@ -87,6 +87,13 @@ def hf_video_processor(family, max_patches: int, chunk: int = 4) -> Kimi_K25Vide
         image_mean=list(params.image_mean), image_std=list(params.image_std), do_sample_frames=False)
 
 
+def hf_processor(family) -> Kimi_K25Processor:
+    """transformers' Kimi-K2.5 processor of the family's tokenizer, template, image and video processors."""
+    return Kimi_K25Processor(image_processor=family.reference_processor(), tokenizer=family.tokenizer,
+                             video_processor=hf_video_processor(family, family.video_params.in_patch_limit_each_frame),
+                             chat_template=family.tokenizer.chat_template)
+
+
 def chunk_rows(family, frames: np.ndarray, plan) -> list[torch.Tensor]:
     """Each chunk's frames through the torch backend as images at the chunk's plan, frame after frame."""
     preprocessor = TorchPreprocessor(family, torch.device("cpu"), "black")
@@ -169,9 +176,7 @@ def test_a_clips_chunks_expand_to_the_ids_kimi_k25_processor_gives_its_chat_temp
     frames = np.stack([frame_pixels(i, 64, 96) for i in range(31)])
     indices = family.video_sampler()(31, video_fps)
     plan = family.plan_video(indices, 31, video_fps, 64, 96)
-    processor = Kimi_K25Processor(image_processor=family.reference_processor(), tokenizer=family.tokenizer,
-                                  video_processor=hf_video_processor(family, family.video_params.in_patch_limit_each_frame),
-                                  chat_template=family.tokenizer.chat_template)
+    processor = hf_processor(family)
     image = photo_of_size(70, 120)
     # Text before a clip ends at a token boundary: the reference tokenizes the timestamp with the text before it
     # (docs/video.md: a digit, or for a byte-level BPE a space, before a clip fuses with it there).
@@ -180,8 +185,9 @@ def test_a_clips_chunks_expand_to_the_ids_kimi_k25_processor_gives_its_chat_temp
                 {"role": "assistant", "content": [{"type": "text", "text": "A ball rolls."}]}]
     rendered = processor.apply_chat_template(messages, tokenize=False)
     metadata = VideoMetadata(total_num_frames=31, fps=video_fps, height=64, width=96, frames_indices=indices)
-    reference = processor(text=[rendered], images=[image], videos=[torch.from_numpy(frames[indices]).permute(0, 3, 1, 2)],
-                          video_metadata=[metadata], return_tensors="pt")
+    clip = torch.from_numpy(frames[indices]).permute(0, 3, 1, 2)
+    reference = processor(text=[rendered], images=[image], videos=[clip], video_metadata=[metadata],
+                          return_tensors="pt")
     ids, tags = expanded_by_family(family, rendered, [plan], [family.plan(*image.shape[:2])])
     assert ids == reference["input_ids"][0].tolist()
     # frame 24 at 10 fps: 2.4 % 1 * 1000 = 399.99..., truncated as the reference truncates it
@@ -274,9 +280,7 @@ def test_a_record_with_a_clip_and_an_image_lays_out_as_kimi_k25_processor_gives_
     clip, image = family.plan_video(indices, 31, video_fps, 64, 96), family.plan(70, 120)
     layout = laid_out(side, side.placed(record), [image], TextConfig(), [clip])
 
-    processor = Kimi_K25Processor(image_processor=family.reference_processor(), tokenizer=family.tokenizer,
-                                  video_processor=hf_video_processor(family, family.video_params.in_patch_limit_each_frame),
-                                  chat_template=family.tokenizer.chat_template)
+    processor = hf_processor(family)
     messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "\nWhat happens, and in "},
                                              {"type": "image"}, {"type": "text", "text": "?"}]},
                 {"role": "assistant", "content": [{"type": "text", "text": "A ball rolls."}]}]
@@ -289,7 +293,8 @@ def test_a_record_with_a_clip_and_an_image_lays_out_as_kimi_k25_processor_gives_
     assert [length for _, length in layout.video_spans] == [chunk.num_tokens for chunk in clip.chunks]
     tags, mask = np.asarray(layout.token_tags), np.asarray(layout.chat.loss_mask)
     for start, length in layout.video_spans:
-        assert (tags[start:start + length] == VIDEO).all() and tags[start - 1] == FRAME and tags[start + length] == FRAME
+        assert (tags[start:start + length] == VIDEO).all()
+        assert tags[start - 1] == FRAME and tags[start + length] == FRAME
     first = layout.video_spans[0][0]
     head = len(family.encode_text("00:00:00.000")) + 2 + len(family.encode_text("video"))
     assert (tags[first - head:first] == FRAME).all()  # the time, <|media_begin|>, "video", <|media_content|>
@@ -306,9 +311,7 @@ def test_after_a_space_the_reference_fuses_the_text_before_a_clip_with_its_time_
     family = kimi_family
     indices = family.video_sampler()(31, 10)
     plan = family.plan_video(indices, 31, 10, 64, 96)
-    processor = Kimi_K25Processor(image_processor=family.reference_processor(), tokenizer=family.tokenizer,
-                                  video_processor=hf_video_processor(family, family.video_params.in_patch_limit_each_frame),
-                                  chat_template=family.tokenizer.chat_template)
+    processor = hf_processor(family)
     messages = [{"role": "user", "content": [{"type": "text", "text": "Watch "}, {"type": "video"}]},
                 {"role": "assistant", "content": [{"type": "text", "text": "A ball rolls."}]}]
     rendered = processor.apply_chat_template(messages, tokenize=False)
@@ -337,9 +340,7 @@ def test_over_a_real_bpe_that_splits_digits_the_ids_equal_the_processors_after_a
     assert family.video_rule is not None
     indices = family.video_sampler()(31, 10)
     plan = family.plan_video(indices, 31, 10, 64, 96)
-    processor = Kimi_K25Processor(image_processor=family.reference_processor(), tokenizer=family.tokenizer,
-                                  video_processor=hf_video_processor(family, family.video_params.in_patch_limit_each_frame),
-                                  chat_template=family.tokenizer.chat_template)
+    processor = hf_processor(family)
     frames = torch.from_numpy(np.stack([frame_pixels(i, 64, 96) for i in indices])).permute(0, 3, 1, 2)
     for before in ("Watch ", "clip 2", "Look:", ""):
         messages = [{"role": "user", "content": [{"type": "text", "text": before}, {"type": "video"}]},
