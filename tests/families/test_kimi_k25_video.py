@@ -349,3 +349,24 @@ def test_over_a_real_bpe_that_splits_digits_the_ids_equal_the_processors_after_a
         reference = processor(text=[rendered], videos=[frames], return_tensors="pt",
                               video_metadata=[VideoMetadata(total_num_frames=31, fps=10, frames_indices=indices)])
         assert expanded_by_family(family, rendered, [plan], [])[0] == reference["input_ids"][0].tolist(), before
+
+
+def test_the_jobs_clip_rows_are_each_chunks_frames_laid_out_as_images_even_where_chunks_differ_in_size(kimi_family):
+    """preprocess.clip_rows (the job's path for a clip in parts) on a plan whose short last chunk has larger frames
+    (in_patch_limit_video): each chunk's frames as the torch backend lays out images at the chunk's plan."""
+    from batchvlm.pipeline.preprocess import clip_rows
+
+    frames = np.stack([frame_pixels(i, 150, 200) for i in range(6)])
+    plan = kimi_video_plan(list(range(6)), 2.0, 150, 200, kimi_family.params, KimiVideoParams(in_patch_limit_video=96))
+    assert len({chunk.plan.padded for chunk in plan.chunks}) == 2
+    ours = clip_rows(torch.from_numpy(frames), plan, kimi_family)
+    assert torch.equal(ours, torch.cat(chunk_rows(kimi_family, frames, plan)))
+    assert ours.shape[0] == plan.num_patches
+
+
+def test_a_layout_cut_by_drop_turns_keeps_the_clips_whose_chunk_spans_it_holds(kimi_family):
+    from batchvlm.records import clips_kept
+
+    plans = [kimi_video_plan(list(range(n)), 2.0, 64, 96, kimi_family.params, KimiVideoParams()) for n in (6, 3, 9)]
+    assert [len(plan.chunks) for plan in plans] == [2, 1, 3]
+    assert [clips_kept(plans, spans) for spans in (0, 1, 2, 3, 5, 6)] == [0, 0, 1, 2, 2, 3]
