@@ -150,7 +150,7 @@ def require_fits(layout: TokenLayout, max_tokens: int | None, dropped: bool = Fa
 def attach_positions(layout: TokenLayout, plans: list[ImagePlan], family, clip_plans: list = ()) -> None:
     """The family's position ids (M-RoPE), checked against the sequence they must cover: with clips, over the
     images' and clips' spans in sequence order."""
-    if clip_plans:
+    if clip_plans and hasattr(family, "media_positions"):  # a family without M-RoPE positions has none for clips
         spans, ordered = zip(*sorted([*zip(layout.image_spans, plans), *zip(layout.video_spans, clip_plans)],
                                      key=lambda span_plan: span_plan[0][0]))
         found = family.media_positions(len(layout.input_ids), list(spans), list(ordered))
