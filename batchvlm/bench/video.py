@@ -25,9 +25,9 @@ from batchvlm.checks import CheckFailed
 from batchvlm.pipeline.video import VideoConfig, check_budget, decode_frames, probe
 
 
-def panned_clip(seconds: float, fps: int, height: int, width: int, codec: str = "libx264") -> bytes:
-    """An H.264 MP4 of a photograph panned a few pixels a frame."""
-    photo = np.asarray(Image.fromarray(photos(1, [(height, width)])[0]))
+def panned_clip(seconds: float, fps: int, height: int, width: int, codec: str = "libx264", photo: int = 0) -> bytes:
+    """An H.264 MP4 of a photograph (the `photo`-th of decoding.photos) panned a few pixels a frame."""
+    photo = np.asarray(Image.fromarray(photos(photo + 1, [(height, width)])[photo]))
     buffer = io.BytesIO()
     with av.open(buffer, "w", format="mp4") as out:
         stream = out.add_stream(codec, rate=fps)
