@@ -7,9 +7,9 @@ with a ViT-B-sized tower (`tower=base`, qwen2_vl.BASE_VISION, built once) or the
 - the whole job (`Job.run_all` in this process, `job_workers` workers, after a warm-up job) on LLaVA records of one
   clip each, in clips/s, against the tower alone on the same packed batches (prepared, batched by the job's budget and
   preprocessed beforehand): the issue's target is 0.8x;
-- a long clip (`long_clip_seconds` at `clip_height` x `clip_width`) decoded by the job's decoder child under the byte
-  cap (`video.max_decoded_bytes`): the child's peak RSS (its VmHWM, read from /proc) against its RSS before the clip
-  and the sampled frames' RGB bytes.
+- a long clip (`long_clip_seconds` at `long_clip_height` x `long_clip_width`, 720p by default) decoded by the job's
+  decoder child under the byte cap (`video.max_decoded_bytes`): the child's peak RSS (its VmHWM, read from /proc)
+  against its RSS before the clip and the sampled frames' RGB bytes.
 The clips are photographs panned a few pixels a frame (bench/video.py), each of another photo.
 """
 
@@ -67,11 +67,12 @@ def write_clips(folder: Path, config) -> Path:
 
 
 def clips_job(path: Path, out: Path, config, name: str) -> JobConfig:
-    units = math.ceil(config.clips / (2 * config.job_workers))
+    """The job on the clip records, cut into two units per worker (a JSON input's units are cut by its bytes)."""
+    unit_bytes = math.ceil(path.stat().st_size / (2 * config.job_workers))
     model = ModelConfig(family="qwen2_vl", path=clip_checkpoint(config), device=config.device, dtype=config.dtype)
     return JobConfig(run_name=name, dataset=dataset_config("json", path=str(path), format="llava",
                                                           images_column="image", text_column="conversations",
-                                                          image_root=str(path.parent), unit_records=units),
+                                                          image_root=str(path.parent), unit_bytes=unit_bytes),
                      model=model, output=OutputConfig(root=str(out)),
                      runtime=RuntimeConfig(progress=False, num_workers=config.job_workers))
 
@@ -111,7 +112,8 @@ def long_clip_in_the_decoder(folder: Path, config, sampler) -> dict:
     started on a one-second clip first, so that its RSS before is the child's own and its peak the long clip's."""
     short, long = folder / "short.mp4", folder / "long.mp4"
     short.write_bytes(panned_clip(1.0, config.clip_fps, 64, 96))
-    long.write_bytes(panned_clip(config.long_clip_seconds, config.clip_fps, config.clip_height, config.clip_width))
+    long.write_bytes(panned_clip(config.long_clip_seconds, config.clip_fps, config.long_clip_height,
+                                 config.long_clip_width))
     limits = VideoConfig()
     decoder = Decoder(DecodeConfig(), limits)
     try:

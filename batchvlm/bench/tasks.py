@@ -111,6 +111,9 @@ class BenchConfig(Config):
     """task=video|clips: the clip's length (made here from a real photograph, panned; H.264 in MP4)."""
     long_clip_seconds: float = 60.0
     """task=video|clips: the long clip whose peak RSS is measured as its sampled frames decode."""
+    long_clip_height: int = 720
+    long_clip_width: int = 1280
+    """task=clips: the long clip's frame size (task=video's is clip_height x clip_width)."""
     clips: int = 8
     """task=clips: LLaVA records of one clip each run through the job and the tower alone."""
     clip_fps: int = 30
@@ -132,7 +135,8 @@ class BenchConfig(Config):
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens", "steps",
-                    "records", "clips", "job_workers", "peak_tflops", "ranks", "units", "block_units"):
+                    "records", "clips", "long_clip_height", "long_clip_width", "job_workers", "peak_tflops", "ranks",
+                    "units", "block_units"):
             positive(key, getattr(self, key))
         if self.workers < 0:
             raise ConfigError(f"workers={self.workers} must be >= 0")

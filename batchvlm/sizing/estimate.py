@@ -94,7 +94,8 @@ class HeaderReader:
         header = probe(data, self.video)
         indices = sample(header.frames, header.fps)
         rotation = display_rotation(data, header)
-        frames = np.broadcast_to(np.zeros((1, 1, 1, 3), np.uint8), (len(indices), *upright_frame_size(header, rotation), 3))
+        shape = (len(indices), *upright_frame_size(header, rotation), 3)
+        frames = np.broadcast_to(np.zeros((1, 1, 1, 3), np.uint8), shape)
         return Clip(header, DecodedVideo(frames, tuple(indices), tuple(header.timestamps_s[i] for i in indices),
                                          rotation))
 

@@ -9,7 +9,8 @@ from batchvlm.bench.tasks import BenchConfig
 from batchvlm.config import ConfigError
 
 TINY_CLIPS = dict(task="clips", tower="tiny", device="cpu", dtype="float32", repeats=1, clips=4, job_workers=1,
-                  clip_seconds=2.0, long_clip_seconds=3.0, clip_fps=10, clip_height=56, clip_width=84)
+                  clip_seconds=2.0, long_clip_seconds=3.0, clip_fps=10, clip_height=56, clip_width=84,
+                  long_clip_height=56, long_clip_width=84)
 
 
 @pytest.mark.slow

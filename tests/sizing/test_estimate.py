@@ -123,14 +123,16 @@ def test_a_text_only_dataset_is_estimated_without_dividing_by_zero(tmp_path):
 
 def clip_records(folder) -> str:
     """LLaVA records of generated clips: a short one, a long one, a 90-degree rotated one, and a record with two."""
-    clips = {"short.mp4": make_clip(8, fps=4, height=56, width=84), "long.mp4": make_clip(40, fps=4, height=56, width=84),
+    clips = {"short.mp4": make_clip(8, fps=4, height=56, width=84),
+             "long.mp4": make_clip(40, fps=4, height=56, width=84),
              "turned.mp4": make_clip(12, fps=4, height=56, width=112, rotation=90)}
     for name, data in clips.items():
         (folder / name).write_bytes(data)
     videos = [["short.mp4"], ["long.mp4"], ["turned.mp4"], ["short.mp4", "turned.mp4"]]
     lines = []
     for n, names in enumerate(videos):
-        turns = [{"from": "human", "value": "<video> " * len(names) + "what moves?"}, {"from": "gpt", "value": "A bar."}]
+        turns = [{"from": "human", "value": "<video> " * len(names) + "what moves?"},
+                 {"from": "gpt", "value": "A bar."}]
         lines.append(json.dumps({"id": f"c{n}", "video": names, "conversations": turns}) + "\n")
     (folder / "clips.jsonl").write_text("".join(lines))
     return str(folder / "clips.jsonl")
