@@ -159,10 +159,10 @@ def format_clips(result: dict) -> str:
         f"clips bench: {result['clips']} clips of {result['clip']} (H.264), {result['sampled']} frames sampled "
         f"(grid {result['grid']} each, {result['patches']} patches in {result['batches']} batches), {result['tower']} "
         f"Qwen2-VL tower in {result['dtype']} on {result['device']} ({result['threads']} threads)",
-        f"decode (isolated decoder child, one clip at a time): {decode:.1f} sampled frames/s ({result['decoded']} "
+        f"decode (isolated decoder child, one clip at a time): {decode:.3g} sampled frames/s ({result['decoded']} "
         f"frames decoded through the last sampled: {result['decode_decoded_per_s']:.0f} frames/s) vs the tower on "
-        f"their rows {tower:.1f} frames/s: {decode / tower:.2f}x (decoders a tower needs: {tower / decode:.2f})",
-        f"end-to-end {job:.3f} clips/s ({result['workers']} workers) vs tower alone {alone:.3f} clips/s: "
+        f"their rows {tower:.3g} frames/s: {decode / tower:.3g}x (decoders a tower needs: {tower / decode:.3g})",
+        f"end-to-end {job:.3g} clips/s ({result['workers']} workers) vs tower alone {alone:.3g} clips/s: "
         f"{job / alone:.2f}x",
         f"long clip {result['long_clip']}: its {result['long_sampled']} sampled frames "
         f"({result['long_bytes'] / 2 ** 20:.0f} MB as RGB, cap {result['cap_bytes'] / 2 ** 20:.0f} MB) decoded by the "

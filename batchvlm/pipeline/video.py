@@ -316,6 +316,7 @@ def display_rotation(data: bytes, header: VideoHeader) -> int:
     stream whose first frame does not decode is 0 here: decoding it is the job's check, video.truncated)."""
     with _open(data) as container:
         stream = next(s for s in container.streams if s.index == header.stream_index)
+        stream.codec_context.thread_count = 1  # one frame: decoding threads would only add their start-up
         try:
             for frame in container.decode(stream):
                 return _upright_turn(frame)
