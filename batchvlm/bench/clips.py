@@ -4,8 +4,8 @@ with a ViT-B-sized tower (`tower=base`, qwen2_vl.BASE_VISION, built once) or the
 - the decode (PyAV in the job's isolated decoder child, as a worker runs it: header, packets, the frames through the
   last sampled one) in sampled frames/s, against the tower on those frames' rows (frames/s): how many decoders a
   device's tower needs;
-- the whole job (`Job.run_all` in this process, `job_workers` workers, after a warm-up job) on LLaVA records of one
-  clip each, in clips/s, against the tower alone on the same packed batches (prepared, batched by the job's budget and
+- the whole job (`Job.run_all` in this process, `job_workers` workers, after a warm-up job, `preprocess.token_budget`
+  = `token_budget`) on LLaVA records of one clip each, in clips/s, against the tower alone on the same packed batches (prepared, batched by the job's budget and
   preprocessed beforehand): the issue's target is 0.8x;
 - a long clip (`long_clip_seconds` at `long_clip_height` x `long_clip_width`, 720p by default) decoded by the job's
   decoder child under the byte cap (`video.max_decoded_bytes`): the child's peak RSS (its VmHWM, read from /proc)
@@ -34,7 +34,7 @@ from batchvlm.executor.job import Parts
 from batchvlm.executor.worker import prepare
 from batchvlm.families import TINY, ModelConfig, qwen2_vl
 from batchvlm.pipeline.decode import DecodeConfig, Decoder
-from batchvlm.pipeline.preprocess import preprocess_batch
+from batchvlm.pipeline.preprocess import PreprocessConfig, preprocess_batch
 from batchvlm.pipeline.video import VideoConfig
 from batchvlm.records import ImageRef
 from batchvlm.rundir.sink import OutputConfig
@@ -74,6 +74,7 @@ def clips_job(path: Path, out: Path, config, name: str) -> JobConfig:
                                                           images_column="image", text_column="conversations",
                                                           image_root=str(path.parent), unit_bytes=unit_bytes),
                      model=model, output=OutputConfig(root=str(out)),
+                     preprocess=PreprocessConfig(token_budget=config.token_budget),
                      runtime=RuntimeConfig(progress=False, num_workers=config.job_workers))
 
 

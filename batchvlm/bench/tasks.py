@@ -39,7 +39,7 @@ from batchvlm.demo import build_once, demo_rows, home, photographs
 from batchvlm.executor.config import RuntimeConfig
 from batchvlm.families import TINY, ModelConfig, load_family
 from batchvlm.format.schema import Dtype
-from batchvlm.pipeline.preprocess import TorchPreprocessor, TritonPreprocessor
+from batchvlm.pipeline.preprocess import PreprocessConfig, TorchPreprocessor, TritonPreprocessor
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.manifest import listed_shards
 from batchvlm.records import DecodedImage, PreparedRecord, SourceRecord, TokenLayout
@@ -116,6 +116,9 @@ class BenchConfig(Config):
     """task=clips: the long clip's frame size (task=video's is clip_height x clip_width)."""
     clips: int = 8
     """task=clips: LLaVA records of one clip each run through the job and the tower alone."""
+    token_budget: int = PreprocessConfig.token_budget
+    """task=clips: the job's preprocess.token_budget (lower: more batches of the same clips, so that the job's rate is
+    measured after its first batch)."""
     clip_fps: int = 30
     clip_height: int = 720
     clip_width: int = 1280
@@ -135,7 +138,7 @@ class BenchConfig(Config):
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens", "steps",
-                    "records", "clips", "long_clip_height", "long_clip_width", "job_workers", "peak_tflops", "ranks",
+                    "records", "clips", "token_budget", "long_clip_height", "long_clip_width", "job_workers", "peak_tflops", "ranks",
                     "units", "block_units"):
             positive(key, getattr(self, key))
         if self.workers < 0:
