@@ -285,11 +285,10 @@ def quantile(values: list, q: float):
 
 
 def clips_line(result: Estimate) -> str:
-    frames, decoded, tokens = result.frames_per_clip, result.decoded_per_clip, result.tokens_per_clip
+    spread = lambda values: "/".join(str(quantile(values, q)) for q in (0.5, 0.9, 1))  # noqa: E731
     return (f"clips: {result.clips_per_record:.2f} per record; per clip (p50/p90/max): sampled frames "
-            f"{'/'.join(str(quantile(frames, q)) for q in (0.5, 0.9, 1))}, decoded (first through last sampled) "
-            f"{'/'.join(str(quantile(decoded, q)) for q in (0.5, 0.9, 1))}, video tokens "
-            f"{'/'.join(str(quantile(tokens, q)) for q in (0.5, 0.9, 1))}")
+            f"{spread(result.frames_per_clip)}, decoded (first through last sampled) {spread(result.decoded_per_clip)}, "
+            f"video tokens {spread(result.tokens_per_clip)}")
 
 
 def format_estimate(result: Estimate) -> str:
