@@ -12,6 +12,7 @@ import os
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from itertools import accumulate
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -78,7 +79,8 @@ def plan_and_lay_out(record: SourceRecord, content: str | list[Turn], images: li
     layout = laid_out(text, content, plans, job.text, clip_plans)
     kept = len(layout.image_spans)  # the images of turns that text.overflow=drop_turns left out are not embedded
     images, plans = images[:kept], plans[:kept]
-    kept_clips = len(layout.video_spans)
+    # a clip lays out one span or (Qwen3-VL) one per temporal patch: the clips whose spans were kept
+    kept_clips = sum(end <= len(layout.video_spans) for end in accumulate(len(plan.spans) for plan in clip_plans))
     clips, clip_plans = list(clips[:kept_clips]), clip_plans[:kept_clips]
     attach_positions(layout, plans, family, clip_plans)
     return PreparedRecord(source=record, images=images, plans=plans, layout=layout, clips=clips,

@@ -33,7 +33,7 @@ from batchvlm.towers.attention import resolve_attention, use
 from batchvlm.towers.grids import PerGrid, interpolation_taps, joined, patches_of
 from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
 from batchvlm.records import ImagePlan, TokenLayout
-from batchvlm.format.schema import FRAME, IMAGE, TEXT, VIDEO
+from batchvlm.format.schema import FRAME, IMAGE, VIDEO
 
 IMAGE_TOKEN = "<|image_pad|>"
 VIDEO_TOKEN = "<|video_pad|>"
@@ -444,18 +444,11 @@ class Qwen2VL(PatchFamily):
         return "".join(timestamp_text(seconds) + wrapped for seconds in plan.timestamps)
 
     def expand_video(self, plan: VideoPlan) -> tuple[list[int], list[int]]:
-        """The ids (and their tags) that replace one clip's `<|vision_start|><|video_pad|><|vision_end|>`: for each
-        span, (Qwen3-VL: its timestamp tokenized alone, as text) start, video tokens, end."""
+        """The ids (and their tags) that replace one Qwen2/2.5-VL clip's `<|vision_start|><|video_pad|><|vision_end|>`
+        (a Qwen3-VL clip's timestamps are tokenized with the text around them: the renderer's, from video_prompt)."""
         start, end = self.frame_ids
-        ids, tags = [], []
-        stamps = plan.timestamps or [None]
-        for seconds, span in zip(stamps, plan.spans, strict=True):
-            if seconds is not None:
-                text = self.tokenizer.encode(timestamp_text(seconds), add_special_tokens=False)
-                ids, tags = ids + text, tags + [TEXT] * len(text)
-            ids += [start] + [self.video_token_id] * span.num_tokens + [end]
-            tags += [FRAME] + [VIDEO] * span.num_tokens + [FRAME]
-        return ids, tags
+        count = plan.num_tokens
+        return [start] + [self.video_token_id] * count + [end], [FRAME] + [VIDEO] * count + [FRAME]
 
     def time_step(self, plan: ImagePlan | VideoPlan) -> float:
         """How far a span's M-RoPE time moves per temporal patch: 1 for Qwen2-VL; for Qwen2.5-VL, the checkpoint's

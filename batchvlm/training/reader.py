@@ -14,7 +14,8 @@ import torch
 
 from batchvlm.config import differences
 from batchvlm.format.hf_features import SIZE_KEY
-from batchvlm.format.schema import EMBED_DTYPES, EXTRA_OUTPUTS, TENSOR_COLUMNS, check_format, format_of
+from batchvlm.format.schema import (EMBED_DTYPES, EXTRA_OUTPUTS, TENSOR_COLUMNS, check_format, format_of,
+                                    image_counterpart)
 from batchvlm.rundir.dedup import excluded_rows
 from batchvlm.rundir.durable import read_json
 from batchvlm.rundir.layout import DATA, RunLayout
@@ -200,7 +201,7 @@ class ShardColumns:
         self.embeds["video_embeds"] = (*_flat_embeddings(column("video_embeds"), element_size, hidden),
                                        self.has_videos)
         for name in EXTRA_OUTPUTS:  # the columns of the outputs the family has: their hidden size is in the metadata
-            if (size := _hidden_size(table.schema, name)) is not None:
+            if (size := _hidden_size(table.schema, image_counterpart(name))) is not None:
                 self.embeds[name] = (*_flat_embeddings(column(name), element_size, size),
                                      column(name).is_valid().to_pylist())
 
