@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import ClassVar
 
 import numpy as np
@@ -340,7 +341,7 @@ class ChatRenderer:
 
     def tokenize(self, turns: list[Turn], clip_plans: list = ()) -> Rendered:
         text, slots, spans = self.placed(turns)
-        prompt = getattr(self.family, "video_prompt", None)  # (a family whose clip is its template's token alone has none)
+        prompt = getattr(self.family, "video_prompt", None)  # None: a family whose clip is its template's token
         prompts = [prompt(plan) for plan in clip_plans] if clip_plans and prompt is not None else []
         inserted = []
         if prompts and prompts[0] is not None:
@@ -361,7 +362,7 @@ class ChatRenderer:
         spans_per_clip = [len(plan.spans) for plan in clip_plans] or [1] * sum(t.num_videos for t in turns)
         videos = self._media_tokens(encoded.ids, self.video_token_id, sum(spans_per_clip), "video")
         # a clip of several spans (Qwen3-VL) is one piece of its turn, from its first span's token to its last's
-        lasts = np.cumsum(spans_per_clip, dtype=np.int64)
+        lasts = accumulate(spans_per_clip)
         clips = [(int(videos[last - count]), int(videos[last - 1]) + 1) for last, count in zip(lasts, spans_per_clip)]
         rendered = self._turns(turns, encoded.ids, slots, ranges,
                                {None: [(int(i), int(i) + 1) for i in images], Slot.VIDEO: clips})

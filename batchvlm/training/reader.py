@@ -36,7 +36,7 @@ class RecordTensors:
     rope_delta: int | None
     loss_mask: torch.Tensor | None = None  # [seq] int8, 1 where trained: a conversation's; None for a plain text
     video_embeds: torch.Tensor | None = None  # [n_video_tokens, hidden]: a record with clips (qwen2_vl)
-    video_spans: torch.Tensor | None = None  # [n_clips, 2] int64: (start, length)
+    video_spans: torch.Tensor | None = None  # [n_spans, 2] int64: (start, length), per clip (Qwen3-VL: per t patch)
     video_grid_thw: torch.Tensor | None = None  # [n_clips, 3] int64: each clip's (t, h, w) in patches
     second_per_grid_ts: torch.Tensor | None = None  # [n_clips] float64: seconds one temporal patch spans
 
