@@ -389,7 +389,7 @@ class ChatRenderer:
         pieces, inserted, shifts, at, moved = [], [], [], 0, 0
         for place, prompt in zip(places, prompts):
             first, last = place, place + len(pad)
-            if text.startswith(start, first - len(start)) and text.startswith(end, last):
+            if first >= len(start) and text.startswith(start, first - len(start)) and text.startswith(end, last):
                 first, last = first - len(start), last + len(end)
             pieces += [text[at:first], prompt]
             inserted.append((first + moved, first + moved + len(prompt)))

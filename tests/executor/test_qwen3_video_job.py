@@ -140,3 +140,23 @@ def test_a_stored_qwen3_clip_row_trains_with_the_loss_the_model_gives_on_its_pix
             theirs = model(**{key: value for key, value in reference.items() if key != "attention_mask"},
                            labels=batch.labels, use_cache=False).loss
         assert torch.isfinite(ours) and abs(float(ours) - float(theirs)) <= 1e-2 * abs(float(theirs)), record["id"]
+
+
+def test_the_estimate_sizes_qwen3_clip_records_from_their_headers_alone(qwen3_run):
+    """batchvlm-estimate on the same records: each clip probed and sampled by Qwen3-VL's rule, none decoded; its rows
+    are as wide as the job's (clip tokens and their deepstack layers counted), the bad records quarantined."""
+    from batchvlm.families import ModelConfig
+    from batchvlm.rundir.sink import OutputConfig
+    from batchvlm.sizing.estimate import EstimateConfig, estimate
+    from batchvlm.sources.config import dataset_config
+
+    checkpoint, folder, run = qwen3_run
+    result = estimate(EstimateConfig(
+        dataset=dataset_config(kind="json", format="llava", images_column="image", text_column="conversations",
+                               path=str(folder / "llava.json")),
+        model=ModelConfig(family="qwen2_vl", path=str(checkpoint)), output=OutputConfig(embed_dtype="bfloat16"),
+        records=len(RECORDS)))
+    assert result.sampled == len(RECORDS) and result.quarantined == 2
+    written = rows_of(run, "data").values()
+    assert result.data_bytes_per_record > min(len(row["video_embeds"]) + len(row["video_deepstack_embeds"])
+                                              for row in written)
