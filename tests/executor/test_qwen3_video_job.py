@@ -160,3 +160,19 @@ def test_the_estimate_sizes_qwen3_clip_records_from_their_headers_alone(qwen3_ru
     written = rows_of(run, "data").values()
     assert result.data_bytes_per_record > min(len(row["video_embeds"]) + len(row["video_deepstack_embeds"])
                                               for row in written)
+
+
+def test_the_packed_loader_gives_each_qwen3_clip_token_its_row_and_deepstack_layers(qwen3_run):
+    """PackedLoader over the run: both clip records in one pack, each clip token's stored row and deepstack layers at
+    its place (the layers split from the stored column, one tensor per layer, as for images)."""
+    from batchvlm.training.loader import LoaderConfig, PackedLoader
+
+    _, _, run = qwen3_run
+    rows = rows_of(run, "data")
+    (batch,) = list(PackedLoader(run, LoaderConfig(max_tokens=4096, shuffle_buffer=1, num_workers=0)))
+    hidden = batch.image_embeds.shape[-1]
+    tokens = torch.cat([stored(rows[key], "video_embeds", hidden) for key in batch.ids])
+    layers = torch.cat([stored(rows[key], "video_deepstack_embeds", 2 * hidden) for key in batch.ids])
+    assert torch.equal(batch.video_embeds.float(), tokens)
+    assert torch.equal(torch.cat(batch.video_deepstack_embeds, dim=-1).float(), layers)
+    assert torch.equal(batch.video_positions, torch.nonzero(batch.token_tags[0] == VIDEO).flatten())
