@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import torch
 
-from batchvlm.format.schema import EXTRA_OUTPUTS
+from batchvlm.format.schema import EXTRA_OUTPUTS, image_counterpart
 from batchvlm.format.hf_features import EMBED_ID_PREFIX, embedding_layouts
 from batchvlm.rundir.dedup import duplicate_rows
 from batchvlm.rundir.layout import DATA, RunLayout
@@ -140,7 +140,8 @@ class DatasetRows:
             image_spans=torch.tensor([(s["start"], s["length"]) for s in row["image_spans"]],
                                      dtype=torch.int64).reshape(-1, 2),
             token_tags=torch.tensor(row["token_tags"], dtype=torch.int8),
-            extras={name: self._embeddings(row[name], name) for name in EXTRA_OUTPUTS if row.get(name) is not None},
+            extras={name: self._embeddings(row[name], image_counterpart(name)) for name in EXTRA_OUTPUTS
+                    if row.get(name) is not None},
             position_ids=torch.tensor(positions, dtype=torch.int64) if positions is not None else None,
             rope_delta=row.get("rope_delta"),
             loss_mask=torch.tensor(row["loss_mask"], dtype=torch.int8) if row.get("loss_mask") is not None else None,

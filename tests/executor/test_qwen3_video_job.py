@@ -176,3 +176,28 @@ def test_the_packed_loader_gives_each_qwen3_clip_token_its_row_and_deepstack_lay
     assert torch.equal(batch.video_embeds.float(), tokens)
     assert torch.equal(torch.cat(batch.video_deepstack_embeds, dim=-1).float(), layers)
     assert torch.equal(batch.video_positions, torch.nonzero(batch.token_tags[0] == VIDEO).flatten())
+
+
+def test_the_row_collator_over_load_run_dataset_gives_the_model_qwen3_clips_with_their_deepstack(qwen3_run, tmp_path):
+    """The stock path (`load_run_dataset` rows, `RowCollator`): the clips reach the model as
+    `mm_encoder_outputs["video"]` with their deepstack layers, and the loss is the packed loader's."""
+    from batchvlm.training import load_run_dataset
+    from batchvlm.training.model_inputs import model_inputs
+    from batchvlm.training.packing import pack
+    from batchvlm.training.reader import read_run
+    from batchvlm.training.trainer import RowCollator
+
+    checkpoint, _, run = qwen3_run
+    model = model_of(checkpoint)
+    dataset = load_run_dataset(run, cache_dir=str(tmp_path / "cache"))
+    rows = [dataset[i] for i in range(len(dataset))]
+    batch = RowCollator(model, dataset, max_tokens=4096)(rows)
+    video = batch["mm_encoder_outputs"]["video"]
+    by_id = {record.id: record for record in read_run(run)}
+    packed = pack([by_id[row["id"]] for row in rows], 4096)
+    assert torch.equal(torch.cat(video.pooler_output), packed.video_embeds)
+    assert all(torch.equal(torch.cat(theirs), ours)
+               for theirs, ours in zip(video.deepstack_features, packed.video_deepstack_embeds, strict=True))
+    with torch.inference_mode():
+        assert float(model(**batch).loss) == pytest.approx(float(model(**model_inputs(model, packed)).loss),
+                                                           rel=1e-5)
