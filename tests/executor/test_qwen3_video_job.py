@@ -201,3 +201,34 @@ def test_the_row_collator_over_load_run_dataset_gives_the_model_qwen3_clips_with
     with torch.inference_mode():
         assert float(model(**batch).loss) == pytest.approx(float(model(**model_inputs(model, packed)).loss),
                                                            rel=1e-5)
+
+
+def test_trls_packed_sft_trainer_takes_qwen3_clips_with_the_models_own_loss_and_trains(qwen3_run, tmp_path):
+    """PackedSFTTrainer (TRL's SFTTrainer over the packed loader) on the run: its loss on the pack with both clip
+    records is the model's own on model_inputs (clips and their deepstack layers included), and one step trains."""
+    trl = pytest.importorskip("trl")
+    from transformers import AutoTokenizer
+
+    from batchvlm.training.loader import LoaderConfig, PackedLoader
+    from batchvlm.training.model_inputs import model_inputs
+    from batchvlm.training.sft import PackedSFTTrainer
+
+    checkpoint, _, run = qwen3_run
+    config = LoaderConfig(max_tokens=4096, shuffle_buffer=1, num_workers=0)
+    first = next(iter(PackedLoader(run, config)))
+    assert first.video_deepstack_embeds is not None
+    args = trl.SFTConfig(output_dir=str(tmp_path / "sft"), use_cpu=True, bf16=False, remove_unused_columns=False,
+                         activation_checkpointing=False, report_to=[], save_strategy="no", logging_steps=1,
+                         learning_rate=1e-4, max_steps=1)
+    trainer = PackedSFTTrainer(model_of(checkpoint), args, PackedLoader(run, config),
+                               processing_class=AutoTokenizer.from_pretrained(checkpoint))
+    trainer.model.eval()
+    with torch.no_grad():
+        expected = float(trainer.model(**model_inputs(trainer.model, first)).loss)
+        inputs = trainer.batch_inputs(first)
+        assert inputs["mm_encoder_outputs"]["video"].deepstack_features is not None
+        assert float(trainer.compute_loss(trainer.model, inputs)) == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    trainer.model.train()
+    trainer.train()
+    logged = next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry)
+    assert np.isfinite(logged)
