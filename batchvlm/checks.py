@@ -133,8 +133,8 @@ CATALOGUE: dict[str, Check] = {
               "fix the record's turns"),
         Check("text.video", "a record holds a clip (a `<video>` placeholder, a `{type: video}` block, a clip in llava's "
               "`video` or messages' `videos` column) only where its format and family take clips: llava or "
-              "messages, and a family with a video rule (Qwen2-VL, Qwen2.5-VL; not yet SigLIP2, Kimi-K2.5 or "
-              "Qwen3-VL)", "a video's placeholder embedded as plain text and its frames never, or a clip dropped unseen",
+              "messages, and a family with a video rule (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; not yet SigLIP2 or "
+              "Kimi-K2.5)", "a video's placeholder embedded as plain text and its frames never, or a clip dropped unseen",
               "leave video records out of runs of those families and formats until their clips are supported"),
         Check("text.control_token", "no text of a record (any turn's content, a plain text) tokenizes into one of the "
               "tokenizer's special tokens (`<|im_end|>`, `<|im_start|>`, `<|image_pad|>`...)",

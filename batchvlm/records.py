@@ -195,7 +195,8 @@ class TokenLayout:
     position_ids: np.ndarray | None = None  # [3, seq] M-RoPE positions, for families that use them
     rope_delta: int | None = None  # max position + 1 - seq: where decoding continues
     chat: "ChatLayout | None" = None  # a conversation: which tokens are trained, where each turn lies
-    video_spans: list[tuple[int, int]] = field(default_factory=list)  # (start, length) per clip, in clip order
+    video_spans: list[tuple[int, int]] = field(default_factory=list)  # (start, length) per clip (Qwen3-VL: per
+    # temporal patch), in clip order
 
 
 @dataclass
@@ -241,10 +242,10 @@ def clip_parts(clip_plans: list) -> list:
 
 def clips_kept(clip_plans: list, spans: int) -> int:
     """How many clips a layout with `spans` clip spans holds (text.overflow=drop_turns drops the clips of dropped
-    turns): the first ones, a span per part."""
+    turns): the first ones, each with all its spans (Qwen3-VL: one per temporal patch; Kimi-K2.5: per chunk)."""
     kept = 0
     for plan in clip_plans:
-        spans -= len(getattr(plan, "parts", (plan,)))
+        spans -= len(plan.spans)
         if spans < 0:
             break
         kept += 1

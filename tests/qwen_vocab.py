@@ -95,3 +95,29 @@ def write_kimi_checkpoint(folder: Path, qwen_checkpoint: Path, tiny: Path) -> No
 
     config = folder / "config.json"
     config.write_text(json.dumps(move(json.loads(config.read_text())), indent=2))
+
+
+def write_qwen3_checkpoint(folder: Path, tokenizer_folder: Path, video_processor) -> Path:
+    """A tiny Qwen3-VL (deepstack at two of three tower layers) over the tokenizer of `tokenizer_folder` with
+    Qwen3-VL's published chat template, saved as transformers saves it, with its image processor (patch 16, mean and
+    std 0.5) and `video_processor`'s config, as a release ships them."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    tokenizer.chat_template = (Path(__file__).parent / "families" / "templates" / "qwen3_vl.jinja").read_text()
+    convert = tokenizer.convert_tokens_to_ids
+    config = Qwen3VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer),
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
+        image_token_id=convert("<|image_pad|>"), video_token_id=convert("<|video_pad|>"),
+        vision_start_token_id=convert("<|vision_start|>"), vision_end_token_id=convert("<|vision_end|>"))
+    torch.manual_seed(0)
+    Qwen3VLForConditionalGeneration(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    Qwen2VLImageProcessor(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                          size={"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 256}).save_pretrained(folder)
+    video_processor.save_pretrained(folder)
+    return folder

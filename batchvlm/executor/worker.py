@@ -62,7 +62,8 @@ def decoded_clip(decoder: Decoder, ref: ImageRef, index: int, family) -> Decoded
 def clip_plan(clip: DecodedClip, index: int, family):
     """The family's plan of a record's clip `index` (a failure names the clip)."""
     try:
-        return family.plan_video(list(clip.indices), clip.total_frames, clip.fps, clip.height, clip.width)
+        return family.plan_video(list(clip.indices), clip.total_frames, clip.fps, clip.height, clip.width,
+                                 list(clip.timestamps_s))
     except CheckFailed as failed:
         failed.video_index = index
         raise

@@ -195,6 +195,11 @@ class KimiVideoPlan:
     def grids(self) -> list[tuple[int, int, int]]:
         return [chunk.plan.grid_thw for chunk in self.chunks]
 
+    @property
+    def spans(self) -> tuple[ImagePlan, ...]:
+        """The spans the clip lays out in the ids: a chunk's each (its pads between its frame tokens)."""
+        return self.parts
+
 
 def chunk_patch_limit(frames: int, params: KimiProcessorParams, video: KimiVideoParams) -> int:
     """A chunk's per-frame patch budget: in_patch_limit_each_frame (else in_patch_limit), at most in_patch_limit_video
@@ -332,8 +337,10 @@ class KimiK25(PatchFamily):
         """(frames in a clip, its fps) -> the frames sampled (pipeline.video.Sampler), picklable for the decoder."""
         return functools.partial(kimi_sample_frames, video=self.video_params)
 
-    def plan_video(self, indices: list[int], total: int, video_fps: float, height: int, width: int) -> KimiVideoPlan:
-        """A clip's chunks from its sampled frames, its header's rate and its frames' upright size."""
+    def plan_video(self, indices: list[int], total: int, video_fps: float, height: int, width: int,
+                   times: list[float] | None = None) -> KimiVideoPlan:
+        """A clip's chunks from its sampled frames, its header's rate and its frames' upright size. A chunk's time is
+        its first frame's index / fps, as the reference writes it, not the frames' pts `times`."""
         return kimi_video_plan(indices, video_fps, height, width, self.params, self.video_params)
 
     def replace_video(self, plan: KimiVideoPlan) -> tuple[list[int], list[int]]:

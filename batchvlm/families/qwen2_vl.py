@@ -170,10 +170,23 @@ class VideoPlan:
     """Frames sampled per second of the clip: what the temporal patches' times come from, not the configured fps."""
     second_per_grid_t: float
     """Seconds one temporal patch spans (Qwen2.5-VL's second_per_grid_ts): temporal_patch_size / sampled_fps."""
+    timestamps: tuple[float, ...] | None = None
+    """Qwen3-VL: each temporal patch's time in seconds (the mean of its frames' pts times), written before its span;
+    None where the clip is one span (Qwen2/2.5-VL)."""
 
     @property
     def num_patches(self) -> int:
         return math.prod(self.grid_thw)
+
+    @property
+    def spans(self) -> list["VideoPlan"]:
+        """The spans the clip lays out in the ids, in order, each with its own grid: the clip itself (Qwen2/2.5-VL),
+        or one (1, h, w) span per temporal patch (Qwen3-VL), positioned as a still image is."""
+        if self.timestamps is None:
+            return [self]
+        t, h, w = self.grid_thw
+        one = dataclasses.replace(self, grid_thw=(1, h, w), num_tokens=self.num_tokens // t, timestamps=None)
+        return [one] * t
 
 
 def qwen_sample_frames(total: int, video_fps: float, params: QwenProcessorParams, video: QwenVideoParams) -> list[int]:
@@ -200,6 +213,83 @@ def qwen_video_plan(indices: list[int], total: int, video_fps: float, height: in
     sampled_fps = count / total * video_fps
     return VideoPlan(indices=tuple(indices), resized=resized, grid_thw=grid, num_tokens=math.prod(grid) // (m * m),
                      sampled_fps=sampled_fps, second_per_grid_t=tps / sampled_fps)
+
+
+QWEN3_VIDEO_RULE = ("transformers Qwen3VLVideoProcessor: do_sample_frames=True, cap_pixels_per_frame=True; "
+                    "Qwen3VLProcessor's `<t seconds>` per temporal patch, t from the frames' pts")
+"""The one reference batchvlm samples, sizes and prompts Qwen3-VL clips by. qwen-vl-utils (the authors' own) differs in
+size: it holds each frame, not the whole clip, to the minimum (a 96x64 clip of 6 frames: grid [3, 8, 12] here, [3, 20,
+28] there); batchvlm follows the processor transformers' Qwen3VLProcessor and the trainers built on it run, the one a
+stored row is checked against."""
+
+
+@dataclass(frozen=True)
+class Qwen3VideoParams(QwenVideoParams):
+    """A Qwen3-VL clip's sampling and pixel budget, as transformers' Qwen3VLVideoProcessor defaults them. Its sizes
+    are the whole clip's: min_pixels bounds the sampled frames' pixels together (frames x height x width), and each
+    frame gets max(min(max_video_tokens tokens' pixels, max_pixels / frames), 1.05 x min_pixels)."""
+
+    min_pixels: int = 128 * 32 * 32
+    max_pixels: int = 768 * 32 * 32
+    max_video_tokens: int = 768
+    """Per frame (qwen-vl-utils' VIDEO_MAX_TOKEN_NUM)."""
+
+
+def qwen3_sample_frames(total: int, video_fps: float, params: QwenProcessorParams,
+                        video: QwenVideoParams) -> list[int]:
+    """video.fps frames per second of the clip (truncated), clamped to [min_frames, max_frames] and the clip's frames;
+    frame i at linspace(0, total - 1, n).round() (half to even). An odd count is padded in the rows, not here."""
+    tps = params.temporal_patch_size
+    count = min(max(int(total / video_fps * video.fps), video.min_frames), video.max_frames, total)
+    require(count >= tps, "video.too_few_frames", f"the clip has {total} frames, fewer than one temporal patch "
+            f"({tps} frames)", expected=f">= {tps} frames", observed=f"{total} frames")
+    return np.linspace(0, total - 1, count).round().astype(np.int64).tolist()
+
+
+def qwen3_smart_resize(frames: int, height: int, width: int, params: QwenProcessorParams, min_pixels: int,
+                       max_pixels: int) -> tuple[int, int]:
+    """Qwen3VLVideoProcessor's smart_resize: the clip's frames x height x width (frames rounded half to even to whole
+    temporal patches) held within [min_pixels, max_pixels]; a frame under one factor scaled up first."""
+    factor, tps = params.factor, params.temporal_patch_size
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    ratio = max(height, width) / min(height, width)
+    require(ratio <= MAX_ASPECT_RATIO, "plan.size_rule", f"aspect ratio {ratio:.1f} is over the "
+            f"{MAX_ASPECT_RATIO} that Qwen's processor accepts", expected=f"<= {MAX_ASPECT_RATIO}",
+            observed=f"{ratio:.1f} ({width}x{height})")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(frames / tps) * tps
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(frames * height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def qwen3_video_plan(indices: list[int], times: list[float], total: int, video_fps: float, height: int, width: int,
+                     params: QwenProcessorParams, video: QwenVideoParams) -> VideoPlan:
+    """The clip sized as a whole (qwen3_smart_resize, the per-frame cap applied), its grid, and each temporal patch's
+    time: the mean of its first and last frame's times (an odd count's last patch repeats its last frame)."""
+    count, tps, p, m = len(indices), params.temporal_patch_size, params.patch_size, params.merge_size
+    per_frame = max(min(video.max_video_tokens * params.factor ** 2, video.max_pixels // count),
+                    int(video.min_pixels * 1.05))
+    resized = qwen3_smart_resize(count, height, width, params, video.min_pixels, per_frame * count)
+    grid = (-(-count // tps), resized[0] // p, resized[1] // p)
+    padded = list(times) + [times[-1]] * (-count % tps)
+    timestamps = tuple((padded[k] + padded[k + tps - 1]) / 2 for k in range(0, len(padded), tps))
+    sampled_fps = count / total * video_fps
+    return VideoPlan(indices=tuple(indices), resized=resized, grid_thw=grid, num_tokens=math.prod(grid) // (m * m),
+                     sampled_fps=sampled_fps, second_per_grid_t=tps / sampled_fps, timestamps=timestamps)
+
+
+def timestamp_text(seconds: float) -> str:
+    """A Qwen3-VL temporal patch's time as its processor writes it: text the model reads, never a special token."""
+    return f"<{seconds:.1f} seconds>"
 
 
 def mrope_positions(seq_len: int, spans: list[tuple[int, int]], plans: list[ImagePlan | VideoPlan],
@@ -301,9 +391,9 @@ class QwenEncoder(torch.nn.Module):
         return outputs
 
 
-VIDEO_VERSIONS = ("qwen2_vl", "qwen2_5_vl")
-"""The versions whose clips VIDEO_RULE and `mrope_positions` lay out. Qwen3-VL's differ: a text timestamp and a span
-of its own per temporal patch."""
+VIDEO_RULES = {"qwen2_vl": VIDEO_RULE, "qwen2_5_vl": VIDEO_RULE, "qwen3_vl": QWEN3_VIDEO_RULE}
+"""Each version's clip rule. Qwen3-VL's differs from the others': its own sizing, a text timestamp and a span of its
+own per temporal patch."""
 
 
 class Qwen2VL(PatchFamily):
@@ -321,26 +411,41 @@ class Qwen2VL(PatchFamily):
         self.version = _model_type(checkpoint)
         self.video_token_id = _video_token_id(tokenizer, raw)
         self.tokens_per_second = _tokens_per_second(raw, checkpoint) if self.version == "qwen2_5_vl" else None
-        self.video_params = QwenVideoParams.from_checkpoint(checkpoint)
+        self.video_params = (Qwen3VideoParams if self.version == "qwen3_vl" else QwenVideoParams).from_checkpoint(
+            checkpoint)
 
     @property
     def video_rule(self) -> str | None:
-        """The rule this checkpoint's clips are sampled, sized and laid out by; None where batchvlm has none for it
-        (Qwen3-VL, or a tokenizer without the checkpoint's video token)."""
-        return VIDEO_RULE if self.version in VIDEO_VERSIONS and self.video_token_id is not None else None
+        """The rule this checkpoint's clips are sampled, sized and laid out by; None where the tokenizer lacks the
+        checkpoint's video token."""
+        return VIDEO_RULES[self.version] if self.video_token_id is not None else None
 
     def video_sampler(self) -> functools.partial:
         """(frames in a clip, its fps) -> the frames sampled (pipeline.video.Sampler), picklable for the decoder's
         child."""
-        return functools.partial(qwen_sample_frames, params=self.params, video=self.video_params)
+        sample = qwen3_sample_frames if self.version == "qwen3_vl" else qwen_sample_frames
+        return functools.partial(sample, params=self.params, video=self.video_params)
 
-    def plan_video(self, indices: list[int], total: int, video_fps: float, height: int, width: int) -> VideoPlan:
-        """A clip's plan from its sampled frames, its header's frame count and rate, and its frames' upright size
-        (as decoded)."""
+    def plan_video(self, indices: list[int], total: int, video_fps: float, height: int, width: int,
+                   times: list[float]) -> VideoPlan:
+        """A clip's plan from its sampled frames, its header's frame count and rate, its frames' upright size (as
+        decoded) and their times from the pts (Qwen3-VL's timestamps)."""
+        if self.version == "qwen3_vl":
+            return qwen3_video_plan(indices, times, total, video_fps, height, width, self.params, self.video_params)
         return qwen_video_plan(indices, total, video_fps, height, width, self.params, self.video_params)
 
+    def video_prompt(self, plan: VideoPlan) -> str | None:
+        """Qwen3-VL: the text that stands for a clip where the chat template renders
+        `<|vision_start|><|video_pad|><|vision_end|>`: each temporal patch's timestamp, then its own start, pad and
+        end (its pad then expanded to the patch's tokens). None: the template's rendering stands (Qwen2/2.5-VL)."""
+        if plan.timestamps is None:
+            return None
+        wrapped = FRAME_TOKENS[0] + VIDEO_TOKEN + FRAME_TOKENS[1]
+        return "".join(timestamp_text(seconds) + wrapped for seconds in plan.timestamps)
+
     def expand_video(self, plan: VideoPlan) -> tuple[list[int], list[int]]:
-        """The ids (and their tags) that replace one clip's `<|vision_start|><|video_pad|><|vision_end|>`."""
+        """The ids (and their tags) that replace one Qwen2/2.5-VL clip's `<|vision_start|><|video_pad|><|vision_end|>`
+        (a Qwen3-VL clip's timestamps are tokenized with the text around them: the renderer's, from video_prompt)."""
         start, end = self.frame_ids
         count = plan.num_tokens
         return [start] + [self.video_token_id] * count + [end], [FRAME] + [VIDEO] * count + [FRAME]
@@ -405,8 +510,10 @@ class Qwen2VL(PatchFamily):
         transformers 5.25's `get_rope_index`, which differs after a long clip: docs/video.md). None: no clip taken."""
         if self.video_rule is None:
             return None
+        positions = ("mrope_positions, a (1, h, w) span per temporal patch (get_rope_index's)" if self.version ==
+                     "qwen3_vl" else "mrope_positions (the authors' rule)")
         return {"rule": self.video_rule, "params": dataclasses.asdict(self.video_params),
-                "tokens_per_second": self.tokens_per_second, "positions": "mrope_positions (the authors' rule)"}
+                "tokens_per_second": self.tokens_per_second, "positions": positions}
 
 
 def _video_token_id(tokenizer, raw: dict) -> int | None:

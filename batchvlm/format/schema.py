@@ -14,10 +14,10 @@ import pyarrow as pa
 import batchvlm
 from batchvlm.config import Choice
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """The output format: a run directory's marker and every data and quarantine shard's schema metadata carry it
-(FORMAT_KEY). 1 is every run written before the format had a version, 2 every run written before clips; rundir/upgrade.py
-brings one up to this."""
+(FORMAT_KEY). 1 is every run written before the format had a version, 2 every run written before clips, 3 every run
+written before Qwen3-VL clips (video_deepstack_embeds); rundir/upgrade.py brings one up to this."""
 FORMAT_KEY = "batchvlm.format_version"
 
 TEXT, IMAGE, FRAME = 0, 1, 2
@@ -74,7 +74,7 @@ class Column:
 
 _SIZE = pa.list_(pa.int32(), 2)
 CONVERSATION = "a conversation (`dataset.format` other than text)"
-CLIPS = "a record with clips (qwen2_vl: Qwen2-VL, Qwen2.5-VL; kimi_k25)"
+CLIPS = "a record with clips (qwen2_vl: Qwen2-VL, Qwen2.5-VL, Qwen3-VL; kimi_k25)"
 
 DATA_COLUMNS = (
     Column("id", pa.string(), "the dataset's own id", read=True),
@@ -113,8 +113,8 @@ DATA_COLUMNS = (
     Column("rope_delta", pa.int32(), "max position + 1 - sequence length (where decoding continues)", "qwen2_vl",
            read=True),
     Column("video_spans", pa.list_(pa.struct([("start", pa.int32()), ("length", pa.int32())])),
-           "each clip's run of video tokens in `input_ids` (a Kimi-K2.5 clip: each chunk's), in clip order", CLIPS,
-           read=True),
+           "each clip's run of video tokens in `input_ids`, in clip order (Qwen3-VL: one run per temporal patch, "
+           "after its timestamp; Kimi-K2.5: one per chunk)", CLIPS, read=True),
     Column("video_grid_thw", pa.list_(pa.list_(pa.int32())), "per clip (Kimi-K2.5: per chunk) (t, h, w) in patches "
            "(transformers' `video_grid_thw`)", CLIPS, read=True),
     Column("second_per_grid_ts", pa.list_(pa.float64()), "per clip, the seconds one temporal patch spans: "
@@ -128,6 +128,9 @@ DATA_COLUMNS = (
            "from its first frame (from their pts)", CLIPS),
     Column("video_embeds", pa.large_binary(), "all clips' tokens in span order, `[sum(video_num_tokens), hidden]` "
            "(the hidden size of `image_embeds`)", CLIPS, read=True, embedding=True),
+    Column("video_deepstack_embeds", pa.large_binary(), "the deepstack layers' merged features per clip token, as "
+           "`deepstack_embeds` per image token (its hidden size)", "qwen2_vl (Qwen3-VL) with clips", read=True,
+           embedding=True),
 )
 """A data shard's row: one per record written."""
 
@@ -192,7 +195,13 @@ DATA_SCHEMA, QUARANTINE_SCHEMA = DATA_SHARD.schema, QUARANTINE_SHARD.schema
 
 EXTRA_OUTPUTS = {column.name: column.meaning for column in DATA_COLUMNS
                  if column.embedding and column.name not in ("image_embeds", "video_embeds")}
-"""Outputs an encoder may return beside `image_embeds`; each is stored in its own column."""
+"""Outputs an encoder may return beside `image_embeds`; each is stored in its own column. A `video_` one holds the
+clips' share of the output it names (video_deepstack_embeds: deepstack_embeds'), as wide as the images'."""
+
+
+def image_counterpart(name: str) -> str:
+    """The encoder output whose width a column has: a clip column's (`video_<name>`) is its image counterpart's."""
+    return name.removeprefix("video_")
 TENSOR_COLUMNS = tuple(column.name for column in DATA_COLUMNS if column.read)
 """The columns the training readers take; a reader that only wants tensors need not read the others."""
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import ClassVar
 
 import numpy as np
@@ -36,7 +37,7 @@ from batchvlm.checks import CheckFailed, require
 from batchvlm.config import Choice, Config, ConfigError, positive, written
 from batchvlm.format.schema import FRAME, IMAGE, TEXT, VIDEO
 from batchvlm.pipeline.tokens import checked_spans, special_ids, specials_as_text
-from batchvlm.records import ROLES, ChatLayout, ImagePlan, Slot, TokenLayout, Turn, TurnSpan, clip_parts
+from batchvlm.records import ROLES, ChatLayout, ImagePlan, Slot, TokenLayout, Turn, TurnSpan
 
 
 class TrainOn(Choice):
@@ -189,6 +190,7 @@ class Rendered:
     ids: np.ndarray  # [n] int64
     content: list[tuple[int, int] | None]  # per turn, its content's token range [start, end); None: no content
     ends: list[int]  # per turn, one past its last token (its end-of-turn token)
+    prompted: np.ndarray | None = None  # [n] bool: tokens of the family's clip prompts (Qwen3-VL's timestamps)
 
 
 class ChatRenderer:
@@ -337,8 +339,13 @@ class ChatRenderer:
             pieces += [Encoded.of(plain.encode(text[at:], add_special_tokens=False), at), encoded[last:]]
         return Encoded.joined(pieces)
 
-    def tokenize(self, turns: list[Turn]) -> Rendered:
+    def tokenize(self, turns: list[Turn], clip_plans: list = ()) -> Rendered:
         text, slots, spans = self.placed(turns)
+        prompt = getattr(self.family, "video_prompt", None)  # None: a family whose clip is its template's token
+        prompts = [prompt(plan) for plan in clip_plans] if clip_plans and prompt is not None else []
+        inserted = []
+        if prompts and prompts[0] is not None:
+            text, spans, inserted = self._with_prompts(text, spans, prompts)
         encoded = self._encode(text)
         ranges = [encoded.span(*span) for span in spans]
         inside = np.zeros(len(encoded.ids) + 1, dtype=np.int64)
@@ -352,8 +359,48 @@ class ChatRenderer:
             encoded = self._as_text(text, encoded, inside)
             ranges = [encoded.span(*span) for span in spans]
         images = self._media_tokens(encoded.ids, self.family.image_token_id, sum(t.num_images for t in turns), "image")
-        videos = self._media_tokens(encoded.ids, self.video_token_id, sum(t.num_videos for t in turns), "video")
-        return self._turns(turns, encoded.ids, slots, ranges, {None: images, Slot.VIDEO: videos})
+        # a clip is one video token where the template's rendering stands, one per span where its prompt replaced it
+        spans_per_clip = ([len(plan.spans) for plan in clip_plans] if inserted
+                          else [1] * sum(turn.num_videos for turn in turns))
+        videos = self._media_tokens(encoded.ids, self.video_token_id, sum(spans_per_clip), "video")
+        # a clip of several spans (Qwen3-VL) is one piece of its turn, from its first span's token to its last's
+        lasts = accumulate(spans_per_clip)
+        clips = [(int(videos[last - count]), int(videos[last - 1]) + 1) for last, count in zip(lasts, spans_per_clip)]
+        rendered = self._turns(turns, encoded.ids, slots, ranges,
+                               {None: [(int(i), int(i) + 1) for i in images], Slot.VIDEO: clips})
+        if inserted:
+            rendered.prompted = np.zeros(len(encoded.ids), dtype=bool)
+            for start, end in inserted:
+                rendered.prompted |= (encoded.starts < end) & (encoded.ends > start)
+        return rendered
+
+    def _with_prompts(self, text: str, spans: list[tuple[int, int]],
+                      prompts: list[str]) -> tuple[str, list[tuple[int, int]], list[tuple[int, int]]]:
+        """The rendering with each clip's place (the template's `<|vision_start|><|video_pad|><|vision_end|>`, or its
+        video token alone) replaced by the family's prompt for it, as its processor replaces it before tokenizing (the
+        prompt's text tokenized with the text around it); the turns' texts' characters moved by what was inserted
+        before them, and the prompts' characters. A video token inside a turn's text (text.control_tokens=text) is
+        the text's, not a clip's: left as it is (tokenize counts the clips' tokens)."""
+        pad = self.tokenizer.convert_ids_to_tokens(self.video_token_id)
+        start, end = self.family.frame_tokens  # the family's (start, end) around a span
+        places = [m.start() for m in re.finditer(re.escape(pad), text)
+                  if not any(first <= m.start() < last for first, last in spans)]
+        if len(places) != len(prompts):
+            raise CheckFailed("text.chat_template", f"the chat template renders {len(places)} video token(s) for "
+                              f"{len(prompts)} video(s)", expected=len(prompts), observed=len(places))
+        pieces, inserted, shifts, at, moved = [], [], [], 0, 0
+        for place, prompt in zip(places, prompts):
+            first, last = place, place + len(pad)
+            if first >= len(start) and text.startswith(start, first - len(start)) and text.startswith(end, last):
+                first, last = first - len(start), last + len(end)
+            pieces += [text[at:first], prompt]
+            inserted.append((first + moved, first + moved + len(prompt)))
+            moved += len(prompt) - (last - first)
+            shifts.append((last, moved))
+            at = last
+        pieces.append(text[at:])
+        shift = lambda char: next((m for place, m in reversed(shifts) if char >= place), 0)  # noqa: E731
+        return "".join(pieces), [(a + shift(a), b + shift(a)) for a, b in spans], inserted
 
     def _media_tokens(self, ids: np.ndarray, token: int | None, count: int, kind: str) -> np.ndarray:
         """Where the template rendered each image's (or clip's) token: one per image (clip), else text.chat_template. A
@@ -377,12 +424,11 @@ class ChatRenderer:
                ranges: list[tuple[int, int]], media: dict) -> Rendered:
         """Each turn's tokens: from its first text, image or clip token to its last, then its end-of-turn token, the
         first special token after them that is no image, clip or frame token (before the next turn's). `media`: the
-        image (None) and clip (Slot.VIDEO) tokens' places."""
+        image (None) and clip (Slot.VIDEO) tokens' ranges [first, last), one per image and clip."""
         bounds = [[len(ids), 0] for _ in turns]
         pieces = list(zip((index for index, _ in slots), ranges))
         for kind, places in media.items():
-            pieces += zip((index for index, turn in enumerate(turns) for part in turn.content if part is kind),
-                          ((int(i), int(i) + 1) for i in places))
+            pieces += zip((index for index, turn in enumerate(turns) for part in turn.content if part is kind), places)
         for index, (first, last) in pieces:
             bounds[index] = [min(bounds[index][0], first), max(bounds[index][1], last)]
         closing = np.flatnonzero(self.closes[ids])
@@ -425,12 +471,14 @@ class ChatRenderer:
         return layout
 
     def _expanded(self, turns: list[Turn], plans: list[ImagePlan], clip_plans: list = ()) -> TokenLayout:
-        rendered = self.tokenize(turns)
+        rendered = self.tokenize(turns, clip_plans)
         ids = rendered.ids
         is_image = ids == self.family.image_token_id
         # (a record without clips pays nothing for them: tokenize has found none of its ids a video token)
         is_video = ids == self.video_token_id if clip_plans else None
         mask = self._mask(turns, rendered, is_image if is_video is None else is_image | is_video)
+        if rendered.prompted is not None:  # a clip's prompt is the model's to read, never trained
+            mask[rendered.prompted] = 0
         # Each image (clip) token becomes its grid-sized span: every index after it moves by the span's length - 1.
         # A family whose clip token stands for more than its pads (Kimi-K2.5: chunks, each with its time as text and
         # its frame tokens) gives the whole replacement (`replace_video`); it is the processor's, never trained.
@@ -438,9 +486,10 @@ class ChatRenderer:
             if is_video is not None and hasattr(self.family, "replace_video") else None
         repeats = np.ones(len(ids), dtype=np.int64)
         repeats[is_image] = [plan.num_tokens for plan in plans]
+        clip_spans = [span for plan in clip_plans for span in plan.spans]
         if is_video is not None:
             repeats[is_video] = [len(part_ids) for part_ids, _ in replaced] if replaced else \
-                [plan.num_tokens for plan in clip_plans]
+                [span.num_tokens for span in clip_spans]
         moved = np.concatenate([[0], np.cumsum(repeats)])
         expanded = np.repeat(ids, repeats)
         if replaced:
@@ -461,8 +510,7 @@ class ChatRenderer:
             raise CheckFailed("text.no_trained_tokens", f"no token of the conversation is trained (text.train_on="
                               f"{self.train_on}; roles {[turn.role for turn in turns]})",
                               expected="at least one trained token", observed=0)
-        video_spans = checked_spans(expanded, clip_parts(clip_plans), self.family, self.video_token_id) \
-            if clip_plans else []
+        video_spans = checked_spans(expanded, clip_spans, self.family, self.video_token_id) if clip_plans else []
         return TokenLayout(input_ids=expanded.tolist(), image_spans=checked_spans(expanded, plans, self.family),
                            token_tags=tags.tolist(), chat=ChatLayout(loss_mask.tolist(), spans),
                            video_spans=video_spans)

@@ -151,7 +151,9 @@ def attach_positions(layout: TokenLayout, plans: list[ImagePlan], family, clip_p
     """The family's position ids (M-RoPE), checked against the sequence they must cover: with clips, over the
     images' and clips' spans in sequence order."""
     if clip_plans and hasattr(family, "media_positions"):  # a family without M-RoPE positions has none for clips
-        spans, ordered = zip(*sorted([*zip(layout.image_spans, plans), *zip(layout.video_spans, clip_plans)],
+        clip_spans = [span for plan in clip_plans for span in plan.spans]  # Qwen3-VL: one per temporal patch
+        spans, ordered = zip(*sorted([*zip(layout.image_spans, plans), *zip(layout.video_spans, clip_spans,
+                                                                            strict=True)],
                                      key=lambda span_plan: span_plan[0][0]))
         found = family.media_positions(len(layout.input_ids), list(spans), list(ordered))
     else:

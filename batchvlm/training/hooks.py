@@ -119,7 +119,7 @@ def stored_image_features(model, batch: PackedBatch | PaddedBatch, column: str =
                 pooler_output=unshuffled_patches(model, batch, spatial_shapes))
         if column == PRE_PROJECTOR:
             return BaseModelOutputWithPooling(pooler_output=(projected(model, batch.extras[PRE_PROJECTOR]),))
-        return encoder_output(batch)
+        return encoder_output(batch.image_embeds, batch.deepstack_embeds)
 
     inner.get_image_features = get_image_features  # the instance's, over the class's: forward calls this one
     try:

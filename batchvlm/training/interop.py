@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import torch
 
 from batchvlm.format.hf_features import EMBED_ID_PREFIX, embedding_layouts
-from batchvlm.format.schema import EXTRA_OUTPUTS, FRAME, IMAGE, TEXT, VIDEO
+from batchvlm.format.schema import EXTRA_OUTPUTS, FRAME, IMAGE, TEXT, VIDEO, image_counterpart
 from batchvlm.rundir.dedup import duplicate_rows
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.training.reader import RecordTensors, Runs, trusted_shards
@@ -136,7 +136,8 @@ class DatasetRows:
             image_embeds=self._embeddings(row["image_embeds"], "image_embeds"),
             grid_thw=_tensor(row["grid_thw"], torch.int64, (-1, 3)), image_spans=_spans(row["image_spans"]),
             token_tags=_tensor(row["token_tags"], torch.int8),
-            extras={name: self._embeddings(row[name], name) for name in EXTRA_OUTPUTS if row.get(name) is not None},
+            extras={name: self._embeddings(row[name], image_counterpart(name)) for name in EXTRA_OUTPUTS
+                    if row.get(name) is not None},
             position_ids=_tensor(row.get("position_ids"), torch.int64), rope_delta=row.get("rope_delta"),
             loss_mask=_tensor(row.get("loss_mask"), torch.int8),
             # a clip's rows are as wide as the images': image_embeds' layout

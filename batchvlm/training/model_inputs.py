@@ -37,6 +37,7 @@ class PaddedBatch:
     video_embeds: torch.Tensor | None = None  # [n_video_tokens, hidden], the records' clips' tokens in order
     video_positions: torch.Tensor | None = None  # [n_video_tokens]: where each row goes in the flattened sequence
     grid_thw: torch.Tensor | None = None  # [n_images, 3], the records' images in order
+    video_deepstack_embeds: list[torch.Tensor] | None = None  # Qwen3-VL: one [n_video_tokens, hidden] per layer
 
 
 def pad(records: list[RecordTensors], max_tokens: int, pad_id: int = 0) -> PaddedBatch:
@@ -51,8 +52,10 @@ def pad(records: list[RecordTensors], max_tokens: int, pad_id: int = 0) -> Padde
                          dim=-2)
 
     offsets = [row * length for row in range(len(alone))]
-    with_layers = [one.deepstack_embeds for one in alone if one.deepstack_embeds is not None]  # a text has none
-    layers = [torch.cat(level) for level in zip(*with_layers)] if with_layers else None
+    def layers(name: str) -> list[torch.Tensor] | None:
+        with_layers = [getattr(one, name) for one in alone if getattr(one, name) is not None]  # a text has none
+        return [torch.cat(level) for level in zip(*with_layers)] if with_layers else None
+
     clips = [(one, offset) for one, offset in zip(alone, offsets) if one.video_embeds is not None]
     return PaddedBatch(
         ids=[record.id for record in records], input_ids=stacked("input_ids", pad_id),
@@ -60,10 +63,11 @@ def pad(records: list[RecordTensors], max_tokens: int, pad_id: int = 0) -> Padde
         attention_mask=torch.stack([(torch.arange(length) < one.num_tokens).long() for one in alone]),
         position_ids=stacked("position_ids", 0), image_embeds=torch.cat([one.image_embeds for one in alone]),
         image_positions=torch.cat([one.image_positions + offset for one, offset in zip(alone, offsets)]),
-        deepstack_embeds=layers,
+        deepstack_embeds=layers("deepstack_embeds"),
         video_embeds=torch.cat([one.video_embeds for one, _ in clips]) if clips else None,
         video_positions=torch.cat([one.video_positions + offset for one, offset in clips]) if clips else None,
-        grid_thw=torch.cat([one.grid_thw for one in alone]))
+        grid_thw=torch.cat([one.grid_thw for one in alone]),
+        video_deepstack_embeds=layers("video_deepstack_embeds"))
 
 
 def forward_parameters(model) -> set[str]:
@@ -104,11 +108,9 @@ def model_inputs(model, batch: PackedBatch | PaddedBatch) -> dict:
         inputs["input_ids"] = batch.input_ids
         outputs = {}
         if len(batch.image_embeds):
-            outputs["image"] = encoder_output(batch)
+            outputs["image"] = encoder_output(batch.image_embeds, batch.deepstack_embeds)
         if batch.video_embeds is not None and len(batch.video_embeds):
-            from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-            outputs["video"] = BaseModelOutputWithPooling(pooler_output=(batch.video_embeds,))
+            outputs["video"] = encoder_output(batch.video_embeds, batch.video_deepstack_embeds)
         if outputs:
             inputs["mm_encoder_outputs"] = outputs
     else:
@@ -123,17 +125,18 @@ def model_inputs(model, batch: PackedBatch | PaddedBatch) -> dict:
     return inputs
 
 
-def encoder_output(batch: PackedBatch | PaddedBatch):
-    """The stored rows in the form of the model's own `get_image_features` output: all images' tokens as one
-    piece (the model concatenates the pieces before scattering them), Qwen3-VL's deepstack layers beside them."""
-    if batch.deepstack_embeds is not None:
+def encoder_output(embeds: torch.Tensor, deepstack: list[torch.Tensor] | None):
+    """The stored rows (the images', or the clips') in the form of the model's own `get_image_features` /
+    `get_video_features` output: all their tokens as one piece (the model concatenates the pieces before scattering
+    them), Qwen3-VL's deepstack layers beside them."""
+    if deepstack is not None:
         from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-        return BaseModelOutputWithDeepstackFeatures(pooler_output=(batch.image_embeds,),
-                                                    deepstack_features=[(layer,) for layer in batch.deepstack_embeds])
+        return BaseModelOutputWithDeepstackFeatures(pooler_output=(embeds,),
+                                                    deepstack_features=[(layer,) for layer in deepstack])
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    return BaseModelOutputWithPooling(pooler_output=(batch.image_embeds,))
+    return BaseModelOutputWithPooling(pooler_output=(embeds,))
 
 
 def embeds_with_images(model, batch: PackedBatch | PaddedBatch) -> torch.Tensor:

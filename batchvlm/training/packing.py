@@ -43,6 +43,7 @@ class PackedBatch:
     deepstack_embeds: list[torch.Tensor] | None  # Qwen3-VL: one [n_image_tokens, hidden] tensor per deepstack layer
     video_embeds: torch.Tensor | None = None  # [n_video_tokens, hidden], all records' clip tokens in sequence order
     video_positions: torch.Tensor | None = None  # [n_video_tokens] int64: where each row of video_embeds goes
+    video_deepstack_embeds: list[torch.Tensor] | None = None  # Qwen3-VL: one [n_video_tokens, hidden] per layer
 
     @property
     def num_tokens(self) -> int:
@@ -51,8 +52,9 @@ class PackedBatch:
     def to(self, device: torch.device | str) -> PackedBatch:
         """Every tensor of the batch on `device`, cu_seqlens included (flash-attention reads it there)."""
         moved = {name: value.to(device) for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
-        layers = [layer.to(device) for layer in self.deepstack_embeds] if self.deepstack_embeds is not None else None
-        return replace(self, **moved, extras={k: v.to(device) for k, v in self.extras.items()}, deepstack_embeds=layers)
+        layers = {name: [layer.to(device) for layer in getattr(self, name)]
+                  for name in ("deepstack_embeds", "video_deepstack_embeds") if getattr(self, name) is not None}
+        return replace(self, **moved, extras={k: v.to(device) for k, v in self.extras.items()}, **layers)
 
     def flash_attn_kwargs(self) -> dict:
         """transformers' FlashAttentionKwargs, for flash_attention_2 without deriving them from positions."""
@@ -112,7 +114,8 @@ def pack_arrays(records: list[RecordArrays], max_tokens: int) -> PackedBatch:
         image_positions=torch.from_numpy(_packed_positions([r.image_spans for r in records], cu_seqlens)),
         grid_thw=torch.from_numpy(np.concatenate([r.grid_thw for r in records]).astype(np.int64).reshape(-1, 3)),
         extras=embeds, deepstack_embeds=_deepstack_layers(embeds.get("deepstack_embeds"), image_embeds.shape[1]),
-        video_embeds=video_embeds, video_positions=_video_positions(records, cu_seqlens))
+        video_embeds=video_embeds, video_positions=_video_positions(records, cu_seqlens),
+        video_deepstack_embeds=_deepstack_layers(embeds.get("video_deepstack_embeds"), image_embeds.shape[1]))
     check_packed(batch, max_tokens)
     return batch
 

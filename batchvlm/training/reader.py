@@ -14,7 +14,8 @@ import torch
 
 from batchvlm.config import differences
 from batchvlm.format.hf_features import SIZE_KEY
-from batchvlm.format.schema import EMBED_DTYPES, EXTRA_OUTPUTS, TENSOR_COLUMNS, check_format, format_of
+from batchvlm.format.schema import (EMBED_DTYPES, EXTRA_OUTPUTS, TENSOR_COLUMNS, check_format, format_of,
+                                    image_counterpart)
 from batchvlm.rundir.dedup import excluded_rows
 from batchvlm.rundir.durable import read_json
 from batchvlm.rundir.layout import DATA, RunLayout
@@ -35,7 +36,7 @@ class RecordTensors:
     rope_delta: int | None
     loss_mask: torch.Tensor | None = None  # [seq] int8, 1 where trained: a conversation's; None for a plain text
     video_embeds: torch.Tensor | None = None  # [n_video_tokens, hidden]: a record with clips (qwen2_vl)
-    video_spans: torch.Tensor | None = None  # [n_clips, 2] int64: (start, length)
+    video_spans: torch.Tensor | None = None  # [n_spans, 2] int64: (start, length), per clip (Qwen3-VL: per t patch)
     video_grid_thw: torch.Tensor | None = None  # [n_clips, 3] int64: each clip's (t, h, w) in patches
     second_per_grid_ts: torch.Tensor | None = None  # [n_clips] float64: seconds one temporal patch spans
 
@@ -219,7 +220,7 @@ class ShardColumns:
                        "video_embeds": _flat_embeddings(column("video_embeds"), element_size, hidden,
                                                         self.video_spans.valid)}
         for name in EXTRA_OUTPUTS:
-            if (size := _hidden_size(table.schema, name)) is not None:
+            if (size := _hidden_size(table.schema, image_counterpart(name))) is not None:
                 self.embeds[name] = _flat_embeddings(column(name), element_size, size,
                                                      column(name).is_valid().to_pylist())
 

@@ -127,10 +127,14 @@ def has_clips(record: RecordTensors) -> bool:
 
 def checked_clip_split(record: RecordTensors, merge_size: int) -> None:
     """vLLM's split of video_embeds, `prod(grid) // merge_size**2` rows per clip, must be the record's clip spans."""
-    if record.video_grid_thw is None or len(record.video_grid_thw) != len(record.video_spans):
+    if record.video_grid_thw is None:
         raise ValueError(f"record {record.id!r} holds {len(record.video_spans)} clip(s) but its run stores no "
                          "video_grid_thw for them (a format-2 run upgraded): vLLM's video_embeds input needs each "
                          "clip's grid")
+    if len(record.video_grid_thw) != len(record.video_spans):
+        raise ValueError(f"record {record.id!r} holds {len(record.video_grid_thw)} Qwen3-VL clip(s) laid out as "
+                         f"{len(record.video_spans)} spans (one per temporal patch, after its timestamp): vLLM's "
+                         "video embedding request for them is not built; serve the run's records without clips")
     checked_rows(record.id, "clip", record.video_grid_thw, record.video_spans, record.video_embeds, merge_size)
 
 

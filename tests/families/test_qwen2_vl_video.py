@@ -383,7 +383,8 @@ def test_a_clip_decoded_in_the_child_with_the_familys_sampler_plans_as_the_check
         clip = decoder.clip(ImageRef(data=data), 0, family.video_sampler())
     finally:
         decoder.close()
-    plan = family.plan_video(list(clip.decoded.indices), clip.header.frames, clip.header.fps, 90, 140)
+    plan = family.plan_video(list(clip.decoded.indices), clip.header.frames, clip.header.fps, 90, 140,
+                             list(clip.decoded.timestamps_s))
     every = decode_frames(data, probe(data, VideoConfig()), list(range(frames)), VideoConfig()).frames
     reference = AutoVideoProcessor.from_pretrained(family.checkpoint)(
         videos=[torch.from_numpy(every).permute(0, 3, 1, 2)], do_sample_frames=True, cap_pixels_per_frame=True,

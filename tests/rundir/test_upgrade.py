@@ -153,16 +153,19 @@ def _units_without(run: Path) -> int:
     return sum(not m.shards(kind) for m in all_manifests(layout) for kind in (DATA, QUARANTINE))
 
 
-def test_a_format_2_shard_is_rewritten_with_the_clip_columns_null(tmp_path):
-    """Format 2 (before clips) lacks the clip columns and the quarantine's video_index: the upgrade adds them, null,
-    and keeps every other value."""
+CLIP_COLUMNS = {"video_spans", "video_grid_thw", "second_per_grid_ts", "video_num_tokens", "video_frame_indices",
+                "video_frame_times", "video_embeds", "video_index", "video_paths", "video_deepstack_embeds"}
+
+
+@pytest.mark.parametrize("version, clip_columns", [("2", CLIP_COLUMNS), ("3", {"video_deepstack_embeds"})])
+def test_an_older_shard_is_rewritten_with_the_clip_columns_it_lacks_null(tmp_path, version, clip_columns):
+    """Format 2 (before clips) lacks the clip columns and the quarantine's video_index, format 3 (before Qwen3-VL's
+    clips) video_deepstack_embeds: the upgrade adds them, null, and keeps every other value."""
     from rows import data_row, quarantine_row
 
-    clip_columns = {"video_spans", "video_grid_thw", "second_per_grid_ts", "video_num_tokens", "video_frame_indices",
-                    "video_frame_times", "video_embeds", "video_index", "video_paths"}
     for kind, row in ((DATA, data_row(id="a", input_ids=[1, 2])), (QUARANTINE, quarantine_row(id="b", check="x"))):
         schema = pa.schema([field for field in SHARDS[kind].schema if field.name not in clip_columns],
-                           metadata={FORMAT_KEY: "2"})
+                           metadata={FORMAT_KEY: version})
         path = tmp_path / f"{kind}.parquet"
         pq.write_table(pa.Table.from_pylist([{k: v for k, v in row.items() if k in schema.names}], schema), path)
         _rewrite(path, SHARDS[kind])

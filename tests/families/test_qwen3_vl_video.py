@@ -1,0 +1,230 @@
+"""Qwen3-VL clips sampled, sized and timed by batchvlm's rule, against transformers' own Qwen3VLVideoProcessor and
+Qwen3VLProcessor (the rule's named reference, families.qwen2_vl.QWEN3_VIDEO_RULE), its positions against the model's
+get_rope_index and its tokens (with the deepstack features) against the model's get_video_features."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3VLVideoProcessor
+from transformers.video_utils import VideoMetadata
+
+from batchvlm.checks import CheckFailed
+from batchvlm.families.qwen2_vl import (QWEN3_VIDEO_RULE, QwenProcessorParams, Qwen3VideoParams,
+                                       qwen3_sample_frames, qwen3_video_plan)
+from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
+from batchvlm.pipeline.preprocess import frame_rows
+from batchvlm.pipeline.video import VideoConfig, decode_frames, probe
+from clips import make_clip
+from qwen_vocab import write_qwen3_checkpoint
+
+PARAMS = QwenProcessorParams(patch_size=16, image_mean=(0.5,) * 3, image_std=(0.5,) * 3)
+LAYOUT = PatchLayout(MERGE_WINDOW, PARAMS.patch_size, PARAMS.merge_size, PARAMS.temporal_patch_size)
+SMALL = Qwen3VideoParams(min_pixels=32 * 32 * 16, max_pixels=32 * 32 * 64, max_video_tokens=64)
+"""A checkpoint's video processor config as a small one would ship it: frames of about 130x130 pixels."""
+
+
+def hf_processor(video: Qwen3VideoParams, params: QwenProcessorParams = PARAMS) -> Qwen3VLVideoProcessor:
+    """The reference as QWEN3_VIDEO_RULE names it, built from the same numbers (no hub)."""
+    return Qwen3VLVideoProcessor(
+        patch_size=params.patch_size, merge_size=params.merge_size, temporal_patch_size=params.temporal_patch_size,
+        size={"shortest_edge": video.min_pixels, "longest_edge": video.max_pixels}, image_mean=list(params.image_mean),
+        image_std=list(params.image_std), fps=video.fps, min_frames=video.min_frames, max_frames=video.max_frames,
+        max_video_tokens=video.max_video_tokens, do_sample_frames=True, cap_pixels_per_frame=True)
+
+
+def metadata(total: int, video_fps: float, height: int = 64, width: int = 96) -> VideoMetadata:
+    return VideoMetadata(total_num_frames=total, fps=video_fps, height=height, width=width,
+                         duration=total / video_fps)
+
+
+@pytest.mark.parametrize("video", [Qwen3VideoParams(), Qwen3VideoParams(fps=1.0, min_frames=2, max_frames=16),
+                                   Qwen3VideoParams(fps=4.5, min_frames=5, max_frames=41)])
+def test_the_sampled_frames_are_the_qwen3_video_processors_over_lengths_and_rates(video):
+    processor = hf_processor(video)
+    for total, video_fps in itertools.product([2, 3, 5, 7, 30, 31, 97, 301, 1999], [1, 7.5, 24, 29.97, 60]):
+        ours = qwen3_sample_frames(total, video_fps, PARAMS, video)
+        theirs = processor.sample_frames(metadata(total, video_fps)).tolist()
+        assert ours == theirs, (total, video_fps)
+
+
+def test_a_qwen3_clip_of_one_frame_is_too_few_frames():
+    """The processor's smart_resize raises on fewer frames than one temporal patch; the job names the check."""
+    with pytest.raises(CheckFailed, match="video.too_few_frames"):
+        qwen3_sample_frames(1, 24.0, PARAMS, Qwen3VideoParams())
+
+
+@pytest.mark.parametrize("frames, video_fps, height, width, video", [
+    (30, 10, 64, 96, Qwen3VideoParams()),  # the research notes' worked clip: [3, 8, 12] (qwen-vl-utils: [3, 20, 28])
+    (31, 10, 64, 96, SMALL),  # linspace picks 7 frames of 31: an odd count, its last frame repeated in the rows
+    (45, 15, 90, 160, Qwen3VideoParams(fps=6.0)),
+    (40, 25, 200, 120, Qwen3VideoParams(min_pixels=32 * 32 * 8, max_pixels=32 * 32 * 400)),  # max_pixels shared
+    (12, 4, 20, 150, SMALL),  # a frame under one factor is scaled up first
+])
+def test_grids_pixels_and_timestamps_of_a_decoded_clip_match_qwen3s_processors(frames, video_fps, height, width,
+                                                                               video):
+    from transformers import Qwen3VLProcessor
+
+    data = make_clip(frames, fps=video_fps, height=height, width=width)
+    limits = VideoConfig()
+    header = probe(data, limits)
+    indices = qwen3_sample_frames(header.frames, header.fps, PARAMS, video)
+    clip = decode_frames(data, header, indices, limits)
+    plan = qwen3_video_plan(indices, list(clip.timestamps_s), header.frames, header.fps, *clip.frames.shape[1:3],
+                            PARAMS, video)
+
+    everything = decode_frames(data, header, list(range(header.frames)), limits).frames
+    reference = hf_processor(video)(videos=[torch.from_numpy(everything).permute(0, 3, 1, 2)],
+                                    video_metadata=[metadata(frames, video_fps, height, width)], return_tensors="pt",
+                                    return_metadata=True)
+    sampled = reference["video_metadata"][0].frames_indices
+    assert list(plan.indices) == sampled.tolist()
+    assert [list(plan.grid_thw)] == reference["video_grid_thw"].tolist()
+    assert plan.num_tokens == reference["pixel_values_videos"].shape[0] // 4
+    rows = frame_rows(torch.from_numpy(clip.frames), plan.resized, LAYOUT, PARAMS, "bicubic")
+    assert rows.shape == reference["pixel_values_videos"].shape
+    torch.testing.assert_close(rows, reference["pixel_values_videos"], atol=1e-5, rtol=0)
+    # the timestamps the processor writes (from index / fps) are the plan's (from the pts), as text
+    theirs = Qwen3VLProcessor._calculate_timestamps(None, sampled, video_fps, PARAMS.temporal_patch_size)
+    assert [f"{t:.1f}" for t in plan.timestamps] == [f"{t:.1f}" for t in theirs]
+    assert plan.timestamps == pytest.approx(theirs)
+    assert [span.grid_thw for span in plan.spans] == [(1, *plan.grid_thw[1:])] * plan.grid_thw[0]
+
+
+def test_the_worked_clip_takes_the_processors_grid_not_qwen_vl_utils():
+    """The divergence the rule picks a side of: the minimum holds the whole clip, not each frame."""
+    indices = qwen3_sample_frames(30, 10.0, PARAMS, Qwen3VideoParams())
+    plan = qwen3_video_plan(indices, [i / 10 for i in indices], 30, 10.0, 64, 96, PARAMS, Qwen3VideoParams())
+    assert plan.grid_thw == (3, 8, 12) and "Qwen3VLVideoProcessor" in QWEN3_VIDEO_RULE
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory, qwen_real_checkpoint):
+    """The qwen2_vl family over the Qwen3-VL checkpoint with Qwen2's real vocabulary."""
+    from batchvlm.families import ModelConfig, load_family
+
+    folder = write_qwen3_checkpoint(tmp_path_factory.mktemp("qwen3_vl"), qwen_real_checkpoint, hf_processor(SMALL))
+    return load_family(ModelConfig(family="qwen2_vl", path=str(folder)))
+
+
+@pytest.mark.slow  # the real vocabulary takes seconds to build
+def test_qwen3s_video_params_and_rule_are_what_auto_video_processor_reads_from_the_checkpoint(qwen3):
+    from transformers import AutoVideoProcessor
+
+    loaded = AutoVideoProcessor.from_pretrained(qwen3.checkpoint)
+    assert type(loaded).__name__ == "Qwen3VLVideoProcessor"
+    assert qwen3.video_params == Qwen3VideoParams(
+        fps=loaded.fps, min_frames=loaded.min_frames, max_frames=loaded.max_frames,
+        min_pixels=loaded.size.shortest_edge, max_pixels=loaded.size.longest_edge,
+        max_video_tokens=loaded.max_video_tokens) == SMALL
+    assert list(loaded.image_mean) == list(qwen3.params.image_mean)  # frames normalized as the images are
+    assert qwen3.video_rule == QWEN3_VIDEO_RULE and qwen3.video_fingerprint()["rule"] == QWEN3_VIDEO_RULE
+    assert json.loads(json.dumps(qwen3.video_fingerprint()))["params"]["max_video_tokens"] == 64
+
+
+# -- the prompt: ids, tags, mask and positions of a conversation with clips and an image ---------------------------
+CLIPS = {"a.mp4": (31, 10, 64, 96), "b.mp4": (12, 4, 90, 60)}
+"""name -> (frames, fps, height, width)."""
+CONVERSATION = [{"from": "human", "value": "<video>\nWhat happens, and in <image>? Then <video>"},
+                {"from": "gpt", "value": "A ball rolls: <0.5 seconds> in."}]
+"""Each clip after a different character (a newline, a space), as the processor's tokenization of its first
+timestamp depends on it; the answer writes a timestamp of its own, text the record trains."""
+
+
+def decoded(name: str, family) -> tuple:
+    """A clip made, probed, sampled with the family's sampler, decoded, planned with its pts times; and all its
+    frames (the processor's input)."""
+    frames, video_fps, height, width = CLIPS[name]
+    data = make_clip(frames, fps=video_fps, height=height, width=width)
+    limits = VideoConfig()
+    header = probe(data, limits)
+    indices = family.video_sampler()(header.frames, header.fps)
+    clip = decode_frames(data, header, indices, limits)
+    plan = family.plan_video(indices, header.frames, header.fps, height, width, list(clip.timestamps_s))
+    every = decode_frames(data, header, list(range(header.frames)), limits).frames
+    return plan, clip, torch.from_numpy(every).permute(0, 3, 1, 2)
+
+
+def qwen3_processor(family):
+    from transformers import AutoImageProcessor, AutoVideoProcessor, Qwen3VLProcessor
+
+    return Qwen3VLProcessor(image_processor=AutoImageProcessor.from_pretrained(family.checkpoint),
+                            video_processor=AutoVideoProcessor.from_pretrained(family.checkpoint),
+                            tokenizer=family.tokenizer, chat_template=family.tokenizer.chat_template)
+
+
+def reference_of(family, videos: list[str], image: np.ndarray, turns: list[dict] = CONVERSATION):
+    """Qwen3VLProcessor's apply_chat_template over the turns as messages, then its expansion with every frame of each
+    clip (sampled by its video processor, given their metadata) and the image."""
+    processor = qwen3_processor(family)
+    messages = []
+    for turn in turns:
+        blocks, text = [], turn["value"]
+        if turn["from"] == "human":
+            for piece in text.replace("<video>", "\0video\0").replace("<image>", "\0image\0").split("\0"):
+                blocks.append({"type": piece} if piece in ("video", "image") else {"type": "text", "text": piece})
+            blocks = [b for b in blocks if b.get("text", True)]
+        else:
+            blocks = [{"type": "text", "text": text}]
+        messages.append({"role": {"human": "user", "gpt": "assistant"}[turn["from"]], "content": blocks})
+    rendered = processor.apply_chat_template(messages, tokenize=False)
+    clips = [decoded(name, family)[2] for name in videos]
+    metadata_of = [metadata(CLIPS[n][0], CLIPS[n][1], CLIPS[n][2], CLIPS[n][3]) for n in videos]
+    return processor(text=[rendered], images=[image], videos=clips, return_tensors="pt",
+                     videos_kwargs={"video_metadata": metadata_of, "do_sample_frames": True,
+                                    "cap_pixels_per_frame": True})
+
+
+@pytest.mark.slow  # the real vocabulary takes seconds to build
+def test_a_conversation_with_clips_lays_out_as_qwen3vl_processor_gives_it(qwen3):
+    """The job's renderer over Qwen2's real vocabulary and Qwen3-VL's template: the ids are the processor's (each
+    clip's timestamps tokenized with the text before them, as text); one span per temporal patch of (h/2)(w/2) video
+    tokens between start and end; the timestamps tagged text and never trained, even under train_on=all; the M-RoPE
+    positions are the model's own get_rope_index's."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from batchvlm.format.schema import FRAME, TEXT, VIDEO
+    from batchvlm.pipeline.chat import TextConfig
+    from batchvlm.pipeline.text import laid_out, text_side
+    from batchvlm.pipeline.tokens import attach_positions
+    from batchvlm.records import ImageRef, SourceRecord
+    from batchvlm.sources.conversations import read_turns
+    from batchvlm.training.interop import mm_token_type_ids
+    from photos import photo_of_size
+
+    image, videos = photo_of_size(70, 120), ["a.mp4", "b.mp4"]
+    plans = [decoded(name, qwen3)[0] for name in videos]
+    reference = reference_of(qwen3, videos, image)
+    assert [list(p.grid_thw) for p in plans] == reference["video_grid_thw"].tolist()
+    model = Qwen3VLForConditionalGeneration.from_pretrained(qwen3.checkpoint).eval()
+    for train_on in ("assistant", "all"):
+        config = TextConfig(train_on=train_on)
+        side = text_side(qwen3, "llava", "<image>", "prepend", config)
+        record = SourceRecord(id="r", unit_id="u", source="s", row=0, text="", images=[ImageRef(data=b"i")],
+                              videos=[ImageRef(path=name) for name in videos],
+                              turns=read_turns("llava", CONVERSATION, "<image>", 1))
+        image_plan = qwen3.plan(*image.shape[:2])
+        layout = laid_out(side, side.placed(record), [image_plan], config, plans)
+        attach_positions(layout, [image_plan], qwen3, plans)
+        assert layout.input_ids == reference["input_ids"][0].tolist()
+        tags, mask = np.asarray(layout.token_tags), np.asarray(layout.chat.loss_mask)
+        spans = [span for plan in plans for span in plan.spans]
+        assert len(layout.video_spans) == len(spans) == sum(p.grid_thw[0] for p in plans)
+        for (start, length), span in zip(layout.video_spans, spans):
+            assert length == span.num_tokens
+            assert tags[start - 1:start + length + 1].tolist() == [FRAME] + [VIDEO] * length + [FRAME]
+        stamp = qwen3.tokenizer.encode("<0.3 seconds>", add_special_tokens=False)
+        first = layout.video_spans[0][0] - 1 - len(stamp)
+        assert layout.input_ids[first:first + len(stamp)] == stamp and set(tags[first:first + len(stamp)]) == {TEXT}
+        assert not mask[tags == VIDEO].any() and not mask[first:first + len(stamp)].any() and mask.any()
+        types = mm_token_type_ids(torch.tensor([layout.token_tags], dtype=torch.int8))
+        assert types.tolist() == reference["mm_token_type_ids"].tolist()
+        positions, delta = model.model.get_rope_index(reference["input_ids"], types,
+                                                      image_grid_thw=reference["image_grid_thw"],
+                                                      video_grid_thw=reference["video_grid_thw"])
+        assert layout.position_ids.tolist() == positions[:, 0].tolist() and layout.rope_delta == int(delta)
