@@ -343,19 +343,13 @@ class KimiK25(PatchFamily):
         its first frame's index / fps, as the reference writes it, not the frames' pts `times`."""
         return kimi_video_plan(indices, video_fps, height, width, self.params, self.video_params)
 
-    def replace_video(self, plan: KimiVideoPlan) -> tuple[list[int], list[int]]:
-        """The ids (and tags) that replace the template's one clip token (pipeline.chat): per chunk its time as plain
-        text, then `<|media_begin|>video<|media_content|>`, a pad per token, `<|media_end|>` (transformers'
-        Kimi_K25Processor)."""
-        begin, content, end = (token_id(self.tokenizer, token, self.name) for token in FRAME_TOKENS)
-        word = self.encode_text("video")
-        ids, tags = [], []
-        for chunk in plan.chunks:
-            head = self.encode_text(timestamp_text(chunk.start_s, self.video_params.timestamp_mode))
-            head += [begin, *word, content]
-            ids += head + [self.video_token_id] * chunk.num_tokens + [end]
-            tags += [FRAME] * len(head) + [VIDEO] * chunk.num_tokens + [FRAME]
-        return ids, tags
+    def video_prompt(self, plan: KimiVideoPlan) -> str:
+        """The text that stands for a clip where the chat template renders its placeholder (pipeline.chat tokenizes it
+        with the text around it, as Kimi_K25Processor does): per chunk its time as plain text, then
+        `<|media_begin|>video<|media_content|>`, the placeholder (expanded to the chunk's tokens), `<|media_end|>`."""
+        begin, content, end = FRAME_TOKENS
+        return "".join(f"{timestamp_text(chunk.start_s, self.video_params.timestamp_mode)}{begin}video{content}"
+                       f"{VIDEO_TOKEN}{end}" for chunk in plan.chunks)
 
     def video_fingerprint(self) -> dict | None:
         """What a clip's output depends on beyond the image processor: the rule and its parameters as read."""

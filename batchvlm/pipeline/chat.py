@@ -190,7 +190,7 @@ class Rendered:
     ids: np.ndarray  # [n] int64
     content: list[tuple[int, int] | None]  # per turn, its content's token range [start, end); None: no content
     ends: list[int]  # per turn, one past its last token (its end-of-turn token)
-    prompted: np.ndarray | None = None  # [n] bool: tokens of the family's clip prompts (Qwen3-VL's timestamps)
+    prompted: np.ndarray | None = None  # [n] bool: tokens of the family's clip prompts (Qwen3-VL's, Kimi-K2.5's)
 
 
 class ChatRenderer:
@@ -376,13 +376,13 @@ class ChatRenderer:
 
     def _with_prompts(self, text: str, spans: list[tuple[int, int]],
                       prompts: list[str]) -> tuple[str, list[tuple[int, int]], list[tuple[int, int]]]:
-        """The rendering with each clip's place (the template's `<|vision_start|><|video_pad|><|vision_end|>`, or its
-        video token alone) replaced by the family's prompt for it, as its processor replaces it before tokenizing (the
+        """The rendering with each clip's place (its video token, with the family's frame tokens where the template
+        puts them around it: Qwen's `<|vision_start|><|video_pad|><|vision_end|>`) replaced by the family's prompt for it, as its processor replaces it before tokenizing (the
         prompt's text tokenized with the text around it); the turns' texts' characters moved by what was inserted
         before them, and the prompts' characters. A video token inside a turn's text (text.control_tokens=text) is
         the text's, not a clip's: left as it is (tokenize counts the clips' tokens)."""
         pad = self.tokenizer.convert_ids_to_tokens(self.video_token_id)
-        start, end = self.family.frame_tokens  # the family's (start, end) around a span
+        start, end = self.family.frame_tokens[0], self.family.frame_tokens[-1]  # what a template may put around it
         places = [m.start() for m in re.finditer(re.escape(pad), text)
                   if not any(first <= m.start() < last for first, last in spans)]
         if len(places) != len(prompts):
@@ -480,21 +480,13 @@ class ChatRenderer:
         if rendered.prompted is not None:  # a clip's prompt is the model's to read, never trained
             mask[rendered.prompted] = 0
         # Each image (clip) token becomes its grid-sized span: every index after it moves by the span's length - 1.
-        # A family whose clip token stands for more than its pads (Kimi-K2.5: chunks, each with its time as text and
-        # its frame tokens) gives the whole replacement (`replace_video`); it is the processor's, never trained.
-        replaced = [self.family.replace_video(plan) for plan in clip_plans] \
-            if is_video is not None and hasattr(self.family, "replace_video") else None
         repeats = np.ones(len(ids), dtype=np.int64)
         repeats[is_image] = [plan.num_tokens for plan in plans]
         clip_spans = [span for plan in clip_plans for span in plan.spans]
         if is_video is not None:
-            repeats[is_video] = [len(part_ids) for part_ids, _ in replaced] if replaced else \
-                [span.num_tokens for span in clip_spans]
+            repeats[is_video] = [span.num_tokens for span in clip_spans]
         moved = np.concatenate([[0], np.cumsum(repeats)])
         expanded = np.repeat(ids, repeats)
-        if replaced:
-            for start, (part_ids, _) in zip(moved[:-1][is_video], replaced):
-                expanded[start:start + len(part_ids)] = part_ids
         tags = np.where(self.is_frame[expanded], FRAME, TEXT).astype(np.int8)
         images = expanded == self.family.image_token_id
         tags[images] = IMAGE
@@ -504,7 +496,7 @@ class ChatRenderer:
         loss_mask[images] = 0
         if is_video is not None:
             videos = np.repeat(is_video, repeats)
-            tags[videos] = np.concatenate([part_tags for _, part_tags in replaced]) if replaced else VIDEO
+            tags[videos] = VIDEO
             loss_mask[videos] = 0
         if not loss_mask.any():
             raise CheckFailed("text.no_trained_tokens", f"no token of the conversation is trained (text.train_on="
