@@ -17,8 +17,8 @@ import numpy as np
 
 from batchvlm.config import ConfigError
 
-DEMO_VERSION = "v3"  # v2: the tiny tokenizers carry chat tokens and templates; v3: the tiny checkpoints in
-# their released layouts, no tensor left constant
+DEMO_VERSION = "v4"  # v2: the tiny tokenizers carry chat tokens and templates; v3: the tiny checkpoints in
+# their released layouts, no tensor left constant; v4: the tiny SigLIP2 tokenizer has a clip token
 
 
 def home() -> Path:

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from batchvlm.checks import require
-from batchvlm.format.schema import EXTRA_OUTPUTS, IMAGE, VIDEO
+from batchvlm.format.schema import EXTRA_OUTPUTS, IMAGE, VIDEO, stored_sizes
 from batchvlm.format.strings import escaped_value, unencodable_fields
 from batchvlm.records import ChatLayout, EncodedRecord, QuarantinedRecord, SourceRecord, TokenLayout
 
@@ -74,8 +74,8 @@ def data_row(encoded: EncodedRecord, dtype: torch.dtype, hidden_sizes: dict[str,
         "image_num_tokens": [plan.num_tokens for plan in plans],
         "num_image_tokens": sum(plan.num_tokens for plan in plans),
         "image_embeds": embed_bytes(encoded.image_embeds, dtype, hidden_sizes["image_embeds"]),
-        **{name: embed_bytes(encoded.extras[name], dtype, hidden_sizes[name]) if name in encoded.extras else None
-           for name in EXTRA_OUTPUTS},
+        **{name: embed_bytes(encoded.extras[name], dtype, stored_sizes(hidden_sizes)[name])
+           if name in encoded.extras else None for name in EXTRA_OUTPUTS},
         "position_ids": layout.position_ids.tolist() if layout.position_ids is not None else None,
         "rope_delta": layout.rope_delta,
         **(clip_columns(encoded, dtype, hidden_sizes["image_embeds"]) if record.clips else NO_CLIPS),

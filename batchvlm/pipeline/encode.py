@@ -13,6 +13,7 @@ import torch
 
 from batchvlm.checks import CheckFailed, require
 from batchvlm.devices import Syncs, to_device, to_host
+from batchvlm.format.schema import CLIP_OUTPUTS
 from batchvlm.records import EncodedRecord, ImagePlan, PixelBatch
 
 
@@ -33,7 +34,9 @@ class Launched:
 
 
 def expected_rows(name: str, plan: ImagePlan) -> int:
-    return 1 if name == "pooled_embeds" else plan.num_tokens
+    """A pooled vector per frame (an image is one frame, a SigLIP2 clip's grid counts its frames), else a row per
+    token."""
+    return plan.grid_thw[0] if name == "pooled_embeds" else plan.num_tokens
 
 
 def cu_seqlens_of(grid_thw: torch.Tensor) -> torch.Tensor:
@@ -97,7 +100,10 @@ def finish_batch(launched: Launched, syncs: Syncs) -> list[EncodedRecord]:
     for record in batch.records:
         images, media = len(record.plans), len(record.media_plans)
         mine = {name: tensors[cursor:cursor + images] for name, tensors in per_image.items()}
-        clips = per_image["image_embeds"][cursor + images:cursor + media]  # the tower's other outputs: images only
+        clips = per_image["image_embeds"][cursor + images:cursor + media]
+        if media > images:  # of the tower's other outputs, those a clip's column holds (CLIP_OUTPUTS)
+            mine |= {column: per_image[name][cursor + images:cursor + media] for column, name in CLIP_OUTPUTS.items()
+                     if name in per_image}
         cursor += media
         embeds = mine.pop("image_embeds")
         encoded.append(EncodedRecord(prepared=record, image_embeds=embeds, extras=mine, video_embeds=clips))

@@ -6,6 +6,7 @@ and finds the spans again in the ids, so that a layout bug cannot hide behind it
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from functools import cache
 
@@ -13,7 +14,7 @@ import numpy as np
 
 from batchvlm.checks import CheckFailed, require
 from batchvlm.format.schema import TEXT
-from batchvlm.records import ImagePlan, TokenLayout, Turn
+from batchvlm.records import ImagePlan, Slot, TokenLayout, Turn
 
 
 def find_spans(input_ids: list[int] | np.ndarray, token_id: int) -> list[tuple[int, int]]:
@@ -94,20 +95,33 @@ def place_conversation_images(turns: list[Turn], num_images: int, missing_policy
 
 
 def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family,
-                 control_tokens: str = "quarantine") -> TokenLayout:
-    """Tokenize text pieces with the checkpoint's tokenizer and expand each placeholder via the family."""
-    pieces = text.split(placeholder)
+                 control_tokens: str = "quarantine", clip_plans: list = ()) -> TokenLayout:
+    """Tokenize text pieces with the checkpoint's tokenizer and expand each placeholder via the family: an image's by
+    `expand_image`, with `clip_plans` a clip's (`<video>`) by `expand_video`."""
+    if clip_plans:
+        pieces = re.split(f"({re.escape(placeholder)}|{re.escape(Slot.VIDEO.value)})", text)
+        texts, marks = pieces[0::2], pieces[1::2]
+    else:
+        texts = text.split(placeholder)
+        marks = [placeholder] * (len(texts) - 1)
+    media = {placeholder: (iter(plans), family.expand_image)}
+    if clip_plans:
+        media[Slot.VIDEO.value] = (iter(clip_plans), family.expand_video)
     input_ids: list[int] = []
     tags: list[int] = []
-    for index, piece in enumerate(pieces):
+    for index, piece in enumerate(texts):
         ids = text_ids(family, piece, control_tokens)
         input_ids += ids
         tags += [TEXT] * len(ids)
-        if index < len(plans):
-            image_ids, image_tags = family.expand_image(plans[index])
-            input_ids += image_ids
-            tags += image_tags
-    return TokenLayout(input_ids=input_ids, image_spans=checked_spans(input_ids, plans, family), token_tags=tags)
+        if index < len(marks):
+            plans_left, expand = media[marks[index]]
+            if (plan := next(plans_left, None)) is not None:
+                media_ids, media_tags = expand(plan)
+                input_ids += media_ids
+                tags += media_tags
+    video_spans = checked_spans(input_ids, clip_plans, family, family.video_token_id) if clip_plans else []
+    return TokenLayout(input_ids=input_ids, image_spans=checked_spans(input_ids, plans, family), token_tags=tags,
+                       video_spans=video_spans)
 
 
 def checked_spans(input_ids: list[int] | np.ndarray, plans: list, family,

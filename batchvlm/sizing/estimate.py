@@ -31,7 +31,7 @@ from batchvlm.executor.config import JobConfig
 from batchvlm.executor.rows import Assembler
 from batchvlm.executor.worker import checked_id, prepare, text_side_of
 from batchvlm.families import check_checkpoint, load_family
-from batchvlm.format.schema import DATA_SCHEMA, EMBED_DTYPES, QUARANTINE_SCHEMA
+from batchvlm.format.schema import CLIP_OUTPUTS, DATA_SCHEMA, EMBED_DTYPES, QUARANTINE_SCHEMA
 from batchvlm.pipeline.decode import read_bytes, upright_size
 from batchvlm.pipeline.encode import expected_rows
 from batchvlm.pipeline.video import Clip, DecodedVideo, Sampler, VideoConfig, probe
@@ -166,7 +166,7 @@ class Estimate:
 def estimate(config: EstimateConfig) -> Estimate:
     family = load_family(config.model)
     hidden_sizes, checkpoint = check_checkpoint(family, EMBED_DTYPES[config.model.dtype])
-    source = make_source(config.dataset, max_bytes=config.decode.max_bytes)
+    source = make_source(config.dataset, max_bytes=config.decode.max_bytes, clip_max_bytes=config.video.max_bytes)
     units = source.plan()
     if not units:
         raise ConfigError(f"dataset.path={config.dataset.path!r}: the inputs hold no rows")
@@ -221,6 +221,9 @@ def _encoded(outcome: PreparedRecord | QuarantinedRecord, hidden_sizes: dict[str
     embeds = {name: [torch.randn(expected_rows(name, plan), size) for plan in outcome.plans]
               for name, size in hidden_sizes.items()}
     clips = [torch.randn(plan.num_tokens, hidden_sizes["image_embeds"]) for plan in outcome.clip_plans]
+    if outcome.clip_plans:  # the clips' columns of the tower's other outputs (SigLIP2's pooled vector per frame)
+        embeds |= {column: [torch.randn(expected_rows(name, plan), hidden_sizes[name]) for plan in outcome.clip_plans]
+                   for column, name in CLIP_OUTPUTS.items() if name in hidden_sizes}
     return EncodedRecord(outcome, embeds.pop("image_embeds"), embeds, video_embeds=clips)
 
 
