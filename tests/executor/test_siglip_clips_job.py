@@ -1,0 +1,156 @@
+"""SigLIP2 clips through the embed job, end to end (issue 31): captioned clips in Parquet (dataset.format=text, a
+`videos` column of paths and bytes, `<video>` in the caption), run in this process with its DataLoader worker and
+isolated decoder, each stored value held to an oracle no one here wrote: the sampled frames to transformers'
+SmolVLMVideoProcessor.sample_frames on the clip's metadata, their times to PyAV's, each frame's grid and pixels to
+Siglip2ImageProcessor, the clip's patch tokens and per-frame pooled vectors to Siglip2Model's vision forward
+(from_pretrained) on those pixels; a truncated clip and a clip without its placeholder quarantined under their checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import av
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import embed_in_process
+from hf_models import pretrained
+from PIL import Image
+from transformers import Siglip2ImageProcessor, Siglip2Model, SmolVLMVideoProcessor
+from transformers.video_utils import VideoMetadata
+
+from batchvlm.families import ModelConfig, load_family
+from batchvlm.format.schema import FRAME, IMAGE, TEXT, VIDEO
+from clips import make_clip
+from photos import photo_of_size
+
+pytestmark = pytest.mark.slow
+
+CLIPS = {"a.mp4": (31, 10, 64, 96), "b.webm": (45, 15, 120, 90)}
+"""name -> (frames, fps, height, width)."""
+CLIP = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+
+
+def write_dataset(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, (frames, fps, height, width) in CLIPS.items():
+        codec, container = ("libvpx", "webm") if name.endswith("webm") else ("libx264", "mp4")
+        (folder / name).write_bytes(make_clip(frames, fps=fps, height=height, width=width, codec=codec,
+                                              container=container))
+    whole = make_clip(60, codec="libvpx", container="webm")
+    (folder / "cut.webm").write_bytes(whole[:len(whole) * 2 // 3])
+    Image.fromarray(photo_of_size(70, 120)).save(folder / "photo.png")
+    b_bytes = (folder / "b.webm").read_bytes()
+    rows = [
+        {"id": "clip_and_image", "text": "<video> a bar fades, then <image>", "images": ["photo.png"],
+         "videos": [{"bytes": None, "path": "a.mp4"}]},
+        {"id": "two_clips", "text": "first <video> then <video>", "images": [],
+         "videos": [{"bytes": b_bytes, "path": None}, {"bytes": None, "path": "a.mp4"}]},
+        {"id": "image_only", "text": "<image> a photo", "images": ["photo.png"], "videos": []},
+        {"id": "truncated", "text": "<video> cut short", "images": [], "videos": [{"bytes": None, "path": "cut.webm"}]},
+        {"id": "unplaced", "text": "a clip with no place", "images": [], "videos": [{"bytes": None, "path": "a.mp4"}]},
+    ]
+    schema = pa.schema([("id", pa.string()), ("text", pa.string()), ("images", pa.list_(pa.string())),
+                        ("videos", pa.list_(CLIP))])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), folder / "clips.parquet")
+    return folder / "clips.parquet"
+
+
+TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
+"""Largest difference from the fp32 model's own output, relative to its largest value: fp32, or bf16's 8 bits."""
+
+
+@pytest.fixture(scope="module", params=list(TOLERANCE))
+def siglip_clip_run(request, tmp_path_factory):
+    """fp32, and as users run SigLIP2 (conf/model/siglip2.yaml): a bf16 tower and bf16 output."""
+    dataset = write_dataset(tmp_path_factory.mktemp("clips"))
+    dtype = request.param
+    run = embed_in_process(tmp_path_factory.mktemp("outputs"), "siglip_clips", "dataset=parquet",
+                           f"dataset.path={dataset}", "dataset.videos_column=videos", "model=siglip2_tiny",
+                           f"model.dtype={dtype}", f"output.embed_dtype={dtype}", "checks.max_quarantine_fraction=0.9")
+    return dataset.parent, run, dtype
+
+
+def rows_of(run: Path, kind: str) -> dict[str, dict]:
+    return {row["id"]: row for path in sorted((run / kind).rglob("*.parquet"))
+            for row in pq.read_table(path).to_pylist()}
+
+
+def every_frame(path: Path) -> tuple[np.ndarray, list[float]]:
+    """Every frame of a clip and its time, as PyAV decodes them."""
+    with av.open(str(path)) as container:
+        frames = [(frame.to_ndarray(format="rgb24"), float(frame.time)) for frame in container.decode(video=0)]
+    return np.stack([f for f, _ in frames]), [t - frames[0][1] for _, t in frames]
+
+
+def embeds(row: dict, column: str, hidden: int, dtype: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(row[column]), dtype=getattr(torch, dtype)).view(-1, hidden).float()
+
+
+def reference_clip(siglip, reference, path: Path):
+    """What transformers gives for a clip: SmolVLM's sampled frames on its metadata, Siglip2ImageProcessor's pixels
+    and grid per frame, the vision forward's patch tokens and pooled vector per frame."""
+    frames, times = every_frame(path)
+    total, fps = CLIPS[path.name][:2]
+    params = siglip.video_params
+    indices = SmolVLMVideoProcessor().sample_frames(
+        VideoMetadata(total_num_frames=total, fps=fps, duration=total / fps), num_frames=params.max_frames,
+        fps=params.fps, skip_secs=params.skip_secs).tolist()
+    processor = Siglip2ImageProcessor(patch_size=16, max_num_patches=params.max_num_patches, image_mean=[0.5] * 3,
+                                      image_std=[0.5] * 3)
+    out = processor(images=[torch.from_numpy(frames[i]).permute(2, 0, 1) for i in indices], return_tensors="pt")
+    with torch.inference_mode():
+        forward = reference(pixel_values=out["pixel_values"], pixel_attention_mask=out["pixel_attention_mask"],
+                            spatial_shapes=out["spatial_shapes"])
+    (h, w), = {tuple(shape) for shape in out["spatial_shapes"].tolist()}
+    tokens = forward.last_hidden_state[:, :h * w].reshape(-1, forward.last_hidden_state.shape[-1])
+    return indices, [times[i] for i in indices], [len(indices), h, w], tokens, forward.pooler_output
+
+
+def test_captioned_clips_are_stored_as_transformers_samples_processes_and_encodes_them(siglip_clip_run):
+    folder, run, dtype = siglip_clip_run
+    rows = rows_of(run, "data")
+    assert set(rows) == {"clip_and_image", "two_clips", "image_only"}
+    siglip = load_family(ModelConfig(family="siglip2"))
+    reference = pretrained(siglip.checkpoint, Siglip2Model, dtype=torch.float32).vision_model
+    hidden = reference.config.hidden_size
+    for record, names in (("clip_and_image", ["a.mp4"]), ("two_clips", ["b.webm", "a.mp4"])):
+        row = rows[record]
+        expected = [reference_clip(siglip, reference, folder / name) for name in names]
+        assert row["video_frame_indices"] == [indices for indices, *_ in expected]
+        assert np.allclose(sum(row["video_frame_times"], []), sum([times for _, times, *_ in expected], []),
+                           atol=1e-6)
+        assert row["video_grid_thw"] == [grid for _, _, grid, *_ in expected]
+        assert row["video_num_tokens"] == [t * h * w for t, h, w in row["video_grid_thw"]]
+        tokens, pooled = torch.cat([e[3] for e in expected]), torch.cat([e[4] for e in expected])
+        stored = embeds(row, "video_embeds", hidden, dtype)
+        stored_pooled = embeds(row, "video_pooled_embeds", hidden, dtype)
+        assert stored.shape == tokens.shape and stored_pooled.shape == pooled.shape
+        assert float((stored - tokens).abs().max()) <= TOLERANCE[dtype] * float(tokens.abs().max())
+        assert float((stored_pooled - pooled).abs().max()) <= TOLERANCE[dtype] * float(pooled.abs().max())
+        # one span of clip tokens per clip, framed as an image, in text order; the images' spans as before
+        ids, tags = np.array(row["input_ids"]), np.array(row["token_tags"])
+        spans = [(span["start"], span["length"]) for span in row["video_spans"]]
+        assert [length for _, length in spans] == row["video_num_tokens"]
+        for start, length in spans:
+            assert set(ids[start:start + length]) == {siglip.video_token_id}
+            assert tags[start - 1] == FRAME and tags[start + length] == FRAME
+        assert int((tags == VIDEO).sum()) == sum(row["video_num_tokens"])
+        assert int((tags == IMAGE).sum()) == row["num_image_tokens"]
+        assert set(tags) <= {TEXT, IMAGE, FRAME, VIDEO} and row["position_ids"] is None
+    assert spans[0][0] < spans[1][0]
+    image_only = rows["image_only"]
+    assert all(image_only[column] is None for column in ("video_spans", "video_embeds", "video_pooled_embeds"))
+    assert rows["clip_and_image"]["pooled_embeds"] is not None  # the image's own pooled vector, beside the clip's
+
+
+def test_a_truncated_clip_and_a_clip_without_its_placeholder_are_quarantined_naming_the_clip(siglip_clip_run):
+    _, run, _ = siglip_clip_run
+    quarantined = rows_of(run, "quarantine")
+    assert quarantined["truncated"]["check"] == "video.truncated"
+    assert quarantined["truncated"]["video_index"] == 0 and quarantined["truncated"]["image_index"] is None
+    assert quarantined["truncated"]["video_paths"][0].endswith("cut.webm")
+    assert quarantined["unplaced"]["check"] == "text.placeholder_count"
+    assert "video placeholder" in quarantined["unplaced"]["message"]
