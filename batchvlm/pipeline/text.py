@@ -36,7 +36,7 @@ class PlainText:
     def placed(self, record: SourceRecord) -> str:
         """The text with one placeholder per image, and one `<video>` per clip (a source reads clips into a plain
         text's record only where dataset.videos_column names their column: the text is its `<video>`'s only place)."""
-        if record.videos:
+        if record.videos or VIDEO in record.text:
             if self.no_clips is not None:
                 refuse_clips(record, self.no_clips)
             found = record.text.count(VIDEO)
