@@ -135,7 +135,8 @@ CATALOGUE: dict[str, Check] = {
         Check("text.video", "a record holds a clip (a `<video>` placeholder, a `{type: video}` block, a clip in llava's "
               "`video`, messages' `videos` or dataset.videos_column's column) only where its dataset and family take "
               "clips: llava, messages or a dataset.videos_column, and a family with a video rule (Qwen2-VL, "
-              "Qwen2.5-VL, SigLIP2 with a `<video_soft_token>` in its tokenizer; not yet Kimi-K2.5 or Qwen3-VL)", "a video's placeholder embedded as plain text and its frames never, or a clip dropped unseen",
+              "Qwen2.5-VL, SigLIP2 with a `<video_soft_token>` in its tokenizer; not yet Kimi-K2.5 or Qwen3-VL)",
+              "a video's placeholder embedded as plain text and its frames never, or a clip dropped unseen",
               "leave video records out of runs of those families and formats until their clips are supported"),
         Check("text.control_token", "no text of a record (any turn's content, a plain text) tokenizes into one of the "
               "tokenizer's special tokens (`<|im_end|>`, `<|im_start|>`, `<|image_pad|>`...)",

@@ -254,7 +254,8 @@ class SiglipEncoder(torch.nn.Module):
             return outputs
         return {name: [torch.cat(part) for part in _grouped(tensors, frames)] for name, tensors in outputs.items()}
 
-    def frames_forward(self, pixel_values: torch.Tensor, shapes: list[tuple[int, int]]) -> dict[str, list[torch.Tensor]]:
+    def frames_forward(self, pixel_values: torch.Tensor,
+                       shapes: list[tuple[int, int]]) -> dict[str, list[torch.Tensor]]:
         """The packed tower on images of these (h, w) grids, in order: per image its patch tokens and pooled vector."""
         lengths = [h * w for h, w in shapes]
         # Sorted by length (stable), so that images of equal length are adjacent runs in the sequence.

@@ -9,8 +9,8 @@ part (`mp4;webm;mkv`, the first present), else the `.json`'s field of that name.
 
 A tar shard is one unit: its sample count is only known once it is read, so planning costs one
 listing of the shards. An image member over decode.max_bytes (a clip member over video.max_bytes), by the size its
-header declares, is never read into memory; a malformed sample (its .json not an object, no part the config names) and a truncated shard's tail
-are quarantined under source.* checks, and the rest of the shard commits.
+header declares, is never read into memory; a malformed sample (its .json not an object, no part the config names)
+and a truncated shard's tail are quarantined under source.* checks, and the rest of the shard commits.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 isolated decoder, each stored value held to an oracle no one here wrote: the sampled frames to transformers'
 SmolVLMVideoProcessor.sample_frames on the clip's metadata, their times to PyAV's, each frame's grid and pixels to
 Siglip2ImageProcessor, the clip's patch tokens and per-frame pooled vectors to Siglip2Model's vision forward
-(from_pretrained) on those pixels; a truncated clip and a clip without its placeholder quarantined under their checks."""
+(from_pretrained) on those pixels; a truncated clip and a clip without its placeholder quarantined under their
+checks."""
 
 from __future__ import annotations
 

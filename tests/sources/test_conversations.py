@@ -218,8 +218,8 @@ def test_a_video_placeholder_where_no_clip_can_be_placed_is_named(format, turns)
 ])
 def test_a_record_naming_a_clip_without_its_placeholder_fails_the_placeholder_count_never_dropped(
         tmp_path, write, format, column, named, turns):
-    """LLaVA-Video's `video` (ms-swift's and LLaMA-Factory's `videos`, the latter's ShareGPT under dataset.videos_column)
-    is read as the record's clips, under dataset.image_root as images are; one the turns do not place is
+    """LLaVA-Video's `video` (ms-swift's and LLaMA-Factory's `videos`, the latter's ShareGPT under
+    dataset.videos_column) is read as the record's clips, under dataset.image_root as images are; one the turns do not place is
     text.placeholder_count (never embedded without it); an empty value and an image record name none."""
     text, images = {"llava": ("conversations", "image"), "messages": ("messages", "images")}[format]
     rows = [{"id": "clip", text: turns, images: [], column: ["clips/a.mp4"]},
