@@ -145,6 +145,12 @@ def test_captioned_clips_are_stored_as_transformers_samples_processes_and_encode
     image_only = rows["image_only"]
     assert all(image_only[column] is None for column in ("video_spans", "video_embeds", "video_pooled_embeds"))
     assert rows["clip_and_image"]["pooled_embeds"] is not None  # the image's own pooled vector, beside the clip's
+    # the training readers give both back, each in its shard's declared width
+    from batchvlm.training.reader import read_run
+
+    read, row = {record.id: record for record in read_run(run)}["two_clips"], rows["two_clips"]
+    assert torch.equal(read.video_embeds.float(), embeds(row, "video_embeds", hidden, dtype))
+    assert torch.equal(read.extras["video_pooled_embeds"].float(), embeds(row, "video_pooled_embeds", hidden, dtype))
 
 
 def test_a_truncated_clip_and_a_clip_without_its_placeholder_are_quarantined_naming_the_clip(siglip_clip_run):
