@@ -183,3 +183,15 @@ def test_the_estimate_sizes_siglip_clip_records_from_their_headers_alone(siglip_
                    for column in ("image_embeds", "pooled_embeds", "video_embeds", "video_pooled_embeds"))
     # (Parquet's compression finds a little in random floats: measured 0.95 of the embeddings' bytes)
     assert 0.8 * embedded / len(written) <= result.data_bytes_per_record <= 1.5 * embedded / len(written)
+
+
+def test_the_demos_captioned_clips_embed_with_siglip2_and_its_cut_clip_is_quarantined(tmp_path):
+    """`dataset=demo_captioned_clips model=siglip2_tiny`: the demo's camera moves (mp4 and WebM) captioned, one with
+    a photo, one caption with two clips; the clip cut short quarantined as video.truncated."""
+    run = embed_in_process(tmp_path, "demo-captions", "dataset=demo_captioned_clips", "model=siglip2_tiny")
+    written, quarantined = rows_of(run, "data"), rows_of(run, "quarantine")
+    assert set(written) == {"astronaut_pan", "coffee_zoom_and_cat", "moon_and_astronaut"}
+    assert [len(row["video_grid_thw"]) for row in map(written.get, sorted(written))] == [1, 1, 2]
+    assert all(len(row["video_pooled_embeds"]) == sum(t for t, _, _ in row["video_grid_thw"]) * 32 * 2
+               for row in written.values())  # a pooled vector per frame, 32 wide, in bf16 (siglip2_tiny's output)
+    assert quarantined["bad_cut_short"]["check"] == "video.truncated"
