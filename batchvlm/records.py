@@ -233,6 +233,24 @@ class PreprocessStats:
                 "parity": {"checked_images": len(self.parity_checked), "failed_images": len(self.parity_failed)}}
 
 
+def clip_parts(clip_plans: list) -> list:
+    """The clips' plans as the tower encodes them and the output stores them (a grid, a span, tokens each): a clip
+    whose plan has `parts` (Kimi-K2.5's chunks) is several, any other one."""
+    return [part for plan in clip_plans for part in getattr(plan, "parts", (plan,))]
+
+
+def clips_kept(clip_plans: list, spans: int) -> int:
+    """How many clips a layout with `spans` clip spans holds (text.overflow=drop_turns drops the clips of dropped
+    turns): the first ones, a span per part."""
+    kept = 0
+    for plan in clip_plans:
+        spans -= len(getattr(plan, "parts", (plan,)))
+        if spans < 0:
+            break
+        kept += 1
+    return kept
+
+
 @dataclass
 class PreparedRecord:
     """A record ready for the device: decoded, planned and laid out (built in a worker)."""
@@ -252,7 +270,8 @@ class PreparedRecord:
 
     @property
     def media_plans(self) -> list:
-        return [*self.plans, *self.clip_plans] if self.clip_plans else self.plans
+        """What the tower encodes, each with its grid and tokens: the images' plans, then each clip's parts."""
+        return [*self.plans, *clip_parts(self.clip_plans)] if self.clip_plans else self.plans
 
     @property
     def num_patches(self) -> int:

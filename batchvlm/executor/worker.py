@@ -24,7 +24,7 @@ from batchvlm.pipeline.decode import Decoder
 from batchvlm.pipeline.text import TextSide, laid_out, text_side
 from batchvlm.pipeline.tokens import attach_positions
 from batchvlm.records import (DecodedClip, ImageRef, PreparedRecord, QuarantinedRecord, SourceRecord, Turn, UnitEnd,
-                              UnitStart, WorkUnit)
+                              UnitStart, WorkUnit, clips_kept)
 from batchvlm.rundir.claims import Claim
 from batchvlm.sources import Source
 
@@ -77,7 +77,7 @@ def plan_and_lay_out(record: SourceRecord, content: str | list[Turn], images: li
     layout = laid_out(text, content, plans, job.text, clip_plans)
     kept = len(layout.image_spans)  # the images of turns that text.overflow=drop_turns left out are not embedded
     images, plans = images[:kept], plans[:kept]
-    kept_clips = len(layout.video_spans)
+    kept_clips = clips_kept(clip_plans, len(layout.video_spans))
     clips, clip_plans = list(clips[:kept_clips]), clip_plans[:kept_clips]
     attach_positions(layout, plans, family, clip_plans)
     return PreparedRecord(source=record, images=images, plans=plans, layout=layout, clips=clips,

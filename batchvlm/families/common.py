@@ -75,10 +75,6 @@ class PatchFamily:
     def positions(self, layout: TokenLayout, plans: list[ImagePlan]) -> tuple[np.ndarray, int] | None:
         return None
 
-    def media_positions(self, seq_len: int, spans: list[tuple[int, int]], plans: list) -> tuple[np.ndarray, int] | None:
-        """`positions` over images and clips in sequence order: none where the family's LLM takes none."""
-        return None
-
     def reference_preprocess(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.reference_processor()(images=processor_inputs(images), return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]

@@ -4,18 +4,26 @@ Hub, transformers' Kimi_K25 model and image processor.
 Resize: scale down to a patch budget (never up), truncate, pad bottom/right to a multiple of
 merge*patch. Patches (N, C, p, p) in raster order; the tower merges 2x2 itself. Prompt: K3 framing
 `<|media_begin|>image {W}x{H}<|media_content|>` + pad * n + `<|media_end|>`, or K2.5's bare repeat.
+
+Clips (VIDEO_RULE): frames sampled at min(sample_fps, the clip's rate), in chunks of temporal_merge_kernel_size frames,
+each chunk resized as an image under its per-frame patch limit, prompted `{hh:mm:ss.fff}<|media_begin|>video
+<|media_content|>` + pad * (h/2)(w/2) + `<|media_end|>`; the tower adds a time embedding per frame and averages a
+chunk's frames (docs/video.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from batchvlm.checks import require
 from batchvlm.config import ConfigError
 from batchvlm.families import ModelConfig
 from batchvlm.devices import to_device
@@ -27,10 +35,20 @@ from batchvlm.towers.attention import resolve_attention, use
 from batchvlm.towers.grids import PerGrid, interpolation_taps, joined
 from batchvlm.format.layouts import RASTER_CHW, PatchLayout
 from batchvlm.records import ImagePlan
-from batchvlm.format.schema import FRAME, IMAGE
+from batchvlm.format.schema import FRAME, IMAGE, VIDEO
 
 IMAGE_TOKEN = "<|media_pad|>"
 FRAME_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_end|>")
+VIDEO_TOKEN = "<|kimi_k25_video_placeholder|>"
+"""Where Kimi-K2.5's chat template puts a clip, and transformers' Kimi_K25Processor its chunks' pads (the checkpoint's
+remote code and vLLM pad chunks with <|media_pad|> instead: the embeddings land on the same places either way)."""
+VIDEO_RULE = ("Kimi-K2.5's checkpoint processor (kimi_k25_vision_processing.split_video_chunks, "
+              "media_utils.navit_resize_video): min(sample_fps, video fps), linspace(0, n-1, k).round(), chunks of "
+              "temporal_merge_kernel_size frames, the last one shorter; chunk prompts as transformers' "
+              "Kimi_K25Processor")
+"""The one reference batchvlm samples, chunks, sizes and prompts Kimi-K2.5 clips by. transformers' video processor
+samples otherwise (fps 2 by arange(n) * total // n, no min with the clip's rate) and has no in_patch_limit_video: it is
+the oracle of grids, pixels and ids on frames sampled by this rule, not of the sampling."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +103,121 @@ def navit_plan(height: int, width: int, params: KimiProcessorParams) -> ImagePla
     grid = (1, pad_h // p, pad_w // p)
     return ImagePlan(original=(height, width), resized=(new_h, new_w), padded=(pad_h, pad_w), grid_thw=grid,
                      num_tokens=grid[1] * grid[2] // (m * m))
+
+
+@dataclass(frozen=True)
+class KimiVideoParams:
+    """A clip's sampling, chunking and patch limits, named as Kimi-K2.5's media_proc_cfg names them; the defaults are
+    the release's."""
+
+    sample_fps: float = 2.0
+    """Frames sampled per second, at most the clip's own rate."""
+    temporal_merge_kernel_size: int = 4
+    """Frames in a chunk: the tower pools them into one frame's tokens."""
+    in_patch_limit_each_frame: int | None = 4096
+    """A frame's patch budget (None: the image's, in_patch_limit)."""
+    in_patch_limit_video: int | None = None
+    """Shared by a chunk's frames (the reference resizes a chunk, not the whole clip, against it)."""
+    timestamp_mode: str = "hh:mm:ss.fff"
+
+    def __post_init__(self):
+        positive = {"sample_fps": self.sample_fps, "temporal_merge_kernel_size": self.temporal_merge_kernel_size,
+                    "in_patch_limit_each_frame": self.in_patch_limit_each_frame or 1,
+                    "in_patch_limit_video": self.in_patch_limit_video or 1}
+        for key, value in positive.items():
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"kimi_k25 media_proc_cfg.{key}={value!r}: must be > 0")
+        if self.timestamp_mode not in TIMESTAMP_MODES:
+            raise ConfigError(f"kimi_k25 media_proc_cfg.timestamp_mode={self.timestamp_mode!r}: one of "
+                              f"{', '.join(TIMESTAMP_MODES)}")
+
+    @classmethod
+    def from_checkpoint(cls, path: Path) -> "KimiVideoParams":
+        """The checkpoint's media_proc_cfg values (preprocessor_config.json), the release's where it states none."""
+        file = path / "preprocessor_config.json"
+        media = json.loads(file.read_text()).get("media_proc_cfg", {}) if file.exists() else {}
+        return cls(**{f.name: media[f.name] for f in dataclasses.fields(cls) if f.name in media})
+
+
+TIMESTAMP_MODES = ("hh:mm:ss.fff", "mm:ss.fff", "mm:ss")
+
+
+def timestamp_text(seconds: float, mode: str) -> str:
+    """A chunk's time as the reference writes it: UTC clock fields of the whole seconds, milliseconds truncated."""
+    whole = int(seconds)
+    hours, minutes, secs = whole // 3600 % 24, whole // 60 % 60, whole % 60
+    millis = f".{int(seconds % 1 * 1000):03d}"
+    return {"hh:mm:ss.fff": f"{hours:02d}:{minutes:02d}:{secs:02d}{millis}",
+            "mm:ss.fff": f"{minutes:02d}:{secs:02d}{millis}", "mm:ss": f"{minutes:02d}:{secs:02d}"}[mode]
+
+
+def kimi_sample_frames(total: int, video_fps: float, video: KimiVideoParams) -> list[int]:
+    """min(sample_fps, video_fps) frames per second of the clip (at least one), spread by linspace and rounded."""
+    require(total >= 1, "video.too_few_frames", "the clip has no frame", expected=">= 1 frame", observed=total)
+    rate = min(video.sample_fps, video_fps)
+    count = max(round(total * rate / video_fps), 1)
+    return np.linspace(0, total - 1, count).round().astype(int).tolist()
+
+
+@dataclass(frozen=True)
+class VideoChunk:
+    frames: tuple[int, ...]
+    """The chunk's sampled frames (indices into the clip)."""
+    start_s: float
+    """Its first frame's index / the clip's frame rate: the reference's time (the pts are in video_frame_times)."""
+    plan: ImagePlan
+    """Every frame's resize and padding; grid_thw (frames, h, w)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.plan.num_tokens
+
+
+@dataclass(frozen=True)
+class KimiVideoPlan:
+    indices: tuple[int, ...]
+    chunks: tuple[VideoChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def num_patches(self) -> int:
+        return sum(chunk.plan.num_patches for chunk in self.chunks)
+
+    @property
+    def parts(self) -> tuple[ImagePlan, ...]:
+        """What the tower encodes and the output stores of the clip (records.clip_parts): its chunks."""
+        return tuple(chunk.plan for chunk in self.chunks)
+
+    @property
+    def grids(self) -> list[tuple[int, int, int]]:
+        return [chunk.plan.grid_thw for chunk in self.chunks]
+
+
+def chunk_patch_limit(frames: int, params: KimiProcessorParams, video: KimiVideoParams) -> int:
+    """A chunk's per-frame patch budget: in_patch_limit_each_frame (else in_patch_limit), at most in_patch_limit_video
+    shared by the chunk's frames (navit_resize_video on a chunk: its frames at 1 fps, sampled at inf)."""
+    each = params.max_patches if video.in_patch_limit_each_frame is None else video.in_patch_limit_each_frame
+    if video.in_patch_limit_video is not None:
+        each = min(round(video.in_patch_limit_video / frames), each)
+    return each
+
+
+def kimi_video_plan(indices: list[int], video_fps: float, height: int, width: int, params: KimiProcessorParams,
+                    video: KimiVideoParams) -> KimiVideoPlan:
+    """The sampled frames in chunks of temporal_merge_kernel_size (the last one shorter where they do not divide), each
+    chunk's frames resized as one image under its patch limit; a chunk's tokens are one frame's: the tower pools t."""
+    size = video.temporal_merge_kernel_size
+    chunks = []
+    for start in range(0, len(indices), size):
+        frames = tuple(indices[start:start + size])
+        plan = navit_plan(height, width, dataclasses.replace(
+            params, max_patches=chunk_patch_limit(len(frames), params, video)))
+        chunks.append(VideoChunk(frames, frames[0] / video_fps,
+                                 dataclasses.replace(plan, grid_thw=(len(frames), *plan.grid_thw[1:]))))
+    return KimiVideoPlan(tuple(indices), tuple(chunks))
 
 
 class KimiEncoder(torch.nn.Module):
@@ -166,6 +299,13 @@ class KimiK25(PatchFamily):
         self.framing = framing
         if framing == "k3":
             self.frame_ids = [token_id(tokenizer, token, self.name) for token in FRAME_TOKENS]
+        self.video_params = KimiVideoParams.from_checkpoint(checkpoint)
+        raw = read_config(checkpoint)
+        # A chunk's frames index the tower's time table: a chunk longer than it has no time for its last frames.
+        vision = raw if raw.get("model_type") == "kimi_k25_vision" else raw.get("vision_config") or {}
+        times = vision.get("init_pos_emb_time", vision.get("pos_emb_time", 4))
+        fits = self.video_params.temporal_merge_kernel_size <= times
+        self.video_token_id = _video_token_id(tokenizer, raw) if fits else None
 
     # -- plan and layout ------------------------------------------------------------------------
     def plan(self, height: int, width: int) -> ImagePlan:
@@ -180,6 +320,42 @@ class KimiK25(PatchFamily):
         # The frame names the original uploaded size, not the resized one (K3 contract).
         head = [begin] + self.encode_text(f"image {width}x{height}") + [content]
         return head + pads + [end], [FRAME] * len(head) + [IMAGE] * len(pads) + [FRAME]
+
+    # -- clips ----------------------------------------------------------------------------------
+    @property
+    def video_rule(self) -> str | None:
+        """The rule clips are taken by; None where the tokenizer lacks the checkpoint's clip token or a chunk is longer
+        than the tower's time table (a record with clips is then text.video)."""
+        return VIDEO_RULE if self.video_token_id is not None else None
+
+    def video_sampler(self) -> functools.partial:
+        """(frames in a clip, its fps) -> the frames sampled (pipeline.video.Sampler), picklable for the decoder."""
+        return functools.partial(kimi_sample_frames, video=self.video_params)
+
+    def plan_video(self, indices: list[int], total: int, video_fps: float, height: int, width: int) -> KimiVideoPlan:
+        """A clip's chunks from its sampled frames, its header's rate and its frames' upright size."""
+        return kimi_video_plan(indices, video_fps, height, width, self.params, self.video_params)
+
+    def replace_video(self, plan: KimiVideoPlan) -> tuple[list[int], list[int]]:
+        """The ids (and tags) that replace the template's one clip token (pipeline.chat): per chunk its time as plain
+        text, then `<|media_begin|>video<|media_content|>`, a pad per token, `<|media_end|>` (transformers'
+        Kimi_K25Processor)."""
+        begin, content, end = (token_id(self.tokenizer, token, self.name) for token in FRAME_TOKENS)
+        word = self.encode_text("video")
+        ids, tags = [], []
+        for chunk in plan.chunks:
+            head = self.encode_text(timestamp_text(chunk.start_s, self.video_params.timestamp_mode))
+            head += [begin, *word, content]
+            ids += head + [self.video_token_id] * chunk.num_tokens + [end]
+            tags += [FRAME] * len(head) + [VIDEO] * chunk.num_tokens + [FRAME]
+        return ids, tags
+
+    def video_fingerprint(self) -> dict | None:
+        """What a clip's output depends on beyond the image processor: the rule and its parameters as read."""
+        if self.video_rule is None:
+            return None
+        return {"rule": VIDEO_RULE, "params": dataclasses.asdict(self.video_params),
+                "video_token_id": self.video_token_id}
 
     # -- pixels ---------------------------------------------------------------------------------
     def reference_processor(self):
@@ -211,6 +387,14 @@ class KimiK25(PatchFamily):
     def fingerprint(self) -> dict:
         return {"family": self.name, "processor": dataclasses.asdict(self.params), "framing": self.framing,
                 "embedding": self.embedding, "tokenizer": tokenizer_digest(self.tokenizer)}
+
+
+def _video_token_id(tokenizer, raw: dict) -> int | None:
+    """The tokenizer's clip token where the checkpoint's LLM reads clips there (config.json's video_token_id, where it
+    states one, is the same id); None otherwise: the family then takes no clip."""
+    found = tokenizer.convert_tokens_to_ids(VIDEO_TOKEN) if VIDEO_TOKEN in tokenizer.get_vocab() else None
+    stated = raw.get("video_token_id")
+    return found if stated is None or stated == found else None
 
 
 # -- the checkpoint: config.json's fields, the tensors' names ------------------------------------

@@ -74,7 +74,7 @@ class Column:
 
 _SIZE = pa.list_(pa.int32(), 2)
 CONVERSATION = "a conversation (`dataset.format` other than text)"
-CLIPS = "a record with clips (qwen2_vl: Qwen2-VL, Qwen2.5-VL; siglip2)"
+CLIPS = "a record with clips (qwen2_vl: Qwen2-VL, Qwen2.5-VL; kimi_k25; siglip2)"
 
 DATA_COLUMNS = (
     Column("id", pa.string(), "the dataset's own id", read=True),
@@ -113,13 +113,15 @@ DATA_COLUMNS = (
     Column("rope_delta", pa.int32(), "max position + 1 - sequence length (where decoding continues)", "qwen2_vl",
            read=True),
     Column("video_spans", pa.list_(pa.struct([("start", pa.int32()), ("length", pa.int32())])),
-           "each clip's run of video tokens in `input_ids`, in clip order", CLIPS, read=True),
-    Column("video_grid_thw", pa.list_(pa.list_(pa.int32())), "per clip (t, h, w) in patches (transformers' "
-           "`video_grid_thw`)", CLIPS, read=True),
+           "each clip's run of video tokens in `input_ids` (a Kimi-K2.5 clip: each chunk's), in clip order", CLIPS,
+           read=True),
+    Column("video_grid_thw", pa.list_(pa.list_(pa.int32())), "per clip (Kimi-K2.5: per chunk) (t, h, w) in patches "
+           "(transformers' `video_grid_thw`)", CLIPS, read=True),
     Column("second_per_grid_ts", pa.list_(pa.float64()), "per clip, the seconds one temporal patch spans: "
-           "temporal_patch_size / the sampled frame rate (Qwen2.5-VL's M-RoPE time step, with tokens_per_second)",
+           "temporal_patch_size / the sampled frame rate (Qwen2.5-VL's M-RoPE time step, with tokens_per_second); null "
+           "for Kimi-K2.5, whose chunks' times are text",
            CLIPS, read=True),
-    Column("video_num_tokens", pa.list_(pa.int32()), "per clip, its LLM tokens", CLIPS),
+    Column("video_num_tokens", pa.list_(pa.int32()), "per clip (Kimi-K2.5: per chunk), its LLM tokens", CLIPS),
     Column("video_frame_indices", pa.list_(pa.list_(pa.int32())), "per clip, the sampled frames' positions among its "
            "frames (presentation order)", CLIPS),
     Column("video_frame_times", pa.list_(pa.list_(pa.float64())), "per clip, the sampled frames' times in seconds "

@@ -8,7 +8,7 @@ import torch
 from batchvlm.checks import require
 from batchvlm.format.schema import EXTRA_OUTPUTS, IMAGE, VIDEO, stored_sizes
 from batchvlm.format.strings import escaped_value, unencodable_fields
-from batchvlm.records import ChatLayout, EncodedRecord, QuarantinedRecord, SourceRecord, TokenLayout
+from batchvlm.records import ChatLayout, EncodedRecord, QuarantinedRecord, SourceRecord, TokenLayout, clip_parts
 
 
 def embed_bytes(embeds: list[torch.Tensor], dtype: torch.dtype, hidden_size: int) -> bytes:
@@ -89,12 +89,13 @@ NO_CLIPS = dict.fromkeys(("video_spans", "video_grid_thw", "second_per_grid_ts",
 def clip_columns(encoded: EncodedRecord, dtype: torch.dtype, hidden_size: int) -> dict:
     """A record's clips' columns: their spans, grids, time steps, sampled frames and tokens."""
     record = encoded.prepared
-    plans = record.clip_plans
+    parts = clip_parts(record.clip_plans)  # a span, grid and tokens each (a Kimi-K2.5 clip's: per chunk)
+    seconds = [getattr(plan, "second_per_grid_t", None) for plan in record.clip_plans]
     return {
         "video_spans": [{"start": start, "length": length} for start, length in record.layout.video_spans],
-        "video_grid_thw": [list(plan.grid_thw) for plan in plans],
-        "second_per_grid_ts": [plan.second_per_grid_t for plan in plans],
-        "video_num_tokens": [plan.num_tokens for plan in plans],
+        "video_grid_thw": [list(part.grid_thw) for part in parts],
+        "second_per_grid_ts": seconds if None not in seconds else None,  # Qwen's; a chunk's time is in its prompt
+        "video_num_tokens": [part.num_tokens for part in parts],
         "video_frame_indices": [list(clip.indices) for clip in record.clips],
         "video_frame_times": [list(clip.timestamps_s) for clip in record.clips],
         "video_embeds": embed_bytes(encoded.video_embeds, dtype, hidden_size),

@@ -36,7 +36,7 @@ from batchvlm.checks import CheckFailed, require
 from batchvlm.config import Choice, Config, ConfigError, positive, written
 from batchvlm.format.schema import FRAME, IMAGE, TEXT, VIDEO
 from batchvlm.pipeline.tokens import checked_spans, special_ids, specials_as_text
-from batchvlm.records import ROLES, ChatLayout, ImagePlan, Slot, TokenLayout, Turn, TurnSpan
+from batchvlm.records import ROLES, ChatLayout, ImagePlan, Slot, TokenLayout, Turn, TurnSpan, clip_parts
 
 
 class TrainOn(Choice):
@@ -432,12 +432,20 @@ class ChatRenderer:
         is_video = ids == self.video_token_id if clip_plans else None
         mask = self._mask(turns, rendered, is_image if is_video is None else is_image | is_video)
         # Each image (clip) token becomes its grid-sized span: every index after it moves by the span's length - 1.
+        # A family whose clip token stands for more than its pads (Kimi-K2.5: chunks, each with its time as text and
+        # its frame tokens) gives the whole replacement (`replace_video`); it is the processor's, never trained.
+        replaced = [self.family.replace_video(plan) for plan in clip_plans] \
+            if is_video is not None and hasattr(self.family, "replace_video") else None
         repeats = np.ones(len(ids), dtype=np.int64)
         repeats[is_image] = [plan.num_tokens for plan in plans]
         if is_video is not None:
-            repeats[is_video] = [plan.num_tokens for plan in clip_plans]
+            repeats[is_video] = [len(part_ids) for part_ids, _ in replaced] if replaced else \
+                [plan.num_tokens for plan in clip_plans]
         moved = np.concatenate([[0], np.cumsum(repeats)])
         expanded = np.repeat(ids, repeats)
+        if replaced:
+            for start, (part_ids, _) in zip(moved[:-1][is_video], replaced):
+                expanded[start:start + len(part_ids)] = part_ids
         tags = np.where(self.is_frame[expanded], FRAME, TEXT).astype(np.int8)
         images = expanded == self.family.image_token_id
         tags[images] = IMAGE
@@ -447,13 +455,14 @@ class ChatRenderer:
         loss_mask[images] = 0
         if is_video is not None:
             videos = np.repeat(is_video, repeats)
-            tags[videos] = VIDEO
+            tags[videos] = np.concatenate([part_tags for _, part_tags in replaced]) if replaced else VIDEO
             loss_mask[videos] = 0
         if not loss_mask.any():
             raise CheckFailed("text.no_trained_tokens", f"no token of the conversation is trained (text.train_on="
                               f"{self.train_on}; roles {[turn.role for turn in turns]})",
                               expected="at least one trained token", observed=0)
-        video_spans = checked_spans(expanded, clip_plans, self.family, self.video_token_id) if clip_plans else []
+        video_spans = checked_spans(expanded, clip_parts(clip_plans), self.family, self.video_token_id) \
+            if clip_plans else []
         return TokenLayout(input_ids=expanded.tolist(), image_spans=checked_spans(expanded, plans, self.family),
                            token_tags=tags.tolist(), chat=ChatLayout(loss_mask.tolist(), spans),
                            video_spans=video_spans)

@@ -122,9 +122,10 @@ def _resized(image: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Ten
 
 
 def frame_rows(frames: torch.Tensor, resized: tuple[int, int], layout, norm, resample: str) -> torch.Tensor:
-    """A clip's sampled frames, (n, H, W, 3) uint8, as the rows of a layout with frames (Qwen's merge windows): each
-    frame resized as an image is (uint8 on the CPU), an odd count padded with its last frame, normalized by `norm`
-    (an object with image_mean and image_std), then patchified a temporal patch at a time."""
+    """A clip's sampled frames, (n, H, W, 3) uint8, as the rows of a layout with frames (Qwen's merge windows; SigLIP2's
+    raster, a frame a temporal patch): each frame resized as an image is (uint8 on the CPU), an odd count padded with
+    its last frame, normalized by `norm` (an object with image_mean and image_std), then patchified a temporal patch at
+    a time (PatchLayout.patchify_frames)."""
     images = frames.permute(0, 3, 1, 2)
     if tuple(images.shape[2:]) != resized:
         images = torch.stack([_resized(image, resized, resample) for image in images])
@@ -132,6 +133,28 @@ def frame_rows(frames: torch.Tensor, resized: tuple[int, int], layout, norm, res
         images = torch.cat([images, images[-1:].expand(pad, *images.shape[1:])])
     scale, bias = (t.view(3, 1, 1) for t in normalization(norm, images.device))
     return layout.patchify_frames(images.float().mul_(scale).add_(bias))
+
+
+def padded_frame_rows(frames: torch.Tensor, plan: ImagePlan, layout, norm, resample: str) -> torch.Tensor:
+    """Frames, (n, H, W, 3) uint8, as a layout without frames lays out images (Kimi's RASTER_CHW), frame after frame:
+    each resized as an image is, padded bottom/right with 0 to the plan's padded size, normalized, patchified."""
+    images = frames.permute(0, 3, 1, 2)
+    if tuple(images.shape[2:]) != plan.resized:
+        images = torch.stack([_resized(image, plan.resized, resample) for image in images])
+    canvas = images.new_zeros((images.shape[0], 3, *plan.padded))
+    canvas[:, :, :images.shape[2], :images.shape[3]] = images
+    scale, bias = (t.view(3, 1, 1) for t in normalization(norm, images.device))
+    return torch.cat([layout.patchify(frame.float().mul_(scale).add_(bias)) for frame in canvas])
+
+
+def clip_rows(frames: torch.Tensor, plan, family) -> torch.Tensor:
+    """A clip's sampled frames as the tower's rows: a clip in parts (records.clip_parts: Kimi-K2.5's chunks) part by
+    part, each part's frames (its grid's t) laid out as images at the part's plan; any other clip by frame_rows."""
+    if not hasattr(plan, "parts"):
+        return frame_rows(frames, plan.resized, family.layout, family, family.resample)
+    counts = [part.grid_thw[0] for part in plan.parts]
+    return torch.cat([padded_frame_rows(part_frames, part, family.layout, family, family.resample)
+                      for part, part_frames in zip(plan.parts, torch.split(frames, counts))])
 
 
 def pixels_on(image: DecodedImage, device: torch.device) -> torch.Tensor:
@@ -366,17 +389,17 @@ def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: Preproc
     clips = [(record, index, clip, plan) for record in records
              for index, (clip, plan) in enumerate(zip(record.clips, record.clip_plans))]
     frames = images_on([clip.pixels for _, _, clip, _ in clips], preprocessor.device) if clips else []
-    clip_rows = [frame_rows(clip_frames, plan.resized, preprocessor.family.layout, preprocessor.family,
-                            preprocessor.family.resample) for (_, _, _, plan), clip_frames in zip(clips, frames)]
-    every = rows + clip_rows
+    clips_rows = [clip_rows(clip_frames, plan, preprocessor.family)
+                  for (_, _, _, plan), clip_frames in zip(clips, frames)]
+    every = rows + clips_rows
     on_device = torch.stack([torch.isfinite(part).all() for part in every]) if every else None
     finite = syncs.read(on_device) if syncs is not None and every else [True] * len(every)
     rows = [guard.checked_rows(record, index, image, plan, grid, image_rows, all_finite)
             for (record, index), image, plan, grid, image_rows, all_finite
             in zip(owners, images, plans, grids, rows, finite)]
-    clip_rows = [checked_clip_rows(record, index, plan, part, all_finite) for (record, index, _, plan), part, all_finite
-                 in zip(clips, clip_rows, finite[len(rows):])]
-    pixel_values = torch.cat(in_record_order(records, rows, clip_rows) if clip_rows else rows)
+    clips_rows = [checked_clip_rows(record, index, plan, part, all_finite)
+                  for (record, index, _, plan), part, all_finite in zip(clips, clips_rows, finite[len(rows):])]
+    pixel_values = torch.cat(in_record_order(records, rows, clips_rows) if clips_rows else rows)
     grid_thw = torch.tensor([plan.grid_thw for record in records for plan in record.media_plans], dtype=torch.int64)
     require(pixel_values.shape[0] == int(grid_thw.prod(-1).sum()), "preprocess.feature_length",
             "packed pixel rows do not match the batch's grids",

@@ -14,7 +14,7 @@ import numpy as np
 
 from batchvlm.checks import CheckFailed, require
 from batchvlm.format.schema import TEXT
-from batchvlm.records import ImagePlan, Slot, TokenLayout, Turn
+from batchvlm.records import ImagePlan, Slot, TokenLayout, Turn, clip_parts
 
 
 def find_spans(input_ids: list[int] | np.ndarray, token_id: int) -> list[tuple[int, int]]:
@@ -97,7 +97,8 @@ def place_conversation_images(turns: list[Turn], num_images: int, missing_policy
 def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family,
                  control_tokens: str = "quarantine", clip_plans: list = ()) -> TokenLayout:
     """Tokenize text pieces with the checkpoint's tokenizer and expand each placeholder via the family: an image's by
-    `expand_image`, with `clip_plans` a clip's (`<video>`) by `expand_video`."""
+    `expand_image`, with `clip_plans` a clip's (`<video>`) by `replace_video` where the family has it (the whole
+    sequence a clip's one token becomes: Kimi-K2.5's chunks), else `expand_video`."""
     if clip_plans:
         pieces = re.split(f"({re.escape(placeholder)}|{re.escape(Slot.VIDEO.value)})", text)
         texts, marks = pieces[0::2], pieces[1::2]
@@ -106,7 +107,8 @@ def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family,
         marks = [placeholder] * (len(texts) - 1)
     media = {placeholder: (iter(plans), family.expand_image)}
     if clip_plans:
-        media[Slot.VIDEO.value] = (iter(clip_plans), family.expand_video)
+        expand_clip = getattr(family, "replace_video", None) or family.expand_video
+        media[Slot.VIDEO.value] = (iter(clip_plans), expand_clip)
     input_ids: list[int] = []
     tags: list[int] = []
     for index, piece in enumerate(texts):
@@ -119,7 +121,8 @@ def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family,
                 media_ids, media_tags = expand(plan)
                 input_ids += media_ids
                 tags += media_tags
-    video_spans = checked_spans(input_ids, clip_plans, family, family.video_token_id) if clip_plans else []
+    video_spans = checked_spans(input_ids, clip_parts(clip_plans), family, family.video_token_id) \
+        if clip_plans else []
     return TokenLayout(input_ids=input_ids, image_spans=checked_spans(input_ids, plans, family), token_tags=tags,
                        video_spans=video_spans)
 
@@ -164,7 +167,7 @@ def require_fits(layout: TokenLayout, max_tokens: int | None, dropped: bool = Fa
 def attach_positions(layout: TokenLayout, plans: list[ImagePlan], family, clip_plans: list = ()) -> None:
     """The family's position ids (M-RoPE), checked against the sequence they must cover: with clips, over the
     images' and clips' spans in sequence order."""
-    if clip_plans:
+    if clip_plans and hasattr(family, "media_positions"):  # a family without M-RoPE positions has none for clips
         spans, ordered = zip(*sorted([*zip(layout.image_spans, plans), *zip(layout.video_spans, clip_plans)],
                                      key=lambda span_plan: span_plan[0][0]))
         found = family.media_positions(len(layout.input_ids), list(spans), list(ordered))

@@ -62,14 +62,15 @@ class RunFacts:
     requeue_from: str | None = None  # a requeue run: the run whose quarantined records it read again
 
     @classmethod
-    def of(cls, layout: RunLayout, first_shard: Path, shards: list[Path] | None = None) -> RunFacts:
-        """`shards`: the published data shards (default the first), whose footers count the rows with clips."""
+    def of(cls, layout: RunLayout, footers: list[pq.FileMetaData]) -> RunFacts:
+        """`footers`: the Parquet footers of the published data shards (a push reads each once), which give the
+        embedding columns and count the rows with clips."""
         config = yaml.safe_load(layout.config.read_text())
         fingerprint = read_json(layout.fingerprint) or {}
         return cls(run_name=layout.root.name, fingerprint=fingerprint, config=config,
-                   totals=read_json(layout.success) or {}, embedding_columns=embedding_columns(first_shard),
+                   totals=read_json(layout.success) or {}, embedding_columns=embedding_columns(footers[0]),
                    revision=checkpoint_revision(config["model"]["path"], fingerprint.get("model_config_sha256")),
-                   clip_rows=rows_with_clips(shards or [first_shard]) if CLIP_RULE in fingerprint else None,
+                   clip_rows=rows_with_clips(footers) if CLIP_RULE in fingerprint else None,
                    requeue_from=requeue_origin(layout))
 
 
@@ -83,21 +84,23 @@ CLIP_RULE = "video_rule"
 """The fingerprint's key for the family's clip rule, there only where the run's dataset format can name clips."""
 
 
-def rows_with_clips(shards: list[Path]) -> int:
+def rows_with_clips(footers: list[pq.FileMetaData]) -> int:
     """Rows whose video_embeds is set, from the shards' footers alone (each row group's null count of the column)."""
     rows = 0
-    for shard in shards:
-        metadata = pq.read_metadata(shard)
-        column = metadata.schema.to_arrow_schema().get_field_index("video_embeds")
+    for metadata in footers:
+        # The footer numbers leaf columns: a struct or nested list before video_embeds makes them more than the fields.
+        column = next((i for i in range(metadata.num_columns) if metadata.schema.column(i).path == "video_embeds"),
+                      None)
         for group in range(metadata.num_row_groups):
             chunk = metadata.row_group(group)
-            rows += chunk.num_rows - (chunk.column(column).statistics.null_count if column >= 0 else chunk.num_rows)
+            rows += chunk.num_rows - (chunk.column(column).statistics.null_count if column is not None
+                                      else chunk.num_rows)
     return rows
 
 
-def embedding_columns(shard: Path) -> dict[str, int]:
+def embedding_columns(footer: pq.FileMetaData) -> dict[str, int]:
     """Each embedding column a shard holds and its hidden size (format.schema writes one key per column)."""
-    metadata = pq.read_schema(shard).metadata or {}
+    metadata = footer.metadata or {}
     prefix = SIZE_KEY.encode()
     return {key[len(prefix):].decode(): int(value) for key, value in metadata.items() if key.startswith(prefix)}
 

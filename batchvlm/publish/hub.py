@@ -56,10 +56,10 @@ from batchvlm.format.schema import FormatError
 from batchvlm.publish.card import RunFacts, dataset_card
 from batchvlm.rundir.claims import gone_from_this_host
 from batchvlm.rundir.dedup import excluded_rows
-from batchvlm.rundir.durable import publish_exclusive, read_json, sha256_file, temporary_name
+from batchvlm.rundir.durable import publish_exclusive, read_json, temporary_name
 from batchvlm.rundir.layout import DATA, RunLayout
-from batchvlm.rundir.manifest import DamagedFile, Listing, all_manifests, checked
-from batchvlm.rundir.upgrade import check_run_format, compression_of
+from batchvlm.rundir.manifest import DamagedFile, Listing, all_manifests, checked, sha256_differs
+from batchvlm.rundir.upgrade import check_run_format, compression_of, run_format
 
 log = logging.getLogger("batchvlm")
 
@@ -112,7 +112,9 @@ class PushConfig(Config):
         if self.files_per_commit > MAX_FILES_PER_COMMIT:
             raise ConfigError(f"files_per_commit={self.files_per_commit} is over {MAX_FILES_PER_COMMIT}: the Hub "
                               "recommends under 100 files a commit")
-        if not RunLayout(Path(self.run_dir)).marker.exists():
+        # A run of an older format (one from before the marker too) is a run: the push refuses it as the readers do,
+        # naming the upgrade.
+        if run_format(RunLayout(Path(self.run_dir))) is None:
             raise ConfigError(f"run_dir={self.run_dir!r} is not a batchvlm run directory (no .batchvlm marker)")
 
 
@@ -166,17 +168,18 @@ def refuse_unpublishable(layout: RunLayout) -> None:
         raise PushRefused(str(error)) from None
 
 
-def oversized_row_groups(path: Path, limit: int = VIEWER_ROW_GROUP_BYTES) -> list[str]:
-    """Each row group of a shard over `limit` bytes in memory, named; from the footer alone."""
-    metadata = pq.read_metadata(path)
+def oversized_row_groups(path: Path, footer: pq.FileMetaData, limit: int = VIEWER_ROW_GROUP_BYTES) -> list[str]:
+    """Each row group of a shard over `limit` bytes in memory, named; from its footer alone."""
     return [f"{path}: row group {group} is {size:,} bytes in memory, over the dataset viewer's {limit:,}"
-            for group in range(metadata.num_row_groups)
-            if (size := metadata.row_group(group).total_byte_size) > limit]
+            for group in range(footer.num_row_groups)
+            if (size := footer.row_group(group).total_byte_size) > limit]
 
 
-def shard_problems(layout: RunLayout, shards: list[Shard], row_group_limit: int = VIEWER_ROW_GROUP_BYTES) -> list[str]:
-    """What stops a shard from being published, read from its size and footer (no shard is hashed here)."""
-    problems = []
+def publishable_footers(layout: RunLayout, shards: list[Shard],
+                        row_group_limit: int = VIEWER_ROW_GROUP_BYTES) -> list[pq.FileMetaData]:
+    """Each shard's Parquet footer, read once: its row groups are checked here and the card's facts read from it.
+    PushRefused naming every shard that cannot be published, from its size and footer (no shard is hashed here)."""
+    problems, footers = [], []
     for shard in shards:
         try:
             path = checked(layout, shard.listing)
@@ -185,8 +188,15 @@ def shard_problems(layout: RunLayout, shards: list[Shard], row_group_limit: int 
             continue
         if shard.listing.bytes > MAX_FILE_BYTES:
             problems.append(f"{path}: {shard.listing.bytes:,} bytes, over the Hub's {MAX_FILE_BYTES:,} a file")
-        problems += oversized_row_groups(path, row_group_limit)
-    return problems
+        try:
+            footers.append(pq.read_metadata(path))
+        except (OSError, pa.ArrowException) as error:  # bytes changed in place, of the same size
+            problems.append(f"{path}: its Parquet footer does not read ({error}): verify the run, or rerun it")
+            continue
+        problems += oversized_row_groups(path, footers[-1], row_group_limit)
+    if problems:
+        raise PushRefused("shards that cannot be published, nothing uploaded:\n" + "\n".join(problems))
+    return footers
 
 
 def git_blob_id(content: bytes) -> str:
@@ -214,16 +224,13 @@ def verified_uploads(layout: RunLayout, shards: list[Shard], staged: dict[str, o
         if shard.repo_path in staged:
             operations.append(staged[shard.repo_path])
             continue
-        operation = CommitOperationAdd(shard.repo_path, layout.listed(shard.listing.path))
+        path = layout.listed(shard.listing.path)
+        operation = CommitOperationAdd(shard.repo_path, path)
         if operation.upload_info.sha256.hex() != shard.listing.sha256:
-            damaged.append(_damaged(shard))
+            damaged.append(str(sha256_differs(path)))
         operations.append(operation)
     _refuse_damaged(damaged)
     return operations
-
-
-def _damaged(shard: Shard) -> str:
-    return f"{shard.listing.path} does not match its sha256 in the manifest"
 
 
 def _refuse_damaged(damaged: list[str]) -> None:
@@ -245,9 +252,10 @@ def staged_copies(layout: RunLayout, shards: list[Shard]) -> dict[str, object]:
     for shard in shards:
         if not shard.skipped:
             continue
-        source = layout.listed(shard.listing.path)
-        if sha256_file(source) != shard.listing.sha256:
-            damaged.append(_damaged(shard))
+        try:
+            source = checked(layout, shard.listing, checksums=True)
+        except DamagedFile as error:
+            damaged.append(str(error))
             continue
         staging.mkdir(exist_ok=True)
         copy = write_without_rows(source, staging / source.name, shard.skipped)
@@ -339,11 +347,8 @@ def push_run(config: PushConfig, api=None) -> PushResult:
     shards = published_shards(layout)
     if not shards:
         raise PushRefused(f"{layout.root}: no data shard (every record was quarantined): nothing to publish")
-    if problems := shard_problems(layout, shards):
-        raise PushRefused("shards that cannot be published, nothing uploaded:\n" + "\n".join(problems))
-    card = dataset_card(RunFacts.of(layout, layout.listed(shards[0].listing.path),
-                                    [layout.listed(shard.listing.path) for shard in shards]),
-                        [shard.repo_path for shard in shards], config.license)
+    card = dataset_card(RunFacts.of(layout, publishable_footers(layout, shards)), [shard.repo_path for shard in shards],
+                        config.license)
     with push_lock(layout, config.repo_id):
         if api is None:
             from huggingface_hub import HfApi

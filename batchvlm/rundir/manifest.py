@@ -145,8 +145,13 @@ def checked(layout: RunLayout, listing: Listing, checksums: bool = False) -> Pat
         raise DamagedFile(f"{path} has {size} bytes, its manifest says {listing.bytes} (verify the run, or rerun "
                           "it: the unit is redone)")
     if checksums and sha256_file(path) != listing.sha256:
-        raise DamagedFile(f"{path} does not match its sha256 in the manifest")
+        raise sha256_differs(path)
     return path
+
+
+def sha256_differs(path: Path) -> DamagedFile:
+    """The refusal of a listed file whose bytes are not the ones its manifest's sha256 names (however it was hashed)."""
+    return DamagedFile(f"{path} does not match its sha256 in the manifest")
 
 
 def listed_files(manifests: Iterable[Manifest]) -> set[str]:

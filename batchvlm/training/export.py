@@ -21,7 +21,6 @@ each one named in `skipped.jsonl`; the rules are the stacks' own, read in their 
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import random
@@ -31,6 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import torch
 import yaml
@@ -42,7 +42,8 @@ from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.rundir.manifest import DamagedFile, checked_shards
 from batchvlm.sources.conversations import split_placeholders
 from batchvlm.training.reader import (RecordTensors, Runs, RunNotFinished, TrustedShard, checked_file,
-                                      read_tensor_group, run_layouts, tensors_of, trusted_shards)
+                                      read_tensor_group, row_group_of, row_group_starts, run_layouts, tensors_of,
+                                      trusted_shards)
 
 FORMATS = ("llamafactory", "swift")
 STACK_IMAGE_TAG = "<image>"
@@ -88,6 +89,10 @@ class ImageReference:
 
     def __str__(self) -> str:
         return f"{self.shard}?row={self.row}&image={self.image}"
+
+    @classmethod
+    def of(cls, reference: ImageReference | str) -> ImageReference:
+        return cls.parse(reference) if isinstance(reference, str) else reference
 
     @classmethod
     def parse(cls, text: str) -> ImageReference:
@@ -216,13 +221,15 @@ def row_groups(shards: list[TrustedShard], shuffle_seed: int | None) -> list[tup
     order drawn from it: from the files' metadata, without reading a row."""
     groups = []
     for shard in shards:
-        metadata = checked_file(shard.path).metadata
-        sizes = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
-        starts = list(itertools.accumulate(sizes, initial=0))
-        groups += [(shard, g, starts[g]) for g in range(len(sizes))]
+        starts = row_group_starts(checked_file(shard.path))
+        groups += [(shard, g, int(starts[g])) for g in range(len(starts) - 1)]
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(groups)
     return groups
+
+
+CONVERSATION_COLUMNS = ["id", "row", "text", "turns", "grid_thw", "video_grid_thw"]
+"""What an exported line and its skip reason are made of: no embedding is read."""
 
 
 def conversations(first: Path, shards: list[TrustedShard], format: str,
@@ -240,8 +247,7 @@ def conversations(first: Path, shards: list[TrustedShard], format: str,
         name = shard_name(first, shard.path)
         if shard.path != open_path:  # in the run's order each shard is opened once; one file is open at a time
             open_path, file = shard.path, checked_file(shard.path)
-        columns = ["id", "row", "text", "turns", "grid_thw", "video_grid_thw"]
-        table = file.read_row_group(group, columns=columns)
+        table = file.read_row_group(group, columns=CONVERSATION_COLUMNS)
         rows = list(enumerate(table.to_pylist(), at))
         if shuffle_seed is not None:
             draw.shuffle(rows)
@@ -294,32 +300,26 @@ class StoredImages:
         first = first_run(runs)
         self.shards = {shard_name(first, path): path for layout in run_layouts(runs)
                        for _, path in checked_shards(layout, DATA)}
-        self._starts: dict[str, list[int]] = {}
+        self._starts: dict[str, np.ndarray] = {}
         self._group: tuple[str, int, object] | None = None
 
     def record(self, reference: ImageReference | str) -> RecordTensors:
         """The written record a reference points into."""
-        reference = ImageReference.parse(reference) if isinstance(reference, str) else reference
+        reference = ImageReference.of(reference)
         if reference.shard not in self.shards:
             raise ValueError(f"{reference} names {reference.shard}, which no manifest of the run lists")
-        starts = self._group_starts(reference.shard)
-        group = next((g for g in range(len(starts) - 1) if starts[g] <= reference.row < starts[g + 1]), None)
-        if group is None:
+        if reference.shard not in self._starts:
+            self._starts[reference.shard] = row_group_starts(pq.ParquetFile(self.shards[reference.shard]))
+        starts = self._starts[reference.shard]
+        if (group := row_group_of(starts, reference.row)) is None:
             raise ValueError(f"{reference} names row {reference.row}; {reference.shard} has {starts[-1]} rows")
         if self._group is None or self._group[:2] != (reference.shard, group):
             self._group = (reference.shard, group, read_tensor_group(self.shards[reference.shard], group))
-        return tensors_of(self._group[2], reference.row - starts[group])
-
-    def _group_starts(self, shard: str) -> list[int]:
-        if shard not in self._starts:
-            metadata = pq.ParquetFile(self.shards[shard]).metadata
-            sizes = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
-            self._starts[shard] = [sum(sizes[:g]) for g in range(len(sizes) + 1)]
-        return self._starts[shard]
+        return tensors_of(self._group[2], reference.row - int(starts[group]))
 
     def image(self, reference: ImageReference | str) -> tuple[torch.Tensor, torch.Tensor]:
         """(grid_thw [3], image_embeds rows [tokens, hidden]) of one referenced image."""
-        reference = ImageReference.parse(reference) if isinstance(reference, str) else reference
+        reference = ImageReference.of(reference)
         record = self.record(reference)
         if reference.image >= len(record.grid_thw):
             raise ValueError(f"{reference} names image {reference.image}; record {record.id!r} has "

@@ -6,6 +6,12 @@ override point of transformers' vision-language models: `forward` calls it and s
 image tokens. Replaced, it returns the batch's stored rows and the vision tower never runs, whatever pixels the stack
 passed. Rows stored before the projector (`tower_embeds`, `model.embedding=both`) go through the model's own
 projector, which then trains; rows stored after it (`image_embeds`) go in as they are.
+
+A SigLIP2 run stores the tower's patch tokens themselves (`image_embeds`, [h * w, D] per image in raster order, its
+NaFlex grid (1, h, w) in `grid_thw`): before any projector. A model built on a SigLIP2 tower with a pixel-unshuffle
+projector (LFM2-VL: `multi_modal_projector` over `downsample_factor` x `downsample_factor` blocks of patches) gets
+them through that projector, image by image; rows that do not fit it (another hidden size, a grid the blocks do not
+tile) are refused before the model runs.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ def vision_tower(model) -> torch.nn.Module:
 def projector(model) -> torch.nn.Module:
     """The module that turns the tower's merged features into the language model's image tokens."""
     inner = model.model
+    if unshuffles_patches(model):
+        return inner.multi_modal_projector
     if hasattr(inner, "mm_projector"):  # Kimi-K2.5
         return inner.mm_projector
     if hasattr(inner, "visual") and hasattr(inner.visual, "merger"):  # Qwen2/2.5-VL
@@ -50,18 +58,66 @@ def projected(model, rows: torch.Tensor) -> torch.Tensor:
     return module(rows.reshape(-1, width).to(dtype))
 
 
+def unshuffles_patches(model) -> bool:
+    """A SigLIP2 tower whose patch tokens the projector merges in blocks of `downsample_factor`^2 (LFM2-VL)."""
+    vision = getattr(model.config, "vision_config", None)
+    return (getattr(vision, "model_type", None) == "siglip2_vision_model"
+            and hasattr(model.config, "downsample_factor") and hasattr(model.model, "multi_modal_projector"))
+
+
+def check_patch_rows(model, batch: PackedBatch | PaddedBatch) -> None:
+    """Refuses stored SigLIP2 rows that the model's projector cannot take, naming what differs."""
+    grids, stored, size = batch.grid_thw, batch.image_embeds.shape[-1], model.config.vision_config.hidden_size
+    if stored != size:
+        raise ValueError(f"stored image_embeds are {stored} wide but {type(model).__name__}'s SigLIP2 tower gives {size}: "
+                         "the run was written with another tower")
+    factor = model.config.downsample_factor
+    for index, (frames, height, width) in enumerate(grids.tolist()):
+        if frames != 1 or height % factor or width % factor:
+            raise ValueError(f"image {index} of the batch ({', '.join(batch.ids)}) has the patch grid "
+                             f"{frames}x{height}x{width}: the projector merges {factor}x{factor} blocks of patches of "
+                             f"one frame, so both sides must be multiples of downsample_factor={factor}")
+    if int((grids[:, 1] * grids[:, 2]).sum()) != len(batch.image_embeds):
+        raise ValueError(f"the batch's grids cover {int((grids[:, 1] * grids[:, 2]).sum())} patches but it holds "
+                         f"{len(batch.image_embeds)} image_embeds rows")
+
+
+def unshuffled_patches(model, batch: PackedBatch | PaddedBatch,
+                       spatial_shapes: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Each image's stored patch tokens as a [1, h, w, D] grid through the model's projector: the pixel-unshuffle
+    and MLP its own get_image_features applies to the tower's output, [h * w / factor^2, text hidden] per image."""
+    grids = batch.grid_thw
+    if spatial_shapes is not None and not torch.equal(spatial_shapes.cpu().long(), grids[:, 1:]):
+        raise ValueError(f"the stack's images have the patch grids {spatial_shapes.tolist()} but the stored rows "
+                         f"{grids[:, 1:].tolist()}: its prompt's image tokens were counted for other images")
+    module = projector(model)
+    dtype = next(module.parameters()).dtype
+    images = batch.image_embeds.split((grids[:, 1] * grids[:, 2]).tolist())
+    return tuple(module(rows.view(1, height, width, -1).to(dtype)).flatten(0, 2)
+                 for rows, (_, height, width) in zip(images, grids.tolist()))
+
+
 @contextmanager
 def stored_image_features(model, batch: PackedBatch | PaddedBatch, column: str = "image_embeds"):
     """Within the block, the model's image features are the batch's stored rows of `column` (`image_embeds`, or
     `tower_embeds` fed through the projector), in the order of its image tokens; its tower is not called."""
     inner = model.model
-    if column == PRE_PROJECTOR and PRE_PROJECTOR not in getattr(batch, "extras", {}):
+    patches = unshuffles_patches(model)
+    if patches:
+        if column != "image_embeds":
+            raise ValueError(f"{type(model).__name__}: a SigLIP2 run's image_embeds are already the tower's patch "
+                             f"tokens, before the projector; feed column='image_embeds', not {column!r}")
+        check_patch_rows(model, batch)
+    elif column == PRE_PROJECTOR and PRE_PROJECTOR not in getattr(batch, "extras", {}):
         raise ValueError(f"the batch has no {PRE_PROJECTOR}: the run was written without model.embedding=both")
 
-    def get_image_features(*_, **__):
-        if column == PRE_PROJECTOR:
-            from transformers.modeling_outputs import BaseModelOutputWithPooling
+    def get_image_features(*_, spatial_shapes=None, **__):
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+        if patches:
+            return BaseModelOutputWithPooling(
+                pooler_output=unshuffled_patches(model, batch, spatial_shapes))
+        if column == PRE_PROJECTOR:
             return BaseModelOutputWithPooling(pooler_output=(projected(model, batch.extras[PRE_PROJECTOR]),))
         return encoder_output(batch)
 
@@ -70,3 +126,57 @@ def stored_image_features(model, batch: PackedBatch | PaddedBatch, column: str =
         yield
     finally:
         del inner.get_image_features
+
+
+# LLaVA (github.com/haotian-liu/LLaVA, llava/model/llava_arch.py): `LlavaMetaForCausalLM.encode_images(images)` takes
+# the batch's images as one [N, 3, H, W] tensor and returns `get_model().mm_projector(get_model().get_vision_tower()
+# (images))`, [N, P, D]: the tower's selected layer (`mm_vision_select_layer`, CLS dropped), then the projector.
+# `prepare_inputs_labels_for_multimodal` takes one [P, D] slice per image placeholder, in order, and for a list of
+# images splits that tensor along its first dimension, so it must stay one tensor of equal-sized images.
+
+@contextmanager
+def stored_encode_images(model, batch: PackedBatch | PaddedBatch, column: str = "image_embeds"):
+    """Within the block, the LLaVA model's `encode_images` returns the batch's stored rows of `column` (the tower's
+    selected-layer patch features, before the projector) through its own `mm_projector`, which then trains, as the
+    [N, P, D] tensor LLaVA expects; its vision tower is not called."""
+    rows = stored_rows(batch, column)
+    module = model.get_model().mm_projector
+    images = equal_images(batch, rows, projector_width(module))
+
+    def encode_images(*_, **__):
+        return module(images.to(next(module.parameters()).dtype))
+
+    model.encode_images = encode_images  # the instance's, over the class's: prepare_inputs_... calls this one
+    try:
+        yield
+    finally:
+        del model.encode_images
+
+
+def stored_rows(batch: PackedBatch | PaddedBatch, column: str) -> torch.Tensor:
+    if column == "image_embeds":
+        return batch.image_embeds
+    if column not in getattr(batch, "extras", {}):
+        raise ValueError(f"the batch has no {column}: the run was written without it (model.embedding=both stores "
+                         f"{PRE_PROJECTOR})")
+    return batch.extras[column]
+
+
+def projector_width(module: torch.nn.Module) -> int:
+    """The feature width the projector takes: its first linear layer's input."""
+    return next(layer for layer in module.modules() if isinstance(layer, torch.nn.Linear)).in_features
+
+
+def equal_images(batch: PackedBatch | PaddedBatch, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """The rows as [images, patches per image, D]; refused unless every image has the same grid (LLaVA's images are
+    all one size) and the rows are as wide as the projector takes."""
+    if rows.shape[-1] != width:
+        raise ValueError(f"stored rows are {rows.shape[-1]} wide but the model's mm_projector takes {width}: the run "
+                         "was written with another tower or layer")
+    grids = batch.grid_thw
+    if len(grids) == 0:
+        raise ValueError(f"the batch ({', '.join(batch.ids)}) has no image: LLaVA calls encode_images only for images")
+    if not (grids == grids[0]).all():
+        raise ValueError(f"the batch's images have the grids {grids.tolist()}: LLaVA's encode_images returns one "
+                         "[images, patches, D] tensor, so every image must have the same patch grid")
+    return rows.view(len(grids), -1, width)

@@ -22,12 +22,11 @@ from collections.abc import Mapping
 
 import torch
 
-from batchvlm.format.schema import EXTRA_OUTPUTS
 from batchvlm.format.hf_features import EMBED_ID_PREFIX, embedding_layouts
+from batchvlm.format.schema import EXTRA_OUTPUTS, FRAME, IMAGE, TEXT, VIDEO
 from batchvlm.rundir.dedup import duplicate_rows
 from batchvlm.rundir.layout import DATA, RunLayout
 from batchvlm.training.reader import RecordTensors, Runs, trusted_shards
-from batchvlm.format.schema import FRAME, IMAGE, TEXT, VIDEO
 
 
 def mm_token_type_ids(token_tags: torch.Tensor) -> torch.Tensor:
@@ -131,25 +130,31 @@ class DatasetRows:
 
     def tensors(self, row: dict) -> RecordTensors:
         """One `datasets` row (a dict of Python values) as the tensors `batchvlm.training.reader` gives for it."""
-        positions = row.get("position_ids")
+        video_embeds = row.get("video_embeds")
         return RecordTensors(
-            id=row["id"],
-            input_ids=torch.tensor(row["input_ids"], dtype=torch.int64),
+            id=row["id"], input_ids=_tensor(row["input_ids"], torch.int64),
             image_embeds=self._embeddings(row["image_embeds"], "image_embeds"),
-            grid_thw=torch.tensor(row["grid_thw"], dtype=torch.int64).reshape(-1, 3),
-            image_spans=torch.tensor([(s["start"], s["length"]) for s in row["image_spans"]],
-                                     dtype=torch.int64).reshape(-1, 2),
-            token_tags=torch.tensor(row["token_tags"], dtype=torch.int8),
+            grid_thw=_tensor(row["grid_thw"], torch.int64, (-1, 3)), image_spans=_spans(row["image_spans"]),
+            token_tags=_tensor(row["token_tags"], torch.int8),
             extras={name: self._embeddings(row[name], name) for name in EXTRA_OUTPUTS if row.get(name) is not None},
-            position_ids=torch.tensor(positions, dtype=torch.int64) if positions is not None else None,
-            rope_delta=row.get("rope_delta"),
-            loss_mask=torch.tensor(row["loss_mask"], dtype=torch.int8) if row.get("loss_mask") is not None else None,
-            video_embeds=self._embeddings(row["video_embeds"], "image_embeds")  # as wide as the images'
-            if row.get("video_embeds") is not None else None,
-            video_spans=torch.tensor([(s["start"], s["length"]) for s in row["video_spans"]], dtype=torch.int64
-                                     ).reshape(-1, 2) if row.get("video_spans") is not None else None,
-            video_grid_thw=torch.tensor(row["video_grid_thw"], dtype=torch.int64).reshape(-1, 3)
-            if row.get("video_grid_thw") is not None else None,
-            second_per_grid_ts=torch.tensor(row["second_per_grid_ts"], dtype=torch.float64)
-            if row.get("second_per_grid_ts") is not None else None,
+            position_ids=_tensor(row.get("position_ids"), torch.int64), rope_delta=row.get("rope_delta"),
+            loss_mask=_tensor(row.get("loss_mask"), torch.int8),
+            # a clip's rows are as wide as the images': image_embeds' layout
+            video_embeds=None if video_embeds is None else self._embeddings(video_embeds, "image_embeds"),
+            video_spans=_spans(row.get("video_spans")),
+            video_grid_thw=_tensor(row.get("video_grid_thw"), torch.int64, (-1, 3)),
+            second_per_grid_ts=_tensor(row.get("second_per_grid_ts"), torch.float64),
         )
+
+
+def _tensor(values: list | None, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:
+    """A column's value of a row as a tensor (`shape` where an empty list must keep its width); a null as None."""
+    if values is None:
+        return None
+    tensor = torch.tensor(values, dtype=dtype)
+    return tensor.reshape(shape) if shape is not None else tensor
+
+
+def _spans(spans: list[dict] | None) -> torch.Tensor | None:
+    """A spans column's value ({start, length} structs) as [spans, 2]; a null as None."""
+    return None if spans is None else _tensor([(s["start"], s["length"]) for s in spans], torch.int64, (-1, 2))

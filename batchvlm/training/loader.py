@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from batchvlm.training.reader import (RecordArrays, Runs, ShardColumns, checked_file, read_tensor_group,
-                                      trusted_shards)
+                                      row_group_of, row_group_starts, trusted_shards)
 from batchvlm.training.packing import PackedBatch, PackingError, first_fit_decreasing, pack_arrays
 
 RecordRef = tuple[int, int]  # (shard index, row)
@@ -57,7 +57,8 @@ class LoaderConfig:
 @dataclass(frozen=True)
 class RunIndex:
     """The committed shards of a run, the token count of each of their rows, the first row of each of their row
-    groups, and the rows to read: all but the later occurrences of an id that the run's duplicate pass listed."""
+    groups (then their row count: reader.row_group_starts), and the rows to read: all but the later occurrences of an
+    id that the run's duplicate pass listed."""
     shards: list[Path]
     lengths: list[np.ndarray]
     kept: list[np.ndarray]
@@ -72,9 +73,7 @@ class RunIndex:
         lengths = [table.column("num_tokens").to_numpy().astype(np.int64) for table in tables]
         kept = [np.flatnonzero(~np.isin(table.column("row").to_numpy(), list(shard.skipped)))
                 for shard, table in zip(shards, tables)]
-        groups = [np.cumsum([0] + [file.metadata.row_group(g).num_rows for g in range(file.num_row_groups - 1)])
-                  for file in files]
-        return cls([shard.path for shard in shards], lengths, kept, groups)
+        return cls([shard.path for shard in shards], lengths, kept, [row_group_starts(file) for file in files])
 
     def digest(self) -> str:
         """Names and row counts of the shards: a resumed loader must see the same data."""
@@ -154,7 +153,7 @@ class _OpenRowGroups:
         self._read_ahead()
 
     def group_of(self, shard: int, row: int) -> GroupRef:
-        return shard, int(np.searchsorted(self.index.groups[shard], row, side="right")) - 1
+        return shard, row_group_of(self.index.groups[shard], row)
 
     def _read_ahead(self) -> None:
         while len(self.reading) < READ_AHEAD and (group := next(self.to_read, None)) is not None:

@@ -36,6 +36,7 @@ class PaddedBatch:
     deepstack_embeds: list[torch.Tensor] | None  # Qwen3-VL: one [n_image_tokens, hidden] tensor per layer
     video_embeds: torch.Tensor | None = None  # [n_video_tokens, hidden], the records' clips' tokens in order
     video_positions: torch.Tensor | None = None  # [n_video_tokens]: where each row goes in the flattened sequence
+    grid_thw: torch.Tensor | None = None  # [n_images, 3], the records' images in order
 
 
 def pad(records: list[RecordTensors], max_tokens: int, pad_id: int = 0) -> PaddedBatch:
@@ -61,7 +62,8 @@ def pad(records: list[RecordTensors], max_tokens: int, pad_id: int = 0) -> Padde
         image_positions=torch.cat([one.image_positions + offset for one, offset in zip(alone, offsets)]),
         deepstack_embeds=layers,
         video_embeds=torch.cat([one.video_embeds for one, _ in clips]) if clips else None,
-        video_positions=torch.cat([one.video_positions + offset for one, offset in clips]) if clips else None)
+        video_positions=torch.cat([one.video_positions + offset for one, offset in clips]) if clips else None,
+        grid_thw=torch.cat([one.grid_thw for one in alone]))
 
 
 def forward_parameters(model) -> set[str]:

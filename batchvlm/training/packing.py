@@ -96,8 +96,6 @@ def pack_arrays(records: list[RecordArrays], max_tokens: int) -> PackedBatch:
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
     input_ids = np.concatenate([r.input_ids for r in records]).astype(np.int64)
     token_tags = np.concatenate([r.token_tags for r in records])
-    spans = np.concatenate([r.image_spans for r in records]).astype(np.int64).reshape(-1, 2)
-    span_starts = spans[:, 0] + np.repeat(cu_seqlens[:-1], [len(r.image_spans) for r in records])
     # A record without images may store no extra at all: it contributes no rows.
     embeds = {name: tensor_of(np.concatenate([r.embeds[name] for r in records if name in r.embeds]),
                               records[0].embed_dtype)
@@ -111,7 +109,7 @@ def pack_arrays(records: list[RecordArrays], max_tokens: int) -> PackedBatch:
         document_ids=torch.from_numpy(np.repeat(np.arange(len(records)), lengths))[None],
         position_ids=_position_ids(records, cu_seqlens), cu_seqlens=torch.from_numpy(cu_seqlens.astype(np.int32)),
         max_seqlen=int(lengths.max()), image_embeds=image_embeds,
-        image_positions=torch.from_numpy(span_positions(span_starts, spans[:, 1])),
+        image_positions=torch.from_numpy(_packed_positions([r.image_spans for r in records], cu_seqlens)),
         grid_thw=torch.from_numpy(np.concatenate([r.grid_thw for r in records]).astype(np.int64).reshape(-1, 3)),
         extras=embeds, deepstack_embeds=_deepstack_layers(embeds.get("deepstack_embeds"), image_embeds.shape[1]),
         video_embeds=video_embeds, video_positions=_video_positions(records, cu_seqlens))
@@ -124,9 +122,14 @@ def _video_positions(records: list[RecordArrays], cu_seqlens: np.ndarray) -> tor
     if all(r.video_spans is None for r in records):
         return None
     spans = [(r.video_spans if r.video_spans is not None else np.zeros((0, 2), np.int64)) for r in records]
+    return torch.from_numpy(_packed_positions(spans, cu_seqlens))
+
+
+def _packed_positions(spans: list[np.ndarray], cu_seqlens: np.ndarray) -> np.ndarray:
+    """Every token of each record's spans ([n, 2]: start, length in the record), at its place in the pack."""
     joined = np.concatenate(spans).astype(np.int64).reshape(-1, 2)
     starts = joined[:, 0] + np.repeat(cu_seqlens[:-1], [len(s) for s in spans])
-    return torch.from_numpy(span_positions(starts, joined[:, 1]))
+    return span_positions(starts, joined[:, 1])
 
 
 def _labels(input_ids: np.ndarray, token_tags: np.ndarray, cu_seqlens: np.ndarray,

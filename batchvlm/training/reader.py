@@ -100,19 +100,23 @@ class RecordArrays:
     def tensors(self) -> RecordTensors:
         embeds = {name: tensor_of(rows, self.embed_dtype) for name, rows in self.embeds.items()}
         return RecordTensors(
-            id=self.id, input_ids=torch.from_numpy(self.input_ids.astype(np.int64)),
-            image_embeds=embeds.pop("image_embeds"), video_embeds=embeds.pop("video_embeds", None),
-            video_spans=torch.from_numpy(self.video_spans.astype(np.int64)) if self.video_spans is not None else None,
-            video_grid_thw=(torch.from_numpy(self.video_grid_thw.astype(np.int64))
-                            if self.video_grid_thw is not None else None),
-            second_per_grid_ts=(torch.from_numpy(self.second_per_grid_ts.astype(np.float64))
-                                if self.second_per_grid_ts is not None else None),
-            grid_thw=torch.from_numpy(self.grid_thw.astype(np.int64)),
-            image_spans=torch.from_numpy(self.image_spans.astype(np.int64)),
-            token_tags=torch.from_numpy(self.token_tags.copy()), extras=embeds,
-            position_ids=torch.from_numpy(self.position_ids.astype(np.int64)) if self.position_ids is not None else None,
-            rope_delta=self.rope_delta,
-            loss_mask=torch.from_numpy(self.loss_mask.copy()) if self.loss_mask is not None else None)
+            id=self.id, input_ids=_tensor(self.input_ids, np.int64), token_tags=_tensor(self.token_tags),
+            image_embeds=embeds.pop("image_embeds"), video_embeds=embeds.pop("video_embeds", None), extras=embeds,
+            grid_thw=_tensor(self.grid_thw, np.int64), image_spans=_tensor(self.image_spans, np.int64),
+            position_ids=_tensor(self.position_ids, np.int64), rope_delta=self.rope_delta,
+            loss_mask=_tensor(self.loss_mask), video_spans=_tensor(self.video_spans, np.int64),
+            video_grid_thw=_tensor(self.video_grid_thw, np.int64),
+            second_per_grid_ts=_tensor(self.second_per_grid_ts, np.float64))
+
+
+def _tensor(values: np.ndarray | None, dtype: type | None = None) -> torch.Tensor | None:
+    """A tensor of its own (a copy: the record's arrays view a shard's buffers), as `dtype`; None stays None (a
+    column the record holds no value of)."""
+    return None if values is None else torch.from_numpy(values.astype(dtype or values.dtype))
+
+
+def _array(values: torch.Tensor | None) -> np.ndarray | None:
+    return None if values is None else values.numpy(force=True)
 
 
 def record_arrays(record: RecordTensors) -> RecordArrays:
@@ -121,16 +125,12 @@ def record_arrays(record: RecordTensors) -> RecordArrays:
     if record.video_embeds is not None:
         embeds["video_embeds"] = record.video_embeds
     return RecordArrays(
-        id=record.id, input_ids=record.input_ids.numpy(force=True), token_tags=record.token_tags.numpy(force=True),
-        image_spans=record.image_spans.numpy(force=True), grid_thw=record.grid_thw.numpy(force=True),
-        position_ids=record.position_ids.numpy(force=True) if record.position_ids is not None else None,
+        id=record.id, input_ids=_array(record.input_ids), token_tags=_array(record.token_tags),
+        image_spans=_array(record.image_spans), grid_thw=_array(record.grid_thw),
+        position_ids=_array(record.position_ids),
         embeds={name: _as_bits(rows) for name, rows in embeds.items()}, embed_dtype=record.image_embeds.dtype,
-        rope_delta=record.rope_delta,
-        loss_mask=record.loss_mask.numpy(force=True) if record.loss_mask is not None else None,
-        video_spans=record.video_spans.numpy(force=True) if record.video_spans is not None else None,
-        video_grid_thw=record.video_grid_thw.numpy(force=True) if record.video_grid_thw is not None else None,
-        second_per_grid_ts=(record.second_per_grid_ts.numpy(force=True)
-                            if record.second_per_grid_ts is not None else None))
+        rope_delta=record.rope_delta, loss_mask=_array(record.loss_mask), video_spans=_array(record.video_spans),
+        video_grid_thw=_array(record.video_grid_thw), second_per_grid_ts=_array(record.second_per_grid_ts))
 
 
 def _one_array(column: pa.ChunkedArray) -> pa.Array:
@@ -156,16 +156,42 @@ def _flat_values(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     return (np.stack(fields, axis=-1) if len(fields) > 1 else fields[0]), bounds - bounds[0]
 
 
-def _flat_embeddings(column: pa.ChunkedArray, element_size: int, hidden: int) -> tuple[np.ndarray, np.ndarray]:
+def _flat_embeddings(column: pa.ChunkedArray, element_size: int, hidden: int,
+                     valid: list[bool] | None = None) -> _FlatColumn:
     """A large_binary embedding column as one [rows, hidden] view of its bits on the Arrow data buffer (no copy),
-    and each record's bounds in its rows. A null record has none."""
+    and each record's bounds in its rows; `valid`: the records that hold rows (a null record has none)."""
     array = _one_array(column)
     _, offsets, data = array.buffers()
     bytes_at = np.frombuffer(offsets, dtype=np.int64)[array.offset:array.offset + len(array) + 1]
     bits = _BITS[element_size]
     rows = (np.frombuffer(data, dtype=bits, count=int(bytes_at[-1] - bytes_at[0]) // element_size,
                           offset=int(bytes_at[0])) if data is not None else np.zeros(0, bits)).reshape(-1, hidden)
-    return rows, (bytes_at - bytes_at[0]) // (element_size * hidden)
+    return _FlatColumn(rows, (bytes_at - bytes_at[0]) // (element_size * hidden), valid)
+
+
+@dataclass(frozen=True)
+class _FlatColumn:
+    """A column of a shard converted once: its values flat, each record's bounds in them, and whether each record
+    holds a value (None: every record does). A record's value is then one slice."""
+
+    values: np.ndarray
+    bounds: np.ndarray
+    valid: list[bool] | None = None
+    row_shape: tuple[int, ...] | None = None  # a record's value reshaped (position_ids: 3 lists of its tokens)
+
+    @classmethod
+    def of(cls, column: pa.ChunkedArray, width: int = 1, nullable: bool = False,
+           row_shape: tuple[int, ...] | None = None) -> _FlatColumn:
+        """A list column, `width` flat values an item (a grid's t, h, w) and, `nullable`, a null record as None."""
+        values, bounds = _flat_values(column)
+        return cls(values.reshape(-1, width) if width > 1 else values, bounds // width,
+                   column.is_valid().to_pylist() if nullable else None, row_shape)
+
+    def at(self, i: int) -> np.ndarray | None:
+        if self.valid is not None and not self.valid[i]:
+            return None
+        values = self.values[self.bounds[i]:self.bounds[i + 1]]
+        return values.reshape(self.row_shape) if self.row_shape is not None else values
 
 
 class ShardColumns:
@@ -177,55 +203,37 @@ class ShardColumns:
         element_size = self.embed_dtype.itemsize
         column = table.column
         self.ids = column("id").to_pylist()
-        self.input_ids, self.tokens = _flat_values(column("input_ids"))
-        self.token_tags, _ = _flat_values(column("token_tags"))
-        self.image_spans, self.images = _flat_values(column("image_spans"))
-        self.grid_thw, grid_bounds = _flat_values(column("grid_thw"))
-        self.grid_thw, self.grids = self.grid_thw.reshape(-1, 3), grid_bounds // 3
-        self.positions = _flat_values(column("position_ids"))
-        self.has_positions = column("position_ids").is_valid().to_pylist()
         self.rope = column("rope_delta").to_pylist()
-        self.masks = _flat_values(column("loss_mask"))  # a plain text's row holds a null
-        self.has_mask = column("loss_mask").is_valid().to_pylist()
-        self.embeds = {"image_embeds": (*_flat_embeddings(column("image_embeds"), element_size, hidden), None)}
-        # Clips (a record without any holds nulls): their tokens as wide as the images'.
-        self.video_spans, self.videos = _flat_values(column("video_spans"))
-        self.has_videos = column("video_spans").is_valid().to_pylist()
-        # Each clip's grid and time step (a format-2 run upgraded holds nulls: the record then has neither).
-        self.video_grid_thw, grid_bounds = _flat_values(column("video_grid_thw"))
-        self.video_grid_thw, self.video_grids = self.video_grid_thw.reshape(-1, 3), grid_bounds // 3
-        self.has_video_grids = column("video_grid_thw").is_valid().to_pylist()
-        self.seconds, self.has_seconds = _flat_values(column("second_per_grid_ts")), \
-            column("second_per_grid_ts").is_valid().to_pylist()
-        self.embeds["video_embeds"] = (*_flat_embeddings(column("video_embeds"), element_size, hidden),
-                                       self.has_videos)
-        for name in EXTRA_OUTPUTS:  # the columns of the outputs the family has: their hidden size is in the metadata
+        self.input_ids, self.token_tags = _FlatColumn.of(column("input_ids")), _FlatColumn.of(column("token_tags"))
+        self.image_spans, self.grid_thw = _FlatColumn.of(column("image_spans")), _FlatColumn.of(column("grid_thw"), 3)
+        self.position_ids = _FlatColumn.of(column("position_ids"), nullable=True, row_shape=(3, -1))
+        self.loss_mask = _FlatColumn.of(column("loss_mask"), nullable=True)  # a plain text's row holds a null
+        # Clips (a record without any holds nulls), and each clip's grid and time step (a format-2 run upgraded holds
+        # nulls there: the record then has neither).
+        self.video_spans = _FlatColumn.of(column("video_spans"), nullable=True)
+        self.video_grid_thw = _FlatColumn.of(column("video_grid_thw"), 3, nullable=True)
+        self.second_per_grid_ts = _FlatColumn.of(column("second_per_grid_ts"), nullable=True)
+        # Embedding rows: a record's clip rows (as wide as the images') where it holds clips, and the extra outputs
+        # the family has (their hidden sizes are in the metadata).
+        self.embeds = {"image_embeds": _flat_embeddings(column("image_embeds"), element_size, hidden),
+                       "video_embeds": _flat_embeddings(column("video_embeds"), element_size, hidden,
+                                                        self.video_spans.valid)}
+        for name in EXTRA_OUTPUTS:
             if (size := _hidden_size(table.schema, name)) is not None:
-                self.embeds[name] = (*_flat_embeddings(column(name), element_size, size),
-                                     column(name).is_valid().to_pylist())
+                self.embeds[name] = _flat_embeddings(column(name), element_size, size,
+                                                     column(name).is_valid().to_pylist())
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def record(self, i: int) -> RecordArrays:
-        tokens, images, grids = slice(*self.tokens[i:i + 2]), slice(*self.images[i:i + 2]), slice(*self.grids[i:i + 2])
-        positions = None
-        if self.has_positions[i]:
-            values, bounds = self.positions
-            positions = values[bounds[i]:bounds[i + 1]].reshape(3, -1)
-        mask = None
-        if self.has_mask[i]:
-            values, bounds = self.masks
-            mask = values[bounds[i]:bounds[i + 1]]
         return RecordArrays(
-            id=self.ids[i], input_ids=self.input_ids[tokens], token_tags=self.token_tags[tokens],
-            image_spans=self.image_spans[images], grid_thw=self.grid_thw[grids], position_ids=positions,
-            embeds={name: rows[bounds[i]:bounds[i + 1]] for name, (rows, bounds, valid) in self.embeds.items()
-                    if valid is None or valid[i]},
-            embed_dtype=self.embed_dtype, rope_delta=self.rope[i], loss_mask=mask,
-            video_spans=self.video_spans[slice(*self.videos[i:i + 2])].reshape(-1, 2) if self.has_videos[i] else None,
-            video_grid_thw=self.video_grid_thw[slice(*self.video_grids[i:i + 2])] if self.has_video_grids[i] else None,
-            second_per_grid_ts=self.seconds[0][slice(*self.seconds[1][i:i + 2])] if self.has_seconds[i] else None)
+            id=self.ids[i], input_ids=self.input_ids.at(i), token_tags=self.token_tags.at(i),
+            image_spans=self.image_spans.at(i), grid_thw=self.grid_thw.at(i), position_ids=self.position_ids.at(i),
+            embeds={name: rows for name, column in self.embeds.items() if (rows := column.at(i)) is not None},
+            embed_dtype=self.embed_dtype, rope_delta=self.rope[i], loss_mask=self.loss_mask.at(i),
+            video_spans=self.video_spans.at(i), video_grid_thw=self.video_grid_thw.at(i),
+            second_per_grid_ts=self.second_per_grid_ts.at(i))
 
 
 def table_tensors(table: pa.Table) -> list[RecordTensors]:
@@ -246,6 +254,19 @@ def checked_file(path: str | Path) -> pq.ParquetFile:
     file = pq.ParquetFile(path)
     check_format(format_of(file.schema_arrow.metadata), str(path))
     return file
+
+
+def row_group_starts(file: pq.ParquetFile) -> np.ndarray:
+    """The first row of each of a shard's row groups, then its row count: from the footer, without reading a row."""
+    metadata = file.metadata
+    return np.cumsum([0] + [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)])
+
+
+def row_group_of(starts: np.ndarray, row: int) -> int | None:
+    """The row group (of `row_group_starts`) holding a shard's `row`; None past the shard's last row."""
+    if not 0 <= row < starts[-1]:
+        return None
+    return int(np.searchsorted(starts, row, side="right")) - 1
 
 
 def tensors_of(table: pa.Table, index: int) -> RecordTensors:

@@ -8,11 +8,13 @@ What the engines take (read in their code; docs/training.md names the versions):
   merger's tokens and then the deepstack levels, side by side on the last dimension in level order
   (`[n_tokens, hidden * (1 + levels)]`, what its vision tower returns and `_compute_deepstack_embeds` splits).
   vLLM's Kimi-K2.5 takes pixels only: refused.
-- sglang, Qwen2/2.5/3-VL and Kimi-K2.5: an `image_data` item `{"format": "precomputed_embedding", "feature":
-  [n_tokens, hidden], "image_grid_thw": [n_images, 3]}` beside the expanded `input_ids`: it finds each image as a run
-  of image tokens and keeps every other key as the item's model data (Kimi's reads `image_grid_thw`, one
-  `[t, h, w]` per image, `h * w // merge**2` tokens). Qwen3-VL's feature is laid out as vLLM's
-  (`separate_deepstack_embeds` splits it at the language model's hidden size).
+- sglang, Qwen2/2.5/3-VL: an `image_data` item `{"format": "precomputed_embedding", "feature": [n_tokens, hidden],
+  "image_grid_thw": [n_images, 3]}` beside the expanded `input_ids`: it finds each image as a run of image tokens and
+  keeps every other key as the item's model data. Qwen3-VL's feature is laid out as vLLM's
+  (`separate_deepstack_embeds` splits it at the language model's hidden size). sglang's Kimi-K2.5 is refused: its
+  token-id prompts go to `process_kimi_token_ids_mm_data`, which wants one `<|media_pad|>` per image and sizes each
+  from the image itself (its `media_tokens_calculator`), so a precomputed item cannot go with them; and a prompt as
+  text is re-tokenized there, which sglang's own tests show does not give Kimi's ids back.
 
 Clips (Qwen2/2.5-VL runs), vLLM: `multi_modal_data["video"] = {"video_embeds": [n_video_tokens, hidden],
 "video_grid_thw": [n_clips, 3], "second_per_grid_ts": [n_clips]}` (the last where the run stores it: Qwen2.5-VL's
@@ -37,9 +39,12 @@ import torch
 from batchvlm.training.reader import RecordTensors, Runs, TrustedShard, read_shard, trusted_shards
 
 VLLM, SGLANG = "vllm", "sglang"
-FAMILIES = {VLLM: ("qwen2_vl",), SGLANG: ("qwen2_vl", "kimi_k25")}
+FAMILIES = {VLLM: ("qwen2_vl",), SGLANG: ("qwen2_vl",)}
 """The batchvlm families whose stored rows each engine takes as embeddings (qwen2_vl covers Qwen2, 2.5 and 3-VL)."""
 WHY_NOT = {(VLLM, "kimi_k25"): "vLLM's Kimi-K2.5 takes pixel_values and grid_thws only (no embedding input)",
+           (SGLANG, "kimi_k25"): "sglang's Kimi-K2.5 sizes every image of a token-id prompt from the image itself "
+                                 "(process_kimi_token_ids_mm_data), so a precomputed embedding cannot go with the "
+                                 "stored input_ids, and re-tokenizing them as text does not give them back",
            (VLLM, "siglip2"): "SigLIP2 rows are patch tokens before a projector no engine runs on them",
            (SGLANG, "siglip2"): "SigLIP2 rows are patch tokens before a projector no engine runs on them"}
 
@@ -111,7 +116,7 @@ def vllm_image_input(record: RecordTensors, merge_size: int = 2) -> dict[str, to
 
 
 def sglang_image_item(record: RecordTensors, merge_size: int = 2) -> dict:
-    """sglang's precomputed-embedding `image_data` item for the record's images (Qwen2/2.5/3-VL, Kimi-K2.5)."""
+    """sglang's precomputed-embedding `image_data` item for the record's images (Qwen2/2.5/3-VL)."""
     checked_split(record, merge_size)
     return {"format": "precomputed_embedding", "feature": engine_embeds(record), "image_grid_thw": record.grid_thw}
 

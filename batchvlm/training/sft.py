@@ -55,7 +55,8 @@ def run_rows(loader: PackedLoader):
 class PackedSFTTrainer(PackedTrainer, SFTTrainer):
     """`SFTTrainer(model, args, processing_class=tokenizer, ...)` training on `loader` (a PackedLoader over a run) for
     `args.num_train_epochs` loader epochs. `args` is an `SFTConfig` with `remove_unused_columns=False`; every other
-    SFTTrainer argument but a dataset and a collator works as usual (PEFT, callbacks, optimizers...)."""
+    SFTTrainer argument but a dataset and a collator works as usual (PEFT, callbacks, optimizers...). `eval_dataset`
+    is a PackedLoader of its own over the eval run (PackedTrainer's)."""
 
     def __init__(self, model, args: SFTConfig, loader: PackedLoader, processing_class, **kwargs):
         if not isinstance(args, SFTConfig):
@@ -65,6 +66,8 @@ class PackedSFTTrainer(PackedTrainer, SFTTrainer):
             raise ValueError("; ".join(f"SFTConfig({name}=...): {why}" for name, why in refused.items()))
         self.take_loader(model, args, loader, kwargs)
         args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
+        if self.eval_loader is not None:  # TRL looks at a `datasets` dataset; the batches are the eval loader's
+            kwargs["eval_dataset"] = run_rows(self.eval_loader)
         SFTTrainer.__init__(self, model=model, args=args, train_dataset=run_rows(loader),
                             processing_class=processing_class, **kwargs)
 

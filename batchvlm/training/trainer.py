@@ -9,6 +9,13 @@ What the stock Trainer would do to stored features, and what this one does inste
   checkpoint, puts it where it stopped instead.
 - The loader has an epoch's plan, not a length the Trainer can read: `max_steps` comes from the plans of
   `num_train_epochs` epochs (each epoch packs its own shuffle, so their batch counts may differ).
+- Attention stays within each packed record under every implementation (transformers 5 builds the mask per record
+  from the restarted text positions when there is no attention mask and no cache; flash attention finds the records
+  in them too). Under flash attention the batch's own record bounds go in as well (`cu_seq_lens_*`, `max_length_*`),
+  which it would otherwise derive from the positions again in every layer, with a device sync each time.
+- An `eval_dataset` would be collated by the Trainer's collator, which knows no stored features: the eval data is a
+  second PackedLoader, over the eval run, passed as `eval_dataset`; every evaluation is one pass over its first
+  epoch (the same batches each time), this rank's share of its packs, never handed to accelerate either.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.utils.generic import is_flash_attention_requested
 
 from batchvlm.format.schema import VIDEO
 from batchvlm.training.interop import DatasetRows
@@ -66,9 +74,39 @@ class _TrainingBatches:
                 yield trainer.batch_inputs(batch.to(trainer.args.device))
 
 
+class _EvalBatches:
+    """One pass over the eval loader's first epoch, as the model's inputs: the same batches at every evaluation (the
+    plan is seeded), this rank's share of them (the loader deals its packs over the ranks itself)."""
+
+    def __init__(self, trainer: PackedTrainer, loader: PackedLoader):
+        self.trainer, self.loader = trainer, loader
+
+    def __len__(self) -> int:
+        return self.loader.batches_in_epoch(0)
+
+    def __iter__(self):
+        self.loader.load_state_dict({**self.loader.state_dict(), "epoch": 0, "next_pack": 0})  # rewound: a pass left it
+        for batch in self.loader:  # at its next epoch
+            yield self.trainer.batch_inputs(batch.to(self.trainer.args.device))
+
+
+def eval_loader_of(eval_dataset, loader: PackedLoader) -> PackedLoader | None:
+    """The eval run's loader, given as `eval_dataset`, checked: a PackedLoader, and not the training one."""
+    if eval_dataset is None:
+        return None
+    if not isinstance(eval_dataset, PackedLoader):
+        raise ValueError(f"eval_dataset: a PackedLoader over the eval run, got {type(eval_dataset).__name__}; the "
+                         "Trainer's collator would batch its rows without their stored features")
+    if eval_dataset is loader:
+        raise ValueError("eval_dataset is the training loader: evaluating would take the training batches; pass a "
+                         "PackedLoader of its own over the eval run")
+    return eval_dataset
+
+
 class PackedTrainer(Trainer):
     """`Trainer(model, args, ...)` training on `loader` (a PackedLoader over a run) for `args.num_train_epochs`
-    loader epochs; every other Trainer argument but a training dataset works as usual."""
+    loader epochs; every other Trainer argument but a training dataset works as usual. `eval_dataset` is a
+    PackedLoader of its own over the eval run."""
 
     def __init__(self, model, args: TrainingArguments, loader: PackedLoader, **kwargs):
         self.take_loader(model, args, loader, kwargs)
@@ -86,6 +124,7 @@ class PackedTrainer(Trainer):
                              " that model.forward does not take, and training would run on text alone: pass "
                              "TrainingArguments(remove_unused_columns=False)")
         self.loader, self.epochs = loader, training_epochs(args)
+        self.eval_loader = eval_loader_of(kwargs.get("eval_dataset"), loader)
         self._epoch_batches: dict[int, int] = {}  # an epoch's plan is a pass over the run's index: made once
         self.planned_batches = sum(self.batches_in_epoch(epoch) for epoch in range(self.epochs))
         planned_steps = math.ceil(self.planned_batches / args.gradient_accumulation_steps)
@@ -96,12 +135,23 @@ class PackedTrainer(Trainer):
             args.max_steps = planned_steps
 
     def batch_inputs(self, batch) -> dict:
-        """The model's inputs for one packed batch (on the training device): `model_inputs`. A subclass adds what its
-        setup needs (on GPU with flash attention, `batch.flash_attn_kwargs()`)."""
-        return model_inputs(self.model, batch)
+        """The model's inputs for one packed batch (on the training device): `model_inputs`, and under flash attention
+        the records' bounds (`batch.flash_attn_kwargs()`). A subclass adds what its setup needs besides."""
+        inputs = model_inputs(self.model, batch)
+        if is_flash_attention_requested(self.model.config.get_text_config()):
+            inputs |= batch.flash_attn_kwargs()
+        return inputs
 
     def get_train_dataloader(self) -> _TrainingBatches:
         return _TrainingBatches(self)
+
+    def get_eval_dataloader(self, eval_dataset=None) -> _EvalBatches:
+        """The eval loader's batches; `evaluate(eval_dataset=...)` takes another PackedLoader."""
+        given = None if eval_dataset is None or eval_dataset is self.eval_dataset else eval_dataset
+        loader = eval_loader_of(given, self.loader) or self.eval_loader
+        if loader is None:
+            raise ValueError("evaluation needs eval_dataset=PackedLoader(<eval run>, ...)")
+        return _EvalBatches(self, loader)
 
     def batches_in_epoch(self, epoch: int) -> int:
         """The loader's batches of this rank in `epoch`, planned once."""

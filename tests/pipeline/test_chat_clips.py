@@ -69,8 +69,16 @@ def test_llava_and_messages_records_of_the_same_conversation_lay_out_alike(qwen)
     assert layouts[0].input_ids == layouts[1].input_ids and layouts[0].video_spans == layouts[1].video_spans
 
 
-def test_a_family_without_a_clip_rule_quarantines_a_clip_as_text_video_saying_so(kimi_family):
-    side = text_side(kimi_family, "llava", "<image>", "prepend", TextConfig())
+def test_a_family_without_a_clip_rule_quarantines_a_clip_as_text_video_saying_so(kimi_family, tmp_path):
+    import json
+    import shutil
+
+    shutil.copytree(kimi_family.checkpoint, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"video_token_id": 999}))  # clips read elsewhere
+    family = load_family(ModelConfig(path=str(tmp_path)))
+    assert family.video_rule is None
+    side = text_side(family, "llava", "<image>", "prepend", TextConfig())
     with pytest.raises(CheckFailed) as caught:
         side.placed(record_of("llava", LLAVA))
     assert caught.value.check == "text.video" and "has no video rule" in caught.value.message

@@ -6,12 +6,17 @@ from __future__ import annotations
 import hashlib
 import json
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 from conftest import committed_shards
+from rows import CURRENT_FORMAT, data_row
 from huggingface_hub._local_folder import write_download_metadata
 
-from batchvlm.publish.card import RunFacts, checkpoint_revision, dataset_card, requeue_origin, size_category
+from batchvlm.format.schema import DATA_SCHEMA
+from batchvlm.publish.card import (RunFacts, checkpoint_revision, dataset_card, requeue_origin, rows_with_clips,
+                                   size_category)
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.training.reader import read_run
 
@@ -94,7 +99,7 @@ def test_size_category_is_the_hubs_bucket(rows, category):
 @pytest.mark.slow
 def test_the_facts_of_a_run_are_read_from_its_fingerprint_totals_and_shards(siglip_run):
     layout = RunLayout(siglip_run)
-    read = RunFacts.of(layout, committed_shards(siglip_run)[0])
+    read = RunFacts.of(layout, [pq.read_metadata(shard) for shard in committed_shards(siglip_run)])
     fingerprint = json.loads(layout.fingerprint.read_text())
     assert read.fingerprint == fingerprint and read.totals == json.loads(layout.success.read_text())
     record = next(read_run(siglip_run))
@@ -104,6 +109,18 @@ def test_the_facts_of_a_run_are_read_from_its_fingerprint_totals_and_shards(sigl
     assert read.embedding_columns["image_embeds"] == fingerprint["hidden_size"]
     assert (read.run_name, read.revision, read.config["model"]["path"]) == ("siglip", None, "tiny")
     assert read.requeue_from is None and read.clip_rows is None  # no lineage; the demo's texts name no clips
+
+
+def test_the_rows_with_clips_are_counted_from_the_footers_null_counts_of_video_embeds(tmp_path):
+    """Some rows with a clip and some without, over row groups: the count is of video_embeds' own column (a Parquet
+    footer numbers leaf columns, which a struct column before it makes more than the schema's fields)."""
+    clips = [b"\x01\x02", None, None, b"\x03\x04", None]
+    table = pa.Table.from_pylist([data_row(id=str(row), row=row, video_embeds=clip) for row, clip in enumerate(clips)],
+                                 schema=DATA_SCHEMA).replace_schema_metadata(CURRENT_FORMAT)
+    shards = [tmp_path / "a.parquet", tmp_path / "b.parquet"]
+    pq.write_table(table, shards[0], row_group_size=2)
+    pq.write_table(table.slice(0, 1), shards[1])
+    assert rows_with_clips([pq.read_metadata(shard) for shard in shards]) == 3
 
 
 def test_the_card_of_a_requeue_run_says_it_holds_only_the_records_requeued_from_its_run(tmp_path):

@@ -25,6 +25,7 @@ import yaml
 from conftest import committed_shards, embed_in_process
 from fake_hub import FakeHub
 from PIL import Image
+from rundir.test_upgrade import as_format_1
 from skimage import data
 
 from batchvlm.config import ConfigError
@@ -143,6 +144,17 @@ def test_a_run_with_clips_loads_back_bit_for_bit_and_its_card_states_the_clips(c
     assert "- video" in card.split("---\n")[1]  # a tag
     assert "`video_embeds` [rows, 64]" in card and "clips: 3 of the 3 rows hold clips" in card
     assert "Qwen2VLVideoProcessor" in card and '"fps": 2.0' in card and "second_per_grid_ts" in card
+
+
+@pytest.mark.slow
+def test_a_push_reads_each_shards_footer_once(clip_run, tmp_path, monkeypatch):
+    """A shard's footer gives the row-group check and the card's facts (embedding columns, rows with clips) alike."""
+    footers_read, read_metadata = [], pq.read_metadata
+    monkeypatch.setattr(pq, "read_metadata", lambda where, *args, **kwargs: (
+        footers_read.append(Path(where)), read_metadata(where, *args, **kwargs))[1])
+    monkeypatch.setattr(pq, "read_schema", None)  # a footer read too, which the card no longer makes
+    push(clip_run, FakeHub(tmp_path / "hub"))
+    assert sorted(path for path in footers_read if path.is_relative_to(clip_run)) == sorted(committed_shards(clip_run))
 
 
 @pytest.mark.slow
@@ -307,6 +319,13 @@ def test_a_damaged_shard_is_refused_by_name_before_any_commit(qwen_run, tmp_path
     truncated.write_bytes(truncated.read_bytes()[:-10])
     with pytest.raises(PushRefused, match=re.escape(f"{truncated} has ") + r"\d+ bytes, its manifest says"):
         push(run_dir, hub)
+    unreadable = committed_shards(run_dir)[0]
+    content = bytearray(unreadable.read_bytes())
+    content[-8:-4] = (len(content) * 2).to_bytes(4, "little")  # the footer's length, past the file's start
+    unreadable.write_bytes(bytes(content))
+    with pytest.raises(PushRefused, match=re.escape(f"{unreadable}: its Parquet footer does not read (")):
+        push(run_dir, hub)
+    assert len(hub.commits(REPO_ID)) == 1
 
 
 @pytest.mark.slow
@@ -316,6 +335,19 @@ def test_an_unfinished_run_is_refused_before_any_upload(qwen_run, tmp_path):
     hub = FakeHub(tmp_path / "hub")
     with pytest.raises(PushRefused, match="has no _SUCCESS: the run is unfinished or still being written"):
         push(run_dir, hub)
+    assert REPO_ID not in hub.repos
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("marker", [True, False], ids=["with-marker", "before-the-marker"])
+def test_a_run_of_the_older_format_is_refused_naming_the_upgrade_as_the_readers_do(qwen_run, tmp_path, marker):
+    """A run written before the output format had a version, with the marker or from before it: the push says what
+    every reader says (upgrade the run), never that the folder is no run directory."""
+    older = as_format_1(qwen_run, tmp_path / "qwen", marker)
+    hub = FakeHub(tmp_path / "hub")
+    with pytest.raises(PushRefused, match=r"written in output format 1; .*upgrade the run directory once with "
+                                          r"`batchvlm-upgrade run_dir=<run>`"):
+        push(older, hub)
     assert REPO_ID not in hub.repos
 
 
@@ -348,6 +380,15 @@ def test_a_run_with_later_occurrences_of_an_id_in_its_shards_is_published_withou
     assert len(first.uploaded) == len(published_shards(RunLayout(run_dir))) + 1
     again = push(run_dir, hub)  # the copies without them are the same bytes again
     assert (again.uploaded, again.commits) == ([], [])
+    copied = next(shard for shard in published_shards(RunLayout(run_dir)) if shard.skipped)
+    flipped = RunLayout(run_dir).listed(copied.listing.path)
+    content = bytearray(flipped.read_bytes())
+    content[10] ^= 0xFF  # in its first page, of the same size: only its sha256 tells, checked before it is copied
+    flipped.write_bytes(bytes(content))
+    fresh = FakeHub(tmp_path / "fresh")
+    with pytest.raises(PushRefused, match=re.escape(f"{flipped} does not match its sha256 in the manifest")):
+        push(run_dir, fresh)
+    assert REPO_ID not in fresh.repos and not RunLayout(run_dir).push_staging.exists()
 
 
 @pytest.mark.slow
@@ -355,8 +396,8 @@ def test_a_row_group_over_the_viewers_limit_is_named_with_its_shard(qwen_run):
     shard = committed_shards(qwen_run)[0]
     biggest = max(pq.read_metadata(shard).row_group(group).total_byte_size
                   for group in range(pq.read_metadata(shard).num_row_groups))
-    assert oversized_row_groups(shard) == []
-    assert oversized_row_groups(shard, limit=biggest - 1) == [
+    assert oversized_row_groups(shard, pq.read_metadata(shard)) == []
+    assert oversized_row_groups(shard, pq.read_metadata(shard), limit=biggest - 1) == [
         f"{shard}: row group 0 is {biggest:,} bytes in memory, over the dataset viewer's {biggest - 1:,}"]
 
 

@@ -15,7 +15,8 @@ from rows import CURRENT_FORMAT, data_row
 
 from batchvlm.format.schema import DATA_SCHEMA
 from batchvlm.pipeline.assemble import embed_bytes
-from batchvlm.training.reader import read_run, read_shard, run_layouts, table_tensors, tensors_of, trusted_shards
+from batchvlm.training.reader import (read_run, read_shard, row_group_of, row_group_starts, run_layouts, table_tensors,
+                                      tensors_of, trusted_shards)
 
 
 @pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"),
@@ -37,6 +38,18 @@ def test_reader_round_trips_embeddings_bit_for_bit(tmp_path, dtype, name):
     assert record.image_embeds.dtype == dtype and record.image_embeds.shape == (8, 24)
     assert torch.equal(record.image_embeds.view(torch.uint8), stored.view(torch.uint8))
     assert record.image_token_positions().tolist() == [1, 2, 3, 4, 5, 7, 8, 9]
+
+
+def test_a_rows_group_is_found_from_the_footer_and_a_row_past_the_shard_has_none(tmp_path):
+    """The one rule the loader, the export and StoredImages find a row's group by."""
+    path = tmp_path / "groups.parquet"
+    pq.write_table(pa.table({"row": list(range(10))}), path, row_group_size=4)
+    starts = row_group_starts(pq.ParquetFile(path))
+    assert starts.tolist() == [0, 4, 8, 10]
+    assert [row_group_of(starts, row) for row in (0, 3, 4, 7, 8, 9, 10, -1)] == [0, 0, 1, 1, 2, 2, None, None]
+    for row in range(10):  # each row is in the group found, at its offset from the group's start
+        group = row_group_of(starts, row)
+        assert pq.ParquetFile(path).read_row_group(group).column("row")[row - starts[group]].as_py() == row
 
 
 @pytest.mark.slow

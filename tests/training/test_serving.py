@@ -38,6 +38,8 @@ SERVED = {"qwen2_vl": CHECKPOINTS["qwen2_vl"], "qwen2_5_vl": qwen2_5_checkpoint,
 def test_an_engine_without_embedding_input_for_a_family_is_refused_naming_why():
     with pytest.raises(ValueError, match="vllm cannot serve .*'kimi_k25'.*pixel_values and grid_thws only"):
         ServedRun(VLLM, "kimi_k25")
+    with pytest.raises(ValueError, match="sglang cannot serve .*'kimi_k25'.*process_kimi_token_ids_mm_data"):
+        ServedRun(SGLANG, "kimi_k25")
     for engine in (VLLM, SGLANG):
         with pytest.raises(ValueError, match="'siglip2'.*patch tokens before a projector"):
             ServedRun(engine, "siglip2")
@@ -94,22 +96,18 @@ def vllm_split(image_input: dict, config) -> list[dict[str, torch.Tensor]]:
     return images
 
 
-def sglang_split(item: dict, input_ids: list[int], config, family: str) -> tuple[list[dict], list[int]]:
+def sglang_split(item: dict, input_ids: list[int], config) -> tuple[list[dict], list[int]]:
     """sglang: an image is a run of image tokens in input_ids (get_mm_items_offset); its rows follow in order;
     Qwen3-VL's feature is [hidden | deepstack] at the language model's hidden size. Also each image's token count by
-    the engine's own grid rule (Kimi: h * w // (merge_h * merge_w); Qwen: prod(grid) // merge**2)."""
-    token = config.media_placeholder_token_id if family == "kimi_k25" else config.image_token_id
+    the engine's own grid rule (prod(grid) // merge**2)."""
+    token = config.image_token_id
     ids = torch.tensor(input_ids)
     mask = ids == token
     starts = (mask & ~torch.roll(mask, 1)).nonzero().flatten()
     ends = (mask & ~torch.roll(mask, -1)).nonzero().flatten()
     lengths = (ends - starts + 1).tolist()
-    if family == "kimi_k25":
-        merge_h, merge_w = config.vision_config.merge_kernel_size
-        by_grid = [h * w // (merge_h * merge_w) for _, h, w in item["image_grid_thw"].tolist()]
-    else:
-        merge = config.vision_config.spatial_merge_size
-        by_grid = (item["image_grid_thw"].prod(-1) // merge // merge).tolist()
+    merge = config.vision_config.spatial_merge_size
+    by_grid = (item["image_grid_thw"].prod(-1) // merge // merge).tolist()
     hidden = config.get_text_config().hidden_size
     images = []
     for rows in item["feature"].split(lengths):
@@ -163,6 +161,10 @@ def expanded_by_vllm(prompt: list[int], grid: torch.Tensor, config) -> list[int]
 @pytest.mark.slow
 def test_sglangs_split_of_the_precomputed_item_gives_back_each_images_stored_rows(stored):
     name, config, run, records = stored
+    if name == "kimi_k25":
+        with pytest.raises(ValueError, match="process_kimi_token_ids_mm_data"):
+            served_run(run, SGLANG)
+        return
     served = served_run(run, SGLANG)
     for record in records:
         prompt = request(record, served)
@@ -170,8 +172,8 @@ def test_sglangs_split_of_the_precomputed_item_gives_back_each_images_stored_row
         (item,) = prompt["image_data"]
         assert item["format"] == "precomputed_embedding" and "feature" in item  # the keys sglang pops
         assert item["feature"].dtype == torch.bfloat16 and item["image_grid_thw"].dtype == torch.int64
-        assert item["image_grid_thw"].shape == (len(record.grid_thw), 3)  # Kimi: one [t, h, w] per image
-        images, by_grid = sglang_split(item, prompt["input_ids"], config, name)
+        assert item["image_grid_thw"].shape == (len(record.grid_thw), 3)
+        images, by_grid = sglang_split(item, prompt["input_ids"], config)
         assert [len(image["main"]) for image in images] == by_grid
         assert_same_rows(images, stored_rows(record), record.id)
 

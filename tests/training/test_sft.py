@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, run_training_doc_recipe
+from conftest import REPO, embed_in_process, run_training_doc_recipe
 from hf_models import pretrained
 from test_training_equivalence import trained_run
 from transformers import AutoTokenizer, TrainingArguments
@@ -21,7 +21,7 @@ from batchvlm.families import tiny_checkpoint
 from batchvlm.training import LoaderConfig, PackedLoader, load_run_dataset, pack
 from batchvlm.training.model_inputs import model_inputs
 from batchvlm.training.reader import read_run
-from batchvlm.training.trainer import LOADER_STATE, RowCollator
+from batchvlm.training.trainer import LOADER_STATE, PackedTrainer, RowCollator
 
 trl = pytest.importorskip("trl")  # the dev extra installs it; the package itself never imports it
 from batchvlm.training.sft import PackedSFTTrainer  # noqa: E402
@@ -60,10 +60,11 @@ def family_run(request, tmp_path_factory):
     return trained_run(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def trainer_for(checkpoint, run, tmp_path, trainer_class=PackedSFTTrainer, config=CONFIG, **overrides):
+def trainer_for(checkpoint, run, tmp_path, trainer_class=PackedSFTTrainer, config=CONFIG, eval_dataset=None,
+                **overrides):
     model = pretrained(checkpoint, dtype=torch.float32)
     return trainer_class(model, sft_config(tmp_path, **overrides), PackedLoader(run, config),
-                         processing_class=AutoTokenizer.from_pretrained(checkpoint))
+                         processing_class=AutoTokenizer.from_pretrained(checkpoint), eval_dataset=eval_dataset)
 
 
 @pytest.mark.slow  # the job, then the full model and TRL's trainer
@@ -203,3 +204,68 @@ def test_clips_reach_the_model_through_trls_loss_and_through_the_row_collator(cl
     with pytest.raises(ValueError, match=r"rows with clips reach the collator without the columns "
                                          r"\['video_embeds', 'video_spans'\]"):
         RowCollator(trainer.model, stripped, max_tokens=4096)([stripped[i] for i in range(len(stripped))])
+
+
+# Evaluation: a stored eval run through a PackedLoader of its own.
+
+@pytest.fixture(scope="module")
+def eval_run(tmp_path_factory):
+    """A run of its own to evaluate on (the job over the demo's first 4 records, through the same checkpoint)."""
+    return embed_in_process(tmp_path_factory.mktemp("outputs"), "eval", "model=qwen2_vl_tiny", "dataset.limit=4")
+
+
+EVAL = LoaderConfig(max_tokens=800, shuffle_buffer=4, pack_buffer=1, num_workers=0)  # a record a pack, in the
+# epoch's shuffled order: each epoch's batches come in another order
+
+
+def manual_eval_loss(model, run) -> float:
+    """The low-level loop's loss over the eval loader's batches: each packed batch's loss (a mean over its trained
+    tokens), averaged over the batches, as the Trainer's evaluation averages them."""
+    model.eval()
+    with torch.no_grad():
+        losses = [float(model(**model_inputs(model, batch)).loss) for batch in PackedLoader(run, EVAL)]
+    assert len(losses) >= 2
+    return sum(losses) / len(losses)
+
+
+class RecordingLoader(PackedLoader):
+    """A PackedLoader noting the records of every batch it gives."""
+    def __iter__(self):
+        for batch in super().__iter__():
+            self.taken.append(batch.ids)
+            yield batch
+
+
+@pytest.mark.slow  # two runs of the job, then the full model and the trainers
+@pytest.mark.parametrize("trainer_class", [PackedTrainer, PackedSFTTrainer])
+def test_eval_loss_is_the_manual_loops_over_the_eval_loaders_batches_before_and_after_training(
+        qwen_run, eval_run, tmp_path, trainer_class):
+    checkpoint = tiny_checkpoint("qwen2_vl")
+    expected = manual_eval_loss(pretrained(checkpoint, dtype=torch.float32), eval_run)
+    epochs = PackedLoader(eval_run, EVAL)
+    plan, second = [[batch.ids for batch in epochs] for _ in range(2)]
+    assert plan != second  # a loader iterated again goes on to its next epoch
+    evaluating = RecordingLoader(eval_run, EVAL)
+    evaluating.taken = []
+    trainer = trainer_for(checkpoint, qwen_run, tmp_path, trainer_class, max_steps=2, eval_dataset=evaluating,
+                          eval_strategy="steps", eval_steps=1)
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    assert evaluating.taken == plan
+    assert trainer.loader.state_dict()["next_pack"] == 0  # evaluating took no training batch
+    trainer.train()
+    assert evaluating.taken == plan * 3  # every evaluation (one after each step) on the same batches
+    evaluated = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
+    assert len(evaluated) == 2  # train() starts a log of its own
+    assert trainer.loader.next_pack == 2  # the training loader gave its two batches, no more
+    assert evaluated[-1] == pytest.approx(manual_eval_loss(trainer.model, eval_run), rel=1e-5)
+    assert evaluated[-1] != pytest.approx(expected, rel=1e-5)  # the model trained in between
+
+
+@pytest.mark.slow  # the job, then the full model
+def test_an_eval_dataset_that_is_not_a_loader_of_its_own_is_refused(qwen_run, tmp_path):
+    checkpoint = tiny_checkpoint("qwen2_vl")
+    with pytest.raises(ValueError, match="eval_dataset: a PackedLoader over the eval run, got Dataset"):
+        trainer_for(checkpoint, qwen_run, tmp_path, eval_dataset=load_run_dataset(qwen_run))
+    model, loader = pretrained(checkpoint, dtype=torch.float32), PackedLoader(qwen_run, CONFIG)
+    with pytest.raises(ValueError, match="eval_dataset is the training loader"):
+        PackedTrainer(model, sft_config(tmp_path), loader, eval_dataset=loader)

@@ -175,3 +175,36 @@ def test_the_documented_trainer_recipe_trains_on_the_run_and_checkpoints_the_loa
     trainer = scope["trainer"]
     assert trainer.state.global_step == trainer.args.max_steps > 5
     assert (tmp_path / "checkpoints" / "checkpoint-5" / LOADER_STATE).exists()
+
+
+FLASH_KEYS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+
+
+@pytest.mark.slow  # the job, then the full model
+def test_under_flash_attention_the_trainer_hands_the_model_each_packs_record_bounds(qwen_run, tmp_path):
+    model = pretrained(tiny_checkpoint("qwen2_vl"), dtype=torch.float32)
+    trainer = PackedTrainer(model, arguments(tmp_path), PackedLoader(qwen_run, CONFIG))
+    batch = next(iter(PackedLoader(qwen_run, CONFIG)))
+    assert len(batch.ids) > 1
+    assert not FLASH_KEYS & trainer.batch_inputs(batch).keys()  # sdpa: the mask comes from the positions
+    # What from_pretrained(attn_implementation="flash_attention_2") sets; flash attention itself needs CUDA (the GPU
+    # test of the packed logits under it is test_training_equivalence's).
+    model.config.get_text_config()._attn_implementation = "flash_attention_2"
+    inputs = trainer.batch_inputs(batch)
+    assert inputs["cu_seq_lens_q"].dtype == inputs["cu_seq_lens_k"].dtype == torch.int32
+    assert inputs["cu_seq_lens_q"].tolist() == inputs["cu_seq_lens_k"].tolist() == batch.cu_seqlens.tolist()
+    assert inputs["max_length_q"] == inputs["max_length_k"] == max(torch.diff(batch.cu_seqlens).tolist())
+
+
+@pytest.mark.slow  # the job, then the full model twice
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_eager_and_sdpa_attention_stay_within_each_packed_record(qwen_run, implementation):
+    model = pretrained(tiny_checkpoint("qwen2_vl"), dtype=torch.float32, attn_implementation=implementation)
+    batch = next(iter(PackedLoader(qwen_run, CONFIG)))
+    records = {record.id: record for record in read_run(qwen_run)}
+    with torch.no_grad():
+        packed = model(**model_inputs(model, batch)).logits[0]
+        for index, record_id in enumerate(batch.ids):
+            alone = model(**model_inputs(model, pack([records[record_id]], CONFIG.max_tokens))).logits[0]
+            start, end = batch.cu_seqlens[index:index + 2].tolist()
+            assert (packed[start:end] - alone).abs().max() <= 1e-4 * alone.abs().max(), (implementation, record_id)

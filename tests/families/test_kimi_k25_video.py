@@ -1,0 +1,372 @@
+"""Kimi-K2.5 clips sampled, chunked, sized and prompted by batchvlm's rule (families.kimi_k25.VIDEO_RULE: the
+checkpoint's own processor), against the rule's text where transformers samples otherwise, and against transformers'
+Kimi_K25VideoProcessor / Kimi_K25Processor (grids, pixels, ids) and Kimi_K25Model (the clip's embeddings) on the
+frames the rule samples."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+
+import numpy as np
+import pytest
+import torch
+from transformers import Kimi_K25Processor, Kimi_K25VideoProcessor
+from transformers.video_utils import VideoMetadata
+
+from batchvlm.checks import CheckFailed
+from batchvlm.config import ConfigError
+from batchvlm.families.kimi_k25 import (KimiVideoParams, kimi_sample_frames, kimi_video_plan, timestamp_text,
+                                        write_tiny_checkpoint)
+from batchvlm.format.schema import FRAME, VIDEO
+from batchvlm.pipeline.preprocess import TorchPreprocessor
+from batchvlm.pipeline.video import VideoConfig, decode_frames, probe
+from clips import frame_pixels, make_clip
+from photos import photo_of_size, preprocessed
+
+
+# -- sampling and time: the rule's text (transformers samples otherwise) --------------------------------------------
+@pytest.mark.parametrize("total, video_fps, sample_fps, expected", [
+    (30, 10, 2.0, [0, 6, 12, 17, 23, 29]),  # 6 of 30: linspace(0, 29, 6) = 0, 5.8, 11.6, 17.4, 23.2, 29
+    (31, 10, 2.0, [0, 6, 12, 18, 24, 30]),
+    (5, 1, 2.0, [0, 1, 2, 3, 4]),  # the clip's own rate is below sample_fps: every frame
+    (3, 30, 2.0, [0]),  # round(3 * 2 / 30) = 0 frames: at least one, linspace(0, 2, 1) = [0]
+    (45, 30, 2.0, [0, 22, 44]),  # round(3.0) = 3
+    (25, 10, 2.0, [0, 6, 12, 18, 24]),  # round(5.0) = 5
+    (35, 10, 1.0, [0, 11, 23, 34]),  # round(3.5) = 4 (Python's round: half to even)
+    (25, 10, 1.0, [0, 24]),  # round(2.5) = 2
+])
+def test_frames_are_sampled_at_the_smaller_rate_spread_by_linspace_as_the_checkpoint_processor_does(
+        total, video_fps, sample_fps, expected):
+    """split_video_chunks: sample_fps = min(sample_fps, fps); n = max(round(frames * sample_fps / fps), 1);
+    indices = np.linspace(0, frames - 1, n).round()."""
+    assert kimi_sample_frames(total, video_fps, KimiVideoParams(sample_fps=sample_fps)) == expected
+
+
+def test_a_clip_without_frames_is_too_few_frames():
+    with pytest.raises(CheckFailed, match="video.too_few_frames"):
+        kimi_sample_frames(0, 24.0, KimiVideoParams())
+
+
+def reference_timestamp(seconds: float) -> str:
+    """media_utils.timestamp_as_str (hh:mm:ss.fff) and transformers' Kimi_K25Processor, as their text writes it."""
+    theirs = datetime.fromtimestamp(seconds, tz=timezone.utc).strftime("%H:%M:%S") + f".{int((seconds % 1) * 1000):03d}"
+    assert theirs == time.strftime("%H:%M:%S", time.gmtime(seconds)) + f".{int(seconds % 1 * 1000):03d}"
+    return theirs
+
+
+def test_chunk_times_are_written_as_the_reference_writes_them():
+    rates = [1, 7.5, 10, 23.976, 24, 25, 29.97, 30, 60]
+    for seconds in [index / rate for rate in rates for index in range(0, 4000, 37)] + [3599.9995, 59.9999, 0.001]:
+        assert timestamp_text(seconds, "hh:mm:ss.fff") == reference_timestamp(seconds), seconds
+    assert timestamp_text(75.25, "mm:ss.fff") == "01:15.250" and timestamp_text(75.25, "mm:ss") == "01:15"
+
+
+def test_video_params_come_from_the_checkpoints_media_proc_cfg_and_bad_ones_are_refused(tmp_path):
+    write_tiny_checkpoint(tmp_path)
+    assert KimiVideoParams.from_checkpoint(tmp_path) == KimiVideoParams()  # the release's defaults
+    config = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    config["media_proc_cfg"] |= {"sample_fps": 4.0, "temporal_merge_kernel_size": 2, "in_patch_limit_video": 100,
+                                 "in_patch_limit_each_frame": None, "timestamp_mode": "mm:ss"}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(config))
+    assert KimiVideoParams.from_checkpoint(tmp_path) == KimiVideoParams(4.0, 2, None, 100, "mm:ss")
+    with pytest.raises(ConfigError, match="temporal_merge_kernel_size"):
+        KimiVideoParams(temporal_merge_kernel_size=0)
+    with pytest.raises(ConfigError, match="timestamp_mode"):
+        KimiVideoParams(timestamp_mode="seconds")
+
+
+# -- chunks: grids and pixels against transformers' video processor ------------------------------------------------
+def hf_video_processor(family, max_patches: int, chunk: int = 4) -> Kimi_K25VideoProcessor:
+    params = family.params
+    return Kimi_K25VideoProcessor(
+        patch_size=params.patch_size, merge_size=params.merge_size, temporal_patch_size=chunk,
+        max_patches=max_patches, size={"max_height": params.max_patches_per_side,
+                                       "max_width": params.max_patches_per_side},
+        image_mean=list(params.image_mean), image_std=list(params.image_std), do_sample_frames=False)
+
+
+def hf_processor(family) -> Kimi_K25Processor:
+    """transformers' Kimi-K2.5 processor of the family's tokenizer, template, image and video processors."""
+    return Kimi_K25Processor(image_processor=family.reference_processor(), tokenizer=family.tokenizer,
+                             video_processor=hf_video_processor(family, family.video_params.in_patch_limit_each_frame),
+                             chat_template=family.tokenizer.chat_template)
+
+
+def chunk_rows(family, frames: np.ndarray, plan) -> list[torch.Tensor]:
+    """Each chunk's frames through the torch backend as images at the chunk's plan, frame after frame."""
+    preprocessor = TorchPreprocessor(family, torch.device("cpu"), "black")
+    rows, start = [], 0
+    for chunk in plan.chunks:
+        count = len(chunk.frames)
+        rows.append(torch.cat([preprocessor.rows_of(torch.from_numpy(frame), chunk.plan)[0]
+                               for frame in frames[start:start + count]]))
+        start += count
+    return rows
+
+
+def sampled_clip(frames: int, video_fps: int, height: int, width: int, video: KimiVideoParams):
+    data = make_clip(frames, fps=video_fps, height=height, width=width)
+    limits = VideoConfig()
+    header = probe(data, limits)
+    indices = kimi_sample_frames(header.frames, header.fps, video)
+    return header, indices, decode_frames(data, header, indices, limits).frames
+
+
+@pytest.mark.parametrize("frames, video_fps, height, width, video", [
+    (31, 10, 64, 96, KimiVideoParams()),  # 6 frames: a chunk of 4, then one of 2
+    (20, 5, 90, 160, KimiVideoParams(sample_fps=4.0)),  # 16 frames: 4 whole chunks
+    (9, 10, 300, 200, KimiVideoParams(in_patch_limit_each_frame=64)),  # each frame shrunk to its budget
+    (13, 5, 70, 120, KimiVideoParams(sample_fps=5.0, temporal_merge_kernel_size=3)),  # 13 frames: chunks 3,3,3,3,1
+])
+def test_chunk_grids_and_pixels_match_transformers_video_processor_on_the_sampled_frames(
+        kimi_family, frames, video_fps, height, width, video):
+    header, indices, decoded = sampled_clip(frames, video_fps, height, width, video)
+    plan = kimi_video_plan(indices, header.fps, height, width, kimi_family.params, video)
+    limit = video.in_patch_limit_each_frame or kimi_family.params.max_patches
+    reference = hf_video_processor(kimi_family, limit, video.temporal_merge_kernel_size)(
+        videos=[torch.from_numpy(decoded).permute(0, 3, 1, 2)], return_tensors="pt")
+    assert reference["num_chunks_per_video"].tolist() == [len(plan.chunks)]
+    assert reference["video_grid_thw"].tolist() == [list(grid) for grid in plan.grids]
+    assert [len(chunk.frames) for chunk in plan.chunks][:-1] == [video.temporal_merge_kernel_size] * (
+        len(plan.chunks) - 1)
+    rows = torch.cat(chunk_rows(kimi_family, decoded, plan))
+    assert rows.shape == reference["pixel_values_videos"].shape
+    torch.testing.assert_close(rows, reference["pixel_values_videos"], atol=2 / 255 / 0.5 + 1e-6, rtol=0)
+
+
+def test_in_patch_limit_video_is_shared_by_a_chunks_frames_so_a_short_last_chunk_gets_more(kimi_family):
+    """navit_resize_video on a chunk (its frames at 1 fps, sample_fps inf): each frame's budget is
+    min(round(in_patch_limit_video / frames in the chunk), in_patch_limit_each_frame). transformers has no such limit:
+    the rule's text is the oracle."""
+    video = KimiVideoParams(in_patch_limit_video=96)
+    plan = kimi_video_plan(list(range(6)), 2.0, 280, 280, kimi_family.params, video)  # 20 x 20 patches a frame
+    first, last = plan.chunks
+    # 96 / 4 = 24 patches: scale sqrt(24 / 400) -> 68 px -> padded 84 -> 6 x 6; 96 / 2 = 48: 97 px -> 112 -> 8 x 8
+    assert first.plan.grid_thw == (4, 6, 6) and last.plan.grid_thw == (2, 8, 8)
+    assert (first.num_tokens, last.num_tokens) == (9, 16)
+
+
+# -- the prompt: ids against transformers' Kimi_K25Processor ---------------------------------------------------------
+def expanded_by_family(family, rendered: str, plans: list, image_plans: list) -> tuple[list[int], list[int]]:
+    """The rendered conversation tokenized, each clip token replaced by the family's expansion, each image's pad by
+    its tokens (the template frames images itself)."""
+    ids = family.tokenizer.encode(rendered, add_special_tokens=False)
+    clips, images, out, tags = iter(plans), iter(image_plans), [], []
+    for token in ids:
+        if token == family.video_token_id:
+            span_ids, span_tags = family.replace_video(next(clips))
+        elif token == family.image_token_id:
+            span_ids = [token] * next(images).num_tokens
+            span_tags = [2] * len(span_ids)
+        else:
+            span_ids, span_tags = [token], [0]
+        out += span_ids
+        tags += span_tags
+    return out, tags
+
+
+def test_a_clips_chunks_expand_to_the_ids_kimi_k25_processor_gives_its_chat_template(kimi_family):
+    """A conversation with a clip (two chunks, the last of 2 frames) and an image, rendered by Kimi_K25Processor's
+    apply_chat_template and run through it with the sampled frames and their metadata, gives the ids the family's
+    expansion gives: per chunk `hh:mm:ss.fff` as text, `<|media_begin|>video<|media_content|>`, (h/2)(w/2) pads,
+    `<|media_end|>`."""
+    family, video_fps = kimi_family, 10
+    frames = np.stack([frame_pixels(i, 64, 96) for i in range(31)])
+    indices = family.video_sampler()(31, video_fps)
+    plan = family.plan_video(indices, 31, video_fps, 64, 96)
+    processor = hf_processor(family)
+    image = photo_of_size(70, 120)
+    # Text before a clip ends at a token boundary: the reference tokenizes the timestamp with the text before it
+    # (docs/video.md: a digit, or for a byte-level BPE a space, before a clip fuses with it there).
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Watch:"}, {"type": "video"},
+                                             {"type": "text", "text": " then"}, {"type": "image"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "A ball rolls."}]}]
+    rendered = processor.apply_chat_template(messages, tokenize=False)
+    metadata = VideoMetadata(total_num_frames=31, fps=video_fps, height=64, width=96, frames_indices=indices)
+    clip = torch.from_numpy(frames[indices]).permute(0, 3, 1, 2)
+    reference = processor(text=[rendered], images=[image], videos=[clip], video_metadata=[metadata],
+                          return_tensors="pt")
+    ids, tags = expanded_by_family(family, rendered, [plan], [family.plan(*image.shape[:2])])
+    assert ids == reference["input_ids"][0].tolist()
+    # frame 24 at 10 fps: 2.4 % 1 * 1000 = 399.99..., truncated as the reference truncates it
+    assert "00:00:02.399<|media_begin|>video<|media_content|>" in family.tokenizer.decode(ids)
+    pads = [i for i, token in enumerate(ids) if token == family.video_token_id]
+    assert len(pads) == plan.num_tokens == sum((h // 2) * (w // 2) for _, h, w in plan.grids)
+    assert all(tags[i] == VIDEO for i in pads)
+    first = pads[0]
+    assert tags[first - 1] == FRAME and tags[pads[-1] + 1] == FRAME
+
+
+# -- the tower: time embedding and temporal pooling, against the model's own video forward ---------------------------
+@pytest.mark.slow  # the full model (its one-layer LLM too) is loaded with from_pretrained
+def test_chunks_packed_with_an_image_embed_as_the_models_own_video_forward_on_the_processors_pixels(kimi_family):
+    """Two clips' chunks (4 frames and a last one of 2 and of 1: the time embedding, none for t = 1, and the mean
+    over t) packed with a still image through the tower as batchvlm loads it, vs Kimi_K25Model.get_video_features
+    (from_pretrained) on transformers' video processor's pixels of each clip alone (fp32)."""
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    from hf_models import pretrained
+
+    family = kimi_family
+    model = pretrained(family.checkpoint, Kimi_K25ForConditionalGeneration, dtype=torch.float32)
+    video = family.video_params
+    clips = [sampled_clip(31, 10, 64, 96, video), sampled_clip(25, 10, 90, 50, video)]  # 6 and 5 frames
+    plans = [kimi_video_plan(indices, header.fps, *decoded.shape[1:3], family.params, video)
+             for header, indices, decoded in clips]
+    assert [[grid[0] for grid in plan.grids] for plan in plans] == [[4, 2], [4, 1]]
+    image_rows, image_grids = preprocessed(family, [photo_of_size(70, 120)])
+    clip_rows = [chunk_rows(family, decoded, plan) for (_, _, decoded), plan in zip(clips, plans)]
+    rows = [*clip_rows[0], image_rows[0], *clip_rows[1]]
+    grids = [*plans[0].grids, image_grids[0], *plans[1].grids]
+    packed = family.load_encoder(torch.device("cpu"), torch.float32)(torch.cat(rows), torch.tensor(grids))
+    ours = packed["image_embeds"]
+    with torch.inference_mode():
+        for (_, _, decoded), plan, first in zip(clips, plans, (0, 3)):
+            reference = hf_video_processor(family, video.in_patch_limit_each_frame)(
+                videos=[torch.from_numpy(decoded).permute(0, 3, 1, 2)], return_tensors="pt")
+            alone = model.model.get_video_features(reference["pixel_values_videos"],
+                                                   reference["video_grid_thw"]).pooler_output
+            assert len(alone) == len(plan.chunks)
+            for chunk, expected, got in zip(plan.chunks, alone, ours[first:first + len(plan.chunks)]):
+                assert got.shape == expected.shape == (chunk.num_tokens, model.config.text_config.hidden_size)
+                assert (got - expected).abs().max() <= 1e-3 * expected.abs().max() + 1e-5
+        # the time embedding and the pooling matter: the chunk's frames alone, as images, give other tokens
+        frame_by_frame = model.model.get_image_features(clip_rows[0][0], torch.tensor(
+            [(1, *plans[0].grids[0][1:])] * 4)).pooler_output
+        assert (torch.stack(frame_by_frame).mean(0) - ours[0]).abs().max() > 1e-3 * ours[0].abs().max()
+
+
+def test_clips_are_taken_only_where_the_checkpoint_reads_them_at_the_clip_token_and_a_chunk_fits_its_time_table(
+        kimi_family, tmp_path):
+    import shutil
+
+    from batchvlm.families import ModelConfig, load_family
+
+    assert kimi_family.video_rule is not None and kimi_family.video_fingerprint()["params"]["sample_fps"] == 2.0
+    shutil.copytree(kimi_family.checkpoint, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"video_token_id": kimi_family.video_token_id}))
+    assert load_family(ModelConfig(path=str(tmp_path))).video_rule is not None
+    (tmp_path / "config.json").write_text(json.dumps(config | {"video_token_id": 999}))
+    assert load_family(ModelConfig(path=str(tmp_path))).video_rule is None
+    config["vision_config"]["init_pos_emb_time"] = 2  # chunks of 4 frames would index past the time table
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    family = load_family(ModelConfig(path=str(tmp_path)))
+    assert family.video_rule is None and family.video_fingerprint() is None
+
+
+# -- the job's text side: the renderer splices each chunk's prompt where the template put the clip ------------------
+@pytest.mark.parametrize("format", ["llava", "messages"])
+def test_a_record_with_a_clip_and_an_image_lays_out_as_kimi_k25_processor_gives_it_spans_and_tags_per_chunk(
+        kimi_family, format):
+    from batchvlm.pipeline.chat import TextConfig
+    from batchvlm.pipeline.text import laid_out, text_side
+    from batchvlm.records import ImageRef, SourceRecord
+    from batchvlm.sources.conversations import read_turns
+
+    family, video_fps = kimi_family, 10
+    turns = {"llava": [{"from": "human", "value": "<video>\nWhat happens, and in <image>?"},
+                       {"from": "gpt", "value": "A ball rolls."}],
+             "messages": [{"role": "user", "content": [{"type": "video"},
+                                                       {"type": "text", "text": "\nWhat happens, and in "},
+                                                       {"type": "image"}, {"type": "text", "text": "?"}]},
+                          {"role": "assistant", "content": "A ball rolls."}]}[format]
+    record = SourceRecord(id="r", unit_id="u", source="s", row=0, text="", images=[ImageRef(data=b"i")],
+                          videos=[ImageRef(path="/clips/a.mp4")], turns=read_turns(format, turns, "<image>", 1))
+    side = text_side(family, format, "<image>", "prepend", TextConfig())
+    indices = family.video_sampler()(31, video_fps)
+    clip, image = family.plan_video(indices, 31, video_fps, 64, 96), family.plan(70, 120)
+    layout = laid_out(side, side.placed(record), [image], TextConfig(), [clip])
+
+    processor = hf_processor(family)
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "\nWhat happens, and in "},
+                                             {"type": "image"}, {"type": "text", "text": "?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "A ball rolls."}]}]
+    frames = np.stack([frame_pixels(i, 64, 96) for i in indices])
+    reference = processor(text=[processor.apply_chat_template(messages, tokenize=False)],
+                          images=[photo_of_size(70, 120)], videos=[torch.from_numpy(frames).permute(0, 3, 1, 2)],
+                          video_metadata=[VideoMetadata(total_num_frames=31, fps=video_fps, frames_indices=indices)],
+                          return_tensors="pt")
+    assert layout.input_ids == reference["input_ids"][0].tolist()
+    assert [length for _, length in layout.video_spans] == [chunk.num_tokens for chunk in clip.chunks]
+    tags, mask = np.asarray(layout.token_tags), np.asarray(layout.chat.loss_mask)
+    for start, length in layout.video_spans:
+        assert (tags[start:start + length] == VIDEO).all()
+        assert tags[start - 1] == FRAME and tags[start + length] == FRAME
+    first = layout.video_spans[0][0]
+    head = len(family.encode_text("00:00:00.000")) + 2 + len(family.encode_text("video"))
+    assert (tags[first - head:first] == FRAME).all()  # the time, <|media_begin|>, "video", <|media_content|>
+    assert tags[first - head - 1] != FRAME  # the template's <|im_middle|> before it
+    assert not mask[:layout.video_spans[-1][0] + layout.video_spans[-1][1] + 1].any()  # the user turn: untrained
+    assert mask.any() and (tags == VIDEO).sum() == clip.num_tokens
+
+
+def test_after_a_space_the_reference_fuses_the_text_before_a_clip_with_its_time_and_batchvlm_does_not(kimi_family):
+    """The one place the ids depart from Kimi_K25Processor's: it replaces the clip token in the text and tokenizes the
+    whole, so the text before a clip and the first chunk's time can share a token (here a byte-level BPE's " 0"; the
+    release's tokenizer splits digits from a space, not from a digit before them); batchvlm encodes the time apart,
+    as it does the K3 frame text. The text is the same, character for character."""
+    family = kimi_family
+    indices = family.video_sampler()(31, 10)
+    plan = family.plan_video(indices, 31, 10, 64, 96)
+    processor = hf_processor(family)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Watch "}, {"type": "video"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "A ball rolls."}]}]
+    rendered = processor.apply_chat_template(messages, tokenize=False)
+    frames = np.stack([frame_pixels(i, 64, 96) for i in indices])
+    reference = processor(text=[rendered], videos=[torch.from_numpy(frames).permute(0, 3, 1, 2)], return_tensors="pt",
+                          video_metadata=[VideoMetadata(total_num_frames=31, fps=10, frames_indices=indices)])
+    theirs = reference["input_ids"][0].tolist()
+    ours, _ = expanded_by_family(family, rendered, [plan], [])
+    assert ours != theirs and family.tokenizer.decode(ours) == family.tokenizer.decode(theirs)
+    differ = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+    assert family.tokenizer.decode(ours[differ[0]:differ[0] + 2]) == " 0"  # " ", "0" vs " 0": the boundary alone
+
+
+@pytest.mark.slow  # the real vocabulary takes seconds to build
+def test_over_a_real_bpe_that_splits_digits_the_ids_equal_the_processors_after_a_space_and_a_digit_too(
+        tmp_path, qwen_real_checkpoint):
+    """The tiny Kimi-K2.5 checkpoint over Qwen2's real BPE, whose pre-tokenizer keeps every digit a token of its own and
+    apart from a space: the reference's whole-text tokenization and batchvlm's time-apart one give the same ids,
+    whatever text stands before a clip."""
+    import qwen_vocab
+
+    from batchvlm.families import ModelConfig, load_family, tiny_checkpoint
+
+    qwen_vocab.write_kimi_checkpoint(tmp_path, qwen_real_checkpoint, tiny_checkpoint("kimi_k25"))
+    family = load_family(ModelConfig(family="kimi_k25", path=str(tmp_path)))
+    assert family.video_rule is not None
+    indices = family.video_sampler()(31, 10)
+    plan = family.plan_video(indices, 31, 10, 64, 96)
+    processor = hf_processor(family)
+    frames = torch.from_numpy(np.stack([frame_pixels(i, 64, 96) for i in indices])).permute(0, 3, 1, 2)
+    for before in ("Watch ", "clip 2", "Look:", ""):
+        messages = [{"role": "user", "content": [{"type": "text", "text": before}, {"type": "video"}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "A ball rolls."}]}]
+        rendered = processor.apply_chat_template(messages, tokenize=False)
+        reference = processor(text=[rendered], videos=[frames], return_tensors="pt",
+                              video_metadata=[VideoMetadata(total_num_frames=31, fps=10, frames_indices=indices)])
+        assert expanded_by_family(family, rendered, [plan], [])[0] == reference["input_ids"][0].tolist(), before
+
+
+def test_the_jobs_clip_rows_are_each_chunks_frames_laid_out_as_images_even_where_chunks_differ_in_size(kimi_family):
+    """preprocess.clip_rows (the job's path for a clip in parts) on a plan whose short last chunk has larger frames
+    (in_patch_limit_video): each chunk's frames as the torch backend lays out images at the chunk's plan."""
+    from batchvlm.pipeline.preprocess import clip_rows
+
+    frames = np.stack([frame_pixels(i, 150, 200) for i in range(6)])
+    plan = kimi_video_plan(list(range(6)), 2.0, 150, 200, kimi_family.params, KimiVideoParams(in_patch_limit_video=96))
+    assert len({chunk.plan.padded for chunk in plan.chunks}) == 2
+    ours = clip_rows(torch.from_numpy(frames), plan, kimi_family)
+    assert torch.equal(ours, torch.cat(chunk_rows(kimi_family, frames, plan)))
+    assert ours.shape[0] == plan.num_patches
+
+
+def test_a_layout_cut_by_drop_turns_keeps_the_clips_whose_chunk_spans_it_holds(kimi_family):
+    from batchvlm.records import clips_kept
+
+    plans = [kimi_video_plan(list(range(n)), 2.0, 64, 96, kimi_family.params, KimiVideoParams()) for n in (6, 3, 9)]
+    assert [len(plan.chunks) for plan in plans] == [2, 1, 3]
+    assert [clips_kept(plans, spans) for spans in (0, 1, 2, 3, 5, 6)] == [0, 0, 1, 2, 2, 3]
