@@ -1,8 +1,8 @@
-"""`python jobs/bench.py task=preprocess|scale|loader|e2e|host|tower|jpeg|claims|video|train`: measurements side by
+"""`python jobs/bench.py task=preprocess|scale|loader|e2e|host|tower|jpeg|claims|video|clips|train`: measurements side by
 side in one run (batchvlm/bench/): triton vs torch vs the family's HF processor; start-up and memory as the dataset
 grows; the training loader vs a bare pyarrow scan of the same shards, and packing efficiency; the job vs its tower; the
 tower's achieved TFLOP/s; the batched JPEG decode vs the safe path; the metadata operations of claiming per unit as the
-ranks grow; PyAV's video decode; training steps on stored features vs on pixels. `dry_run=true` checks the config and
+ranks grow; PyAV's video decode; clips through the job vs their decode and the tower; training steps on stored features vs on pixels. `dry_run=true` checks the config and
 imports the task, and runs nothing."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from batchvlm.bench.tasks import BenchConfig, bench_loader, bench_preprocess, format_loader, format_preprocess
+from batchvlm.bench.clips import bench_clips, format_clips
 from batchvlm.bench.decoding import bench_jpeg, format_jpeg
 from batchvlm.bench.e2e import bench_e2e, bench_host, format_e2e, format_host
 from batchvlm.bench.metadata import bench_claims, format_claims
@@ -34,7 +35,8 @@ def main(cfg: DictConfig) -> None:
              "scale": (bench_scale, format_scale), "e2e": (bench_e2e, format_e2e), "host": (bench_host, format_host),
              "tower": (bench_tower, format_tower),
              "jpeg": (bench_jpeg, format_jpeg), "claims": (bench_claims, format_claims),
-             "video": (bench_video, format_video), "train": (bench_train, format_train)}
+             "video": (bench_video, format_video), "clips": (bench_clips, format_clips),
+             "train": (bench_train, format_train)}
     with exit_on_config_error():
         config = OmegaConf.to_object(cfg)
         run, report = tasks[config.task]

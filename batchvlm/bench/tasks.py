@@ -5,6 +5,8 @@ task=e2e: bench/e2e.py (the job against its tower, the sink against a bare write
 task=host: bench/e2e.py (the e2e bench's host ceiling alone: the job with a zero-cost device stage, bench/host.py).
 task=tower: bench/tower.py (the tower alone: images/s and achieved TFLOP/s).
 task=jpeg: bench/decoding.py (the batched JPEG decode against the safe path, per kind of JPEG).
+task=video: bench/video.py (PyAV's decode of a clip); task=clips: bench/clips.py (clips through the job, its decoder
+and the tower).
 
 task=preprocess: one fixed mix of image sizes (real photos, plus synthetic extremes) through the
 Triton kernels (where CUDA is), the torch ops and the family's HF processor (with `device=` where
@@ -37,7 +39,7 @@ from batchvlm.demo import build_once, demo_rows, home, photographs
 from batchvlm.executor.config import RuntimeConfig
 from batchvlm.families import TINY, ModelConfig, load_family
 from batchvlm.format.schema import Dtype
-from batchvlm.pipeline.preprocess import TorchPreprocessor, TritonPreprocessor
+from batchvlm.pipeline.preprocess import PreprocessConfig, TorchPreprocessor, TritonPreprocessor
 from batchvlm.rundir.layout import RunLayout
 from batchvlm.rundir.manifest import listed_shards
 from batchvlm.records import DecodedImage, PreparedRecord, SourceRecord, TokenLayout
@@ -54,6 +56,7 @@ class Task(Choice):
     jpeg = "jpeg"
     claims = "claims"
     video = "video"
+    clips = "clips"
     train = "train"
 
 
@@ -105,9 +108,17 @@ class BenchConfig(Config):
     """task=e2e: also each stage alone, the text side and the sink against a bare write (false: the job's runs, the
     tower, the host ceiling and the decode stage only, as the GPU check runs it)."""
     clip_seconds: float = 10.0
-    """task=video: the clip's length (made here from a real photograph, panned; H.264 in MP4)."""
+    """task=video|clips: the clip's length (made here from a real photograph, panned; H.264 in MP4)."""
     long_clip_seconds: float = 60.0
-    """task=video: the long clip whose peak RSS is measured as its sampled frames decode."""
+    """task=video|clips: the long clip whose peak RSS is measured as its sampled frames decode."""
+    long_clip_height: int = 720
+    long_clip_width: int = 1280
+    """task=clips: the long clip's frame size (task=video's is clip_height x clip_width)."""
+    clips: int = 8
+    """task=clips: LLaVA records of one clip each run through the job and the tower alone."""
+    token_budget: int = PreprocessConfig.token_budget
+    """task=clips: the job's preprocess.token_budget (lower: more batches of the same clips, so that the job's rate is
+    measured after its first batch)."""
     clip_fps: int = 30
     clip_height: int = 720
     clip_width: int = 1280
@@ -127,7 +138,8 @@ class BenchConfig(Config):
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("repeats", "rows", "files", "rss_records", "first_unit_records", "copies", "max_tokens", "steps",
-                    "records", "job_workers", "peak_tflops", "ranks", "units", "block_units"):
+                    "records", "clips", "token_budget", "long_clip_height", "long_clip_width", "job_workers", "peak_tflops", "ranks",
+                    "units", "block_units"):
             positive(key, getattr(self, key))
         if self.workers < 0:
             raise ConfigError(f"workers={self.workers} must be >= 0")

@@ -501,9 +501,12 @@ TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
                  rope_theta=10000.0)
 TINY_VISION = dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, in_chans=3, hidden_size=64, patch_size=14,
                    spatial_merge_size=2, spatial_patch_size=14, temporal_patch_size=2)
+BASE_VISION = dict(TINY_VISION, depth=12, embed_dim=768, mlp_ratio=4, num_heads=12)
+"""A ViT-B-sized tower (the merger still projects to the tiny LLM's width) for the clip benchmarks, where the tower
+must cost what a real one does."""
 
 
-def released_config(tokenizer) -> dict:
+def released_config(tokenizer, vision: dict = TINY_VISION) -> dict:
     """config.json as Qwen releases Qwen2-VL's (flat, its vision_config by the release's names), tiny, with the
     tokenizer's ids."""
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
@@ -512,7 +515,7 @@ def released_config(tokenizer) -> dict:
     return {"architectures": ["Qwen2VLForConditionalGeneration"], "bos_token_id": tokenizer.bos_token_id,
             "eos_token_id": tokenizer.eos_token_id, **ids, "hidden_act": "silu", "model_type": "qwen2_vl",
             "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "float32", **TINY_TEXT,
-            "vision_config": TINY_VISION, "vocab_size": len(tokenizer)}
+            "vision_config": vision, "vocab_size": len(tokenizer)}
 
 
 def demo_tokenizer(ids: dict[str, int] | None = None):
@@ -521,16 +524,21 @@ def demo_tokenizer(ids: dict[str, int] | None = None):
     return tiny_tokenizer(QWEN_TOKENS, published_template("qwen2_vl"), ids)
 
 
-def write_tiny_checkpoint(folder: Path) -> None:
+def write_tiny_checkpoint(folder: Path, vision: dict = TINY_VISION) -> None:
     """Vision tower + merger + a 2-layer LLM as Qwen releases Qwen2-VL (config.json, names), from a config with a fixed
     seed; Qwen2-VL's chat template."""
     from transformers import Qwen2VLImageProcessor
 
     tokenizer = demo_tokenizer()
-    write_checkpoint(folder, released_config(tokenizer))
+    write_checkpoint(folder, released_config(tokenizer, vision))
     tokenizer.save_pretrained(folder)
     # A small max_pixels keeps the demo fast on a CPU and sends its larger photos down the shrinking branch.
     Qwen2VLImageProcessor(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 256}).save_pretrained(folder)
+
+
+def write_base_checkpoint(folder: Path) -> None:
+    """The tiny checkpoint with a ViT-B-sized tower (BASE_VISION)."""
+    write_tiny_checkpoint(folder, BASE_VISION)
 
 
 def write_checkpoint(folder: Path, config: dict, language_model: bool = True, seed: int = 0) -> None:

@@ -337,21 +337,26 @@ def _serve(conn: Connection, cfg: DecodeConfig, arena: mmap.mmap, ring: mmap.mma
         if (target := fault("decode.hang")) and digest.startswith(target):
             signal.pause()
         try:
-            conn.send(_clip_written(decode_clip(data, *clip), arena) if clip else
-                      _written(decode_or_defer(data, cfg, image_index, writable=False), arena, ring, place))
+            if clip:
+                _send_clip(conn, decode_clip(data, *clip), arena)
+            else:
+                conn.send(_written(decode_or_defer(data, cfg, image_index, writable=False), arena, ring, place))
         except CheckFailed as failure:
             conn.send(("failed", failure))
 
 
-def _clip_written(clip: Clip, arena: mmap.mmap) -> tuple[str, object]:
-    """The child's answer for a clip: its frames written to the arena where they fit (sent through the pipe
-    otherwise), with its header and labels."""
+def _send_clip(conn: Connection, clip: Clip, arena: mmap.mmap) -> None:
+    """The child's answer for a clip: its header and labels, its frames written to the arena where they fit, else
+    sent after the answer as raw bytes through the pipe (pickled, they would be copied whole once more in the child:
+    a long clip's frames are up to video.max_decoded_bytes)."""
     frames = clip.decoded.frames
-    if frames.nbytes > len(arena):
-        return "ok", clip
-    np.frombuffer(arena, np.uint8, frames.nbytes)[:] = frames.reshape(-1)
-    return "shared-clip", (frames.shape, dataclasses.replace(clip, decoded=dataclasses.replace(
-        clip.decoded, frames=None)))
+    bare = dataclasses.replace(clip, decoded=dataclasses.replace(clip.decoded, frames=None))
+    if frames.nbytes <= len(arena):
+        np.frombuffer(arena, np.uint8, frames.nbytes)[:] = frames.reshape(-1)
+        conn.send(("shared-clip", (frames.shape, bare)))
+        return
+    conn.send(("piped-clip", (frames.shape, bare)))
+    conn.send_bytes(frames.reshape(-1))
 
 
 def _written(result: DecodedImage | EncodedJpeg, arena: mmap.mmap, ring: mmap.mmap | None,
@@ -411,12 +416,14 @@ class Decoder:
             return decode_clip(read_bytes(ref, self.cfg, index, self.video.byte_limit), self.video, sample)
         if is_remote(ref):
             ref = ImageRef(data=read_bytes(ref, self.cfg, index, self.video.byte_limit))
-        status, value = self._asked((ref, index, (0, 0), (self.video, sample)), self.video.timeout_s, "video", index)
+        status, (shape, clip) = self._asked((ref, index, (0, 0), (self.video, sample)), self.video.timeout_s, "video",
+                                            index)
         if status == "shared-clip":
-            shape, clip = value
             frames = np.frombuffer(self.arena, np.uint8, math.prod(shape)).reshape(shape).copy()
-            return dataclasses.replace(clip, decoded=dataclasses.replace(clip.decoded, frames=frames))
-        return value
+        else:
+            frames = np.empty(shape, np.uint8)
+            self._received(lambda: self.conn.recv_bytes_into(frames.reshape(-1)), "video", index)
+        return dataclasses.replace(clip, decoded=dataclasses.replace(clip.decoded, frames=frames))
 
     def _asked(self, request: tuple, timeout_s: float, stage: str, index: int) -> tuple[str, object]:
         """The child's answer to one request; `stage`.timeout past `timeout_s`, `stage`.crashed where it dies, its
@@ -428,17 +435,21 @@ class Decoder:
             self._stop()
             raise CheckFailed(f"{stage}.timeout", f"decoding took longer than {stage}.timeout_s={timeout_s}",
                               expected=f"<= {timeout_s} s", observed="killed after the limit", image_index=index)
+        status, value = self._received(self.conn.recv, stage, index)
+        if status == "failed":
+            raise value
+        return status, value
+
+    def _received(self, receive, stage: str, index: int):
+        """What `receive` reads from the child; `stage`.crashed where the child dies before it is all sent."""
         try:
-            status, value = self.conn.recv()
+            return receive()
         except (EOFError, OSError):
             code = self._stop()
             raise CheckFailed(f"{stage}.crashed", f"the decoder process died ({_describe(code)})",
                               expected=f"a clean exception or {'an image' if stage == 'decode' else 'a clip'}",
                               observed=_describe(code),
                               image_index=index) from None
-        if status == "failed":
-            raise value
-        return status, value
 
     def _start(self) -> None:
         if self.arena is None:

@@ -11,7 +11,8 @@
   codec fails, or drops a frame) before the last sampled frame is `video.truncated`, with the codec's error kept.
   Only the sampled frames are converted to RGB, each written once into one array held to the cap by its real size.
 - **Upright.** A display rotation (read from the first decoded frame: PyAV exposes the display matrix on frames,
-  not on the stream) turns each frame, as EXIF orientation turns an image.
+  not on the stream nor on the packets) turns each frame, as EXIF orientation turns an image. Sizing a clip without
+  decoding its sampled frames (sizing.estimate) still decodes its first frame for it: `display_rotation`.
 """
 
 from __future__ import annotations
@@ -283,7 +284,7 @@ def decode_frames(data: bytes, header: VideoHeader, indices: list[int], limits: 
         try:
             for frame in container.decode(stream):
                 if decoded == 0:
-                    rotation = round(frame.rotation / 90) % 4 * 90
+                    rotation = _upright_turn(frame)
                 _in_order(frame, decoded, header)
                 if decoded in slots:
                     pixels = np.rot90(frame.to_ndarray(format="rgb24"), k=rotation // 90)
@@ -302,6 +303,31 @@ def decode_frames(data: bytes, header: VideoHeader, indices: list[int], limits: 
                           observed=f"{decoded} frames decoded{kept_error}")
     return DecodedVideo(frames=frames, indices=tuple(indices),
                         timestamps_s=tuple(header.timestamps_s[i] for i in indices), rotation=rotation)
+
+
+def _upright_turn(frame) -> int:
+    """Degrees counter-clockwise (0, 90, 180, 270) that turn a frame upright, from its display matrix."""
+    return round(frame.rotation / 90) % 4 * 90
+
+
+def display_rotation(data: bytes, header: VideoHeader) -> int:
+    """The clip's display rotation (degrees counter-clockwise, as DecodedVideo.rotation), at the cost of its first
+    frame: PyAV (18) gives the display matrix on decoded frames only, so the decoder runs until it gives one (a
+    stream whose first frame does not decode is 0 here: decoding it is the job's check, video.truncated)."""
+    with _open(data) as container:
+        stream = next(s for s in container.streams if s.index == header.stream_index)
+        stream.codec_context.thread_count = 1  # one frame: decoding threads would only add their start-up
+        try:
+            for frame in container.decode(stream):
+                return _upright_turn(frame)
+        except av.error.FFmpegError:
+            pass
+    return 0
+
+
+def upright_frame_size(header: VideoHeader, rotation: int) -> tuple[int, int]:
+    """(height, width) of the clip's frames once turned upright."""
+    return (header.width, header.height) if rotation % 180 else (header.height, header.width)
 
 
 def _allocated(first: np.ndarray, count: int, header: VideoHeader, limits: VideoConfig) -> np.ndarray:

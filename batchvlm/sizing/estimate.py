@@ -19,7 +19,7 @@ import hashlib
 import io
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -34,7 +34,8 @@ from batchvlm.families import check_checkpoint, load_family
 from batchvlm.format.schema import CLIP_OUTPUTS, DATA_SCHEMA, EMBED_DTYPES, QUARANTINE_SCHEMA
 from batchvlm.pipeline.decode import read_bytes, upright_size
 from batchvlm.pipeline.encode import expected_rows
-from batchvlm.pipeline.video import Clip, DecodedVideo, Sampler, VideoConfig, probe
+from batchvlm.pipeline.video import (Clip, DecodedVideo, Sampler, VideoConfig, display_rotation, probe,
+                                     upright_frame_size)
 from batchvlm.records import EncodedRecord, ImageRef, PreparedRecord, QuarantinedRecord, SourceRecord, WorkUnit
 from batchvlm.rundir.layout import DATA
 from batchvlm.rundir.patterns import PatternUnits
@@ -86,12 +87,17 @@ class HeaderReader:
         return SizedImage(height, width, hashlib.sha256(data).hexdigest())
 
     def clip(self, ref: ImageRef, index: int, sample: Sampler) -> Clip:
-        """The clip's header and the frames `sample` picks, none decoded: its frames stand in as one zero pixel seen
-        at the header's size (a display rotation is read from decoded frames only: not applied here)."""
-        header = probe(read_bytes(ref, self.cfg, index, self.video.byte_limit), self.video)
+        """The clip's header and the frames `sample` picks, none of them decoded: they stand in as one zero pixel
+        seen at the header's size turned upright (the display rotation costs the clip's first frame decoded: PyAV
+        gives it on frames only)."""
+        data = read_bytes(ref, self.cfg, index, self.video.byte_limit)
+        header = probe(data, self.video)
         indices = sample(header.frames, header.fps)
-        frames = np.broadcast_to(np.zeros((1, 1, 1, 3), np.uint8), (len(indices), header.height, header.width, 3))
-        return Clip(header, DecodedVideo(frames, tuple(indices), tuple(header.timestamps_s[i] for i in indices), 0))
+        rotation = display_rotation(data, header)
+        shape = (len(indices), *upright_frame_size(header, rotation), 3)
+        frames = np.broadcast_to(np.zeros((1, 1, 1, 3), np.uint8), shape)
+        return Clip(header, DecodedVideo(frames, tuple(indices), tuple(header.timestamps_s[i] for i in indices),
+                                         rotation))
 
     def close(self) -> None:
         """Nothing to stop: headers are read in this process."""
@@ -127,6 +133,10 @@ class Estimate:
     images_per_s: float | None
     devices: int
     checkpoint: str = ""  # what the header check of its vision tensors found
+    clips_per_record: float = 0.0
+    frames_per_clip: list[int] = field(default_factory=list)  # sampled, each clip of the sample, sorted
+    decoded_per_clip: list[int] = field(default_factory=list)  # decoded: from the first through the last sampled
+    tokens_per_clip: list[int] = field(default_factory=list)  # video tokens, sorted
 
     @property
     def written_fraction(self) -> float:
@@ -199,7 +209,17 @@ def estimate(config: EstimateConfig) -> Estimate:
         file_bytes=empty[DATA_SCHEMA], quarantine_file_bytes=empty[QUARANTINE_SCHEMA], units=len(units),
         unit_records=records / len(units) if records is not None else config.dataset.unit_records,
         shard_limit=config.output.shard_bytes, images_per_s=config.images_per_s, devices=config.devices,
-        checkpoint=checkpoint)
+        checkpoint=checkpoint, **clip_counts(outcomes, prepared))
+
+
+def clip_counts(outcomes: list, prepared: list[PreparedRecord]) -> dict:
+    """The sample's clips per record, and per clip its sampled frames, the frames decoding them takes (the decode runs
+    in order from the first frame through the last sampled) and its video tokens, from headers and packets alone."""
+    clips = [(clip, plan) for record in prepared for clip, plan in zip(record.clips, record.clip_plans)]
+    return {"clips_per_record": sum(len(o.source.videos) for o in outcomes) / max(1, len(outcomes)),
+            "frames_per_clip": sorted(len(clip.indices) for clip, _ in clips),
+            "decoded_per_clip": sorted(max(clip.indices) + 1 for clip, _ in clips),
+            "tokens_per_clip": sorted(plan.num_tokens for _, plan in clips)}
 
 
 def _sample(source: Source, unit: WorkUnit, count: int) -> tuple[list[SourceRecord], UnitSample]:
@@ -262,9 +282,20 @@ def _records(units: Sequence[WorkUnit], samples: dict[str, UnitSample]) -> int |
     return known + sum(sample.records for sample in whole) + round(left_bytes * per_byte)
 
 
+def quantile(values: list, q: float):
+    """The `q` quantile of sorted `values` (nearest rank below)."""
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def clips_line(result: Estimate) -> str:
+    spread = lambda values: "/".join(str(quantile(values, q)) for q in (0.5, 0.9, 1))  # noqa: E731
+    return (f"clips: {result.clips_per_record:.2f} per record; per clip (p50/p90/max): sampled frames "
+            f"{spread(result.frames_per_clip)}, decoded (first through last sampled) {spread(result.decoded_per_clip)}, "
+            f"video tokens {spread(result.tokens_per_clip)}")
+
+
 def format_estimate(result: Estimate) -> str:
     tokens = result.tokens_per_image
-    quantile = lambda q: tokens[min(len(tokens) - 1, int(q * len(tokens)))]  # noqa: E731
     records = (f"records: {result.records:,} in {result.units:,} units; output in all: "
                f"{readable_bytes(result.total_bytes)}" if result.records is not None else
                f"records: not known before they are read (the inputs stream without sizes), in {result.units:,} units")
@@ -273,8 +304,9 @@ def format_estimate(result: Estimate) -> str:
              f"checkpoint: {result.checkpoint}",
              f"sample: {result.sampled} records ({result.quarantined} would be quarantined), "
              f"{result.images_per_record:.2f} images per record",
-             f"tokens per image: p50 {quantile(0.5)}  p90 {quantile(0.9)}  max {tokens[-1]}" if tokens else
-             "tokens per image: no image in the sample",
+             f"tokens per image: p50 {quantile(tokens, 0.5)}  p90 {quantile(tokens, 0.9)}  max {tokens[-1]}" if tokens
+             else "tokens per image: no image in the sample",
+             *([clips_line(result)] if result.tokens_per_clip else []),
              f"bytes per record: {readable_bytes(result.data_bytes_per_record)} written"
              + (f", {readable_bytes(result.quarantine_bytes_per_record)} quarantined" if result.quarantined else ""),
              records,

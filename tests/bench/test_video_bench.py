@@ -16,5 +16,6 @@ def test_the_video_bench_decodes_samples_and_lays_out_a_clip():
     assert result["grid"][0] == 2  # 4 frames: two temporal patches
     assert result["long_sampled"] == 6 and result["peak_mb"] >= result["start_mb"] > 0
     assert result["all_frames"] == "not refused"  # 30 small frames are well under the cap
+    assert 0 < result["rotation_s"] < result["all_s"]  # one frame decoded, not twenty
     report = format_video(result)
     assert "20 frames at 10 fps" in report and "frames/s" in report

@@ -201,6 +201,26 @@ def test_the_decoder_reads_a_clip_under_the_image_root_and_gives_its_sampled_fra
     assert np.array_equal(clip.decoded.frames, decode_frames(data, header, list(range(0, 20, 3)), LIMITS).frames)
 
 
+def test_a_clip_past_the_decoders_arena_crosses_the_pipe_as_raw_bytes_intact(monkeypatch):
+    """Frames larger than the child's arena come back through the pipe as raw bytes after the answer (a pickle would
+    be a second whole copy of them in the child): the same frames, the pipe left in step for the next clip."""
+    from batchvlm.pipeline import decode
+    from batchvlm.pipeline.decode import DecodeConfig, Decoder
+    from batchvlm.records import ImageRef
+
+    data = make_clip(20, fps=10)
+    monkeypatch.setattr(decode, "ARENA_LIMIT", 1000)
+    decoder = Decoder(DecodeConfig())
+    try:
+        clip = decoder.clip(ImageRef(data=data), 0, every_third)
+        again = decoder.clip(ImageRef(data=data), 0, every_third)  # the pipe holds nothing left over
+    finally:
+        decoder.close()
+    expected = decode_frames(data, probe(data, LIMITS), list(range(0, 20, 3)), LIMITS).frames
+    assert expected.nbytes > 1000 and np.array_equal(clip.decoded.frames, expected)
+    assert np.array_equal(again.decoded.frames, expected) and clip.decoded.frames.flags.writeable
+
+
 @pytest.mark.parametrize("isolation", ["process", "none"])
 def test_a_clip_outside_the_image_root_or_over_its_byte_limit_is_never_decoded(tmp_path, isolation):
     from batchvlm.pipeline.decode import DecodeConfig, Decoder

@@ -17,6 +17,8 @@ from PIL import Image
 from batchvlm.sizing.estimate import EstimateConfig
 from batchvlm.sources.config import dataset_config
 from batchvlm.sizing.estimate import estimate, format_estimate
+from batchvlm.sources import make_source
+from clips import make_clip
 from batchvlm.rundir.layout import DATA, QUARANTINE, RunLayout
 from batchvlm.rundir.manifest import all_manifests
 
@@ -114,3 +116,63 @@ def test_a_text_only_dataset_is_estimated_without_dividing_by_zero(tmp_path):
     assert result.records == 50 and result.images_per_record == 0 and result.tokens_per_image == []
     shown = format_estimate(result)
     assert "tokens per image: no image in the sample" in shown and "no image to embed" in shown
+
+
+# -- clips: counted from their headers and packets, turned upright by their first frame's display matrix ----------
+
+
+def clip_records(folder) -> str:
+    """LLaVA records of generated clips: a short one, a long one, a 90-degree rotated one, and a record with two."""
+    clips = {"short.mp4": make_clip(8, fps=4, height=56, width=84),
+             "long.mp4": make_clip(40, fps=4, height=56, width=84),
+             "turned.mp4": make_clip(12, fps=4, height=56, width=112, rotation=90)}
+    for name, data in clips.items():
+        (folder / name).write_bytes(data)
+    videos = [["short.mp4"], ["long.mp4"], ["turned.mp4"], ["short.mp4", "turned.mp4"]]
+    lines = []
+    for n, names in enumerate(videos):
+        turns = [{"from": "human", "value": "<video> " * len(names) + "what moves?"},
+                 {"from": "gpt", "value": "A bar."}]
+        lines.append(json.dumps({"id": f"c{n}", "video": names, "conversations": turns}) + "\n")
+    (folder / "clips.jsonl").write_text("".join(lines))
+    return str(folder / "clips.jsonl")
+
+
+@pytest.mark.slow  # the tiny Qwen2-VL loaded twice: about 3 s of CPU, 10 s of wall on a loaded machine
+def test_the_estimate_counts_clips_frames_and_video_tokens_as_the_job_decodes_and_plans_them(tmp_path):
+    from batchvlm.executor.worker import prepare, text_side_of
+    from batchvlm.families import ModelConfig, load_family
+    from batchvlm.pipeline.decode import Decoder
+
+    config = EstimateConfig(dataset=dataset_config(path=clip_records(tmp_path), **LLAVA, image_root=str(tmp_path)),
+                            model=ModelConfig(family="qwen2_vl"), records=8)
+    result = estimate(config)
+    family = load_family(config.model)
+    source = make_source(config.dataset, max_bytes=config.decode.max_bytes)
+    decoder = Decoder(config.decode, config.video)
+    try:
+        prepared = [prepare(record, family, config, decoder, text_side_of(family, config))
+                    for unit in source.plan() for record in source.unit_records(unit)]
+    finally:
+        decoder.close()
+    clips = [(clip, plan) for record in prepared for clip, plan in zip(record.clips, record.clip_plans)]
+    assert result.clips_per_record == 5 / 4 and result.quarantined == 0
+    assert result.frames_per_clip == sorted(len(clip.indices) for clip, _ in clips) == [4, 4, 6, 6, 20]
+    assert result.decoded_per_clip == sorted(max(clip.indices) + 1 for clip, _ in clips)
+    assert result.tokens_per_clip == sorted(plan.num_tokens for _, plan in clips)
+    assert "clips: 1.25 per record; per clip (p50/p90/max): sampled frames 6/20/20" in format_estimate(result)
+
+
+def test_a_rotated_clip_is_sized_upright_from_its_header_and_first_frame_as_the_decoder_turns_it():
+    from batchvlm.pipeline.decode import DecodeConfig
+    from batchvlm.pipeline.video import VideoConfig, decode_clip
+    from batchvlm.records import ImageRef
+    from batchvlm.sizing.estimate import HeaderReader
+
+    for rotation in (90, 180, 270):
+        data = make_clip(12, fps=4, height=56, width=112, rotation=rotation)
+        sample = lambda total, fps: [0, 5, 11]  # noqa: E731
+        sized = HeaderReader(DecodeConfig(isolation="none")).clip(ImageRef(data=data), 0, sample)
+        decoded = decode_clip(data, VideoConfig(), sample)
+        assert sized.decoded.frames.shape == decoded.decoded.frames.shape, rotation
+        assert sized.decoded.rotation == decoded.decoded.rotation != 0
