@@ -117,8 +117,9 @@ CATALOGUE: dict[str, Check] = {
               "sampled frame", "a partly copied clip whose missing frames would be sampled as others, or a dropped frame "
               "shifting every later one", "re-fetch the file; the codec's error is kept"),
         Check("text.placeholder_count", "placeholders in the text (a conversation: in all its turns, `<image>` "
-              "placeholders or `{type: image}` blocks) == images of the record, and a conversation's `<video>` "
-              "placeholders or `{type: video}` blocks == its clips",
+              "placeholders or `{type: image}` blocks) == images of the record, and its `<video>` placeholders (a "
+              "conversation's, or a plain text's that dataset.videos_column gives clips) or `{type: video}` blocks "
+              "== its clips",
               "an image with no place in the sequence, or a placeholder with no image",
               "fix the text, or set dataset.missing_placeholder=prepend for image-first datasets"),
         Check("text.roles", "a conversation's roles are system, user, assistant or tool (llava: human, gpt, system), "
@@ -132,9 +133,11 @@ CATALOGUE: dict[str, Check] = {
               "a number rendered as its str(), a null as an empty turn, a list or object reaching the tokenizer",
               "fix the record's turns"),
         Check("text.video", "a record holds a clip (a `<video>` placeholder, a `{type: video}` block, a clip in llava's "
-              "`video` or messages' `videos` column) only where its format and family take clips: llava or "
-              "messages, and a family with a video rule (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; not yet SigLIP2 or "
-              "Kimi-K2.5)", "a video's placeholder embedded as plain text and its frames never, or a clip dropped unseen",
+              "`video`, messages' `videos` or dataset.videos_column's column) only where its dataset and family take "
+              "clips: llava, messages or a dataset.videos_column, and a family with a video rule (Qwen2-VL, "
+              "Qwen2.5-VL, Qwen3-VL, Kimi-K2.5 where its checkpoint reads clips at its clip token, SigLIP2 with a "
+              "`<video_soft_token>` in its tokenizer)",
+              "a video's placeholder embedded as plain text and its frames never, or a clip dropped unseen",
               "leave video records out of runs of those families and formats until their clips are supported"),
         Check("text.control_token", "no text of a record (any turn's content, a plain text) tokenizes into one of the "
               "tokenizer's special tokens (`<|im_end|>`, `<|im_start|>`, `<|image_pad|>`...)",

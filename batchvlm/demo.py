@@ -17,8 +17,8 @@ import numpy as np
 
 from batchvlm.config import ConfigError
 
-DEMO_VERSION = "v3"  # v2: the tiny tokenizers carry chat tokens and templates; v3: the tiny checkpoints in
-# their released layouts, no tensor left constant
+DEMO_VERSION = "v4"  # v2: the tiny tokenizers carry chat tokens and templates; v3: the tiny checkpoints in
+# their released layouts, no tensor left constant; v4: the tiny SigLIP2 tokenizer has a clip token
 
 
 def home() -> Path:
@@ -150,7 +150,8 @@ def encode_clip(frames: np.ndarray, fps: int, codec: str = "libx264", container:
 
 
 def _write_clips(folder: Path) -> None:
-    """LLaVA records with clips (made from the photographs) and a photo, one clip cut short (video.truncated)."""
+    """LLaVA records with clips (made from the photographs) and a photo, one clip cut short (video.truncated); and the
+    same clips captioned (plain text, a `videos` column: what a SigLIP2 run reads)."""
     import json
 
     from PIL import Image
@@ -180,11 +181,19 @@ def _write_clips(folder: Path) -> None:
         record("bad_cut_short", ["bad_cut_short.webm"], [], "<video> What happens at the launch?", "A rocket."),
     ]
     (folder / "clips.json").write_text(json.dumps(records, indent=1))
+    captions = {"astronaut_pan": "<video> The camera pans across an astronaut in a white suit.",
+                "coffee_zoom_and_cat": "<video> zooms into a cup of coffee; <image> is a cat.",
+                "moon_and_astronaut": "<video> Craters, then <video> an astronaut.",
+                "bad_cut_short": "<video> A rocket launch."}
+    (folder / "captions.jsonl").write_text("".join(
+        json.dumps({"id": r["id"], "text": captions[r["id"]], "images": r["image"], "videos": r["video"]}) + "\n"
+        for r in records))
 
 
-def demo_clips() -> str:
-    """The demo's clip records (LLaVA JSON, `dataset=demo_clips`), built on first use."""
-    return str(build_once(home() / f"demo-clips-{DEMO_VERSION}", _write_clips) / "clips.json")
+def demo_clips(name: str = "clips.json") -> str:
+    """The demo's clip records, built on first use: LLaVA JSON (`clips.json`, `dataset=demo_clips`), or the same clips
+    captioned (`captions.jsonl`, `dataset=demo_captioned_clips`)."""
+    return str(build_once(home() / f"demo-clips-{DEMO_VERSION}", _write_clips) / name)
 
 
 # -- what the tiny checkpoints' tokenizers learn -------------------------------------------------------

@@ -125,11 +125,12 @@ def default_run_name(requeue_from: str | None, default: str) -> str:
     return f"{Path(requeue_from).name}-requeue" if requeue_from else default
 
 
-def _demo_clips() -> str:
-    """conf/dataset/demo_clips.yaml's path: the demo's clip records, built on first use."""
+def _demo_clips(name: str = "clips.json") -> str:
+    """conf/dataset/demo_clips.yaml's path (demo_captioned_clips.yaml's with `captions.jsonl`): the demo's clip
+    records, built on first use."""
     from batchvlm.demo import demo_clips
 
-    return demo_clips()
+    return demo_clips(name)
 
 
 def register_schemas(name: str = "embed_schema", job: type[JobConfig] = JobConfig) -> None:

@@ -22,7 +22,7 @@ from batchvlm.families import TINY
 from batchvlm.pipeline.chat import template_digest
 from batchvlm.pipeline.jpeg import decoder_of
 from batchvlm.sources.config import TextFormat
-from batchvlm.sources.rows import VIDEO_COLUMNS
+from batchvlm.sources.rows import video_column
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -39,16 +39,20 @@ def config_digest(checkpoint: Path) -> str:
 
 
 def takes_clips(job: JobConfig) -> bool:
-    """Whether the job's dataset format can name clips (a video column and `<video>` / `{type: video}` in its turns)."""
-    return job.dataset.format in VIDEO_COLUMNS
+    """Whether the job's dataset can name clips (a video column, its own or the format's, and `<video>` /
+    `{type: video}` in its text or turns)."""
+    return video_column(job.dataset) is not None
 
 
 def _settings(job: JobConfig) -> dict:
-    """The written settings; the `video` group's only where the format can name a clip: a run of another format
-    reads none, and keeps the fingerprint it had before clips were read (its resume is not refused)."""
+    """The written settings; the `video` group's only where the dataset can name a clip: a run of another format
+    reads none, and keeps the fingerprint it had before clips were read (its resume is not refused); likewise
+    dataset.videos_column only where set."""
     settings = fingerprinted(job)
     if not takes_clips(job):
         settings.pop("video", None)
+    if job.dataset.videos_column is None:
+        settings["dataset"].pop("videos_column", None)
     return settings
 
 

@@ -121,7 +121,7 @@ def build(job: JobConfig, layout: RunLayout, ranks: Ranks, device: torch.device)
     requeue = requeue_source(job.dataset, job.requeue_from, job.check, layout.root) if job.requeue_from else None
     draft = None
     if ranks.is_main:
-        source = requeue or make_source(job.dataset, max_bytes=job.decode.max_bytes)
+        source = requeue or make_source(job.dataset, max_bytes=job.decode.max_bytes, clip_max_bytes=job.video.max_bytes)
         plan, new = make_plan(layout, source, job.reading_settings(), ranks.world, job.runtime.dedup_buckets,
                               job.runtime.block_units)
         draft = Draft(plan, source, new)
@@ -214,8 +214,8 @@ class Job:
         # a collective: the plan exists after it
         coordinator = Coordinator(self.layout, self.ranks, self.job.runtime.progress_interval_s, self.units)
         plan = read_plan(self.layout)
-        source = draft.source if self.ranks.is_main else requeue or make_source(self.job.dataset, plan.inputs,
-                                                                                   self.job.decode.max_bytes)
+        source = draft.source if self.ranks.is_main else requeue or make_source(
+            self.job.dataset, plan.inputs, self.job.decode.max_bytes, self.job.video.max_bytes)
         return plan, source, coordinator
 
     def embed(self, plan: Plan, source: Source, claims: Claims, sink: RunSink, coordinator: Coordinator) -> None:

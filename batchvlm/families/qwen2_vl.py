@@ -427,10 +427,12 @@ class Qwen2VL(PatchFamily):
         return functools.partial(sample, params=self.params, video=self.video_params)
 
     def plan_video(self, indices: list[int], total: int, video_fps: float, height: int, width: int,
-                   times: list[float]) -> VideoPlan:
+                   times: list[float] | None = None) -> VideoPlan:
         """A clip's plan from its sampled frames, its header's frame count and rate, its frames' upright size (as
-        decoded) and their times from the pts (Qwen3-VL's timestamps)."""
+        decoded) and their times from the pts (Qwen3-VL's timestamps; without them, index / fps as its processor
+        computes them)."""
         if self.version == "qwen3_vl":
+            times = times if times is not None else [index / video_fps for index in indices]
             return qwen3_video_plan(indices, times, total, video_fps, height, width, self.params, self.video_params)
         return qwen_video_plan(indices, total, video_fps, height, width, self.params, self.video_params)
 

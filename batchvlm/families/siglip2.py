@@ -6,11 +6,17 @@ pixel padding. Rows are raster, channels last (layouts.RASTER_HWC). The tower ru
 padding rows to max_num_patches; each image attends only to itself and gets its own resized
 positional table. Stored: the patch tokens per image (image_embeds) and the attention-pooled vector
 (pooled_embeds). Prompt: `<start_of_image>` + `<image_soft_token>` * (h*w) + `<end_of_image>`.
+
+A clip is its sampled frames, each a NaFlex image under the clip's own patch budget (`SiglipVideoParams`), sampled by
+SmolVLM2's rule (`VIDEO_RULE`); stored as an image is, frame after frame: the frames' patch tokens (video_embeds) and
+one pooled vector per frame (video_pooled_embeds). Prompt: `<start_of_image>` + `<video_soft_token>` * (t*h*w) +
+`<end_of_image>`, one span per clip.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -25,15 +31,17 @@ from batchvlm.config import ConfigError
 from batchvlm.demo import caption_corpus
 from batchvlm.families import ModelConfig
 from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_released
+from batchvlm.families.qwen2_vl import VideoPlan
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, processor_inputs,
                                       processor_params, read_config, token_id, tokenizer_digest,
                                       tower_inputs)
 from batchvlm.towers.attention import VARLEN, resolve_attention, varlen
 from batchvlm.format.layouts import RASTER_HWC, PatchLayout
 from batchvlm.records import ImagePlan
-from batchvlm.format.schema import FRAME, IMAGE
+from batchvlm.format.schema import FRAME, IMAGE, VIDEO
 
 IMAGE_TOKEN = "<image_soft_token>"
+VIDEO_TOKEN = "<video_soft_token>"
 FRAME_TOKENS = ("<start_of_image>", "<end_of_image>")
 # The attention implementation the tower runs under once packed (registered with transformers by SiglipEncoder).
 PACKED_ATTENTION = "batchvlm_packed_images"
@@ -77,6 +85,68 @@ def naflex_plan(height: int, width: int, params: SiglipProcessorParams) -> Image
     grid = (1, resized[0] // params.patch_size, resized[1] // params.patch_size)
     return ImagePlan(original=(height, width), resized=resized, padded=resized, grid_thw=grid,
                      num_tokens=grid[1] * grid[2])
+
+
+VIDEO_PROCESSOR_CONFIG = "video_preprocessor_config.json"
+
+VIDEO_RULE = ("transformers SmolVLMVideoProcessor.sample_frames (SmolVLM2, SigLIP frames): fps, max_frames, skip_secs; "
+              "each frame a NaFlex image of the clip's max_num_patches")
+"""The one reference batchvlm samples SigLIP2 clips by. SigLIP2 ships no video processor; SmolVLM2, a SigLIP tower
+reading a clip as its frames, is the one such model whose sampling transformers implements: round(fps x duration)
+frames at most max_frames, linspace over the clip (its first and last skip_secs left out where the clip is long enough),
+int-truncated and deduplicated. No temporal patch: one frame is a whole clip."""
+
+
+@dataclass(frozen=True)
+class SiglipVideoParams:
+    """A clip's sampling and each frame's patch budget: SmolVLM2's sampling defaults (its released
+    video_sampling: 1 fps, 64 frames), skip_secs at SmolVLMVideoProcessor's 1, and the frames' max_num_patches at the
+    image processor's where the checkpoint's video_preprocessor_config.json states none."""
+
+    fps: float = 1.0
+    max_frames: int = 64
+    skip_secs: float = 1.0
+    max_num_patches: int = 256
+
+    def __post_init__(self) -> None:
+        if not (self.fps > 0 and self.max_frames >= 1 and self.skip_secs >= 0 and self.max_num_patches >= 1):
+            raise ConfigError(f"{VIDEO_PROCESSOR_CONFIG}: fps > 0, max_frames >= 1, skip_secs >= 0 and "
+                              f"max_num_patches >= 1 must hold: {self}")
+
+    @classmethod
+    def from_checkpoint(cls, path: Path, image: SiglipProcessorParams) -> "SiglipVideoParams":
+        file = path / VIDEO_PROCESSOR_CONFIG
+        raw = json.loads(file.read_text()) if file.exists() else {}
+        values = {f.name: raw[f.name] for f in dataclasses.fields(cls) if raw.get(f.name) is not None}
+        return cls(**{"max_num_patches": image.max_num_patches, **values})
+
+
+def siglip_sample_frames(total: int, video_fps: float, video: SiglipVideoParams) -> list[int]:
+    """SmolVLMVideoProcessor.sample_frames on a clip of `total` frames at `video_fps` (its duration total / fps, as
+    transformers' VideoMetadata computes it): round(fps x duration) frames, at least 1 and at most max_frames, linspace
+    between the first and the last frame, or between skip_secs from either end where the clip's duration less 2 x
+    skip_secs exceeds max_frames x fps (SmolVLM's test, as written); truncated to ints, repeats removed."""
+    duration = total / video_fps
+    wanted = max(1, min(int(round(video.fps * duration)), video.max_frames))
+    first, last = 0, total - 1
+    if video.skip_secs > 0 and duration - 2 * video.skip_secs > video.max_frames * video.fps:
+        first, last = int(video.skip_secs * video_fps), int(total - video.skip_secs * video_fps)
+    first, last = max(0, first), min(last, total - 1)
+    if first >= last:
+        first, last = 0, total - 1
+    return np.unique(np.linspace(first, last, wanted, dtype=int)).tolist()
+
+
+def siglip_video_plan(indices: list[int], total: int, video_fps: float, height: int, width: int,
+                      params: SiglipProcessorParams, video: SiglipVideoParams) -> VideoPlan:
+    """Every sampled frame a NaFlex image of the clip's patch budget (the frames share one size): grid (frames, h, w),
+    a token per patch of every frame."""
+    frame = naflex_plan(height, width, dataclasses.replace(params, max_num_patches=video.max_num_patches))
+    count = len(indices)
+    grid = (count, *frame.grid_thw[1:])
+    sampled_fps = count / total * video_fps
+    return VideoPlan(indices=tuple(indices), resized=frame.resized, grid_thw=grid, num_tokens=math.prod(grid),
+                     sampled_fps=sampled_fps, second_per_grid_t=1 / sampled_fps)
 
 
 @dataclass(frozen=True)
@@ -175,8 +245,18 @@ class SiglipEncoder(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-        """`grid_thw` on the host (the batch's planned grids), so that nothing here waits for the device."""
-        shapes = [(int(h), int(w)) for _, h, w in grid_thw.tolist()]
+        """`grid_thw` on the host (the batch's planned grids), so that nothing here waits for the device. A grid of t
+        frames (a clip) is t NaFlex images: its outputs are its frames' joined, t pooled vectors."""
+        grids = grid_thw.tolist()
+        outputs = self.frames_forward(pixel_values, [(int(h), int(w)) for t, h, w in grids for _ in range(t)])
+        frames = [int(t) for t, _, _ in grids]
+        if all(count == 1 for count in frames):
+            return outputs
+        return {name: [torch.cat(part) for part in _grouped(tensors, frames)] for name, tensors in outputs.items()}
+
+    def frames_forward(self, pixel_values: torch.Tensor,
+                       shapes: list[tuple[int, int]]) -> dict[str, list[torch.Tensor]]:
+        """The packed tower on images of these (h, w) grids, in order: per image its patch tokens and pooled vector."""
         lengths = [h * w for h, w in shapes]
         # Sorted by length (stable), so that images of equal length are adjacent runs in the sequence.
         order = sorted(range(len(lengths)), key=lengths.__getitem__)
@@ -204,6 +284,12 @@ class SiglipEncoder(torch.nn.Module):
         return pooled
 
 
+def _grouped(tensors: list[torch.Tensor], counts: list[int]) -> list[list[torch.Tensor]]:
+    """Consecutive runs of `counts` tensors (a clip's frames, an image's one)."""
+    starts = list(itertools.accumulate(counts, initial=0))
+    return [tensors[start:stop] for start, stop in zip(starts, starts[1:])]
+
+
 class Siglip2(PatchFamily):
     name = "siglip2"
     resample = "bilinear"
@@ -217,6 +303,34 @@ class Siglip2(PatchFamily):
         super().__init__(checkpoint, params, tokenizer, embedding, attn_implementation,
                          PatchLayout(RASTER_HWC, params.patch_size), IMAGE_TOKEN)
         self.frame_ids = [token_id(tokenizer, token, self.name) for token in FRAME_TOKENS]
+        self.video_token_id = _video_token_id(tokenizer)
+        self.video_params = SiglipVideoParams.from_checkpoint(checkpoint, params)
+
+    @property
+    def video_rule(self) -> str | None:
+        """VIDEO_RULE where the tokenizer has the clip token; None otherwise: the family then takes no clip."""
+        return VIDEO_RULE if self.video_token_id is not None else None
+
+    def video_sampler(self) -> functools.partial:
+        """(frames in a clip, its fps) -> the frames sampled, picklable for the decoder's child."""
+        return functools.partial(siglip_sample_frames, video=self.video_params)
+
+    def plan_video(self, indices: list[int], total: int, video_fps: float, height: int, width: int,
+                   times: list[float] | None = None) -> VideoPlan:
+        """A clip's frames as NaFlex images of its patch budget (their pts `times` are stored by the clip itself)."""
+        return siglip_video_plan(indices, total, video_fps, height, width, self.params, self.video_params)
+
+    def expand_video(self, plan: VideoPlan) -> tuple[list[int], list[int]]:
+        """One span per clip, its frames' patches in frame order: `<start_of_image>` + `<video_soft_token>` * (t*h*w)
+        + `<end_of_image>`."""
+        start, end = self.frame_ids
+        return [start] + [self.video_token_id] * plan.num_tokens + [end], [FRAME] + [VIDEO] * plan.num_tokens + [FRAME]
+
+    def video_fingerprint(self) -> dict | None:
+        """The clip rule and its parameters as the checkpoint gives them; None: no clip taken."""
+        if self.video_rule is None:
+            return None
+        return {"rule": self.video_rule, "params": dataclasses.asdict(self.video_params)}
 
     def plan(self, height: int, width: int) -> ImagePlan:
         return naflex_plan(height, width, self.params)
@@ -259,6 +373,15 @@ class Siglip2(PatchFamily):
                 "tokenizer": tokenizer_digest(self.tokenizer)}
 
 
+def _video_token_id(tokenizer) -> int | None:
+    """The tokenizer's `<video_soft_token>` (SigLIP2's released tokenizer has none, nor any image token: a tokenizer
+    with them is given by model.tokenizer_path); None without it."""
+    try:
+        return token_id(tokenizer, VIDEO_TOKEN, "siglip2 video")
+    except ConfigError:
+        return None
+
+
 def from_config(model: ModelConfig) -> Siglip2:
     checkpoint, tokenizer = checkpoint_and_tokenizer(model)
     params = SiglipProcessorParams.from_checkpoint(checkpoint, dict(model.processor))
@@ -299,7 +422,7 @@ def vision_parts(raw: dict, path: Path, dtype: torch.dtype = torch.float32,
 
 
 # -- tiny checkpoint ---------------------------------------------------------------------------
-SIGLIP_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+SIGLIP_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>", VIDEO_TOKEN]
 
 
 TINY_TOWER = dict(hidden_act="gelu_pytorch_tanh", hidden_size=32, intermediate_size=64, num_attention_heads=2,

@@ -48,8 +48,10 @@ class PatchLayout:
         return self.patchify_frames(image[None].expand(self.temporal_patch_size, c, h, w))
 
     def patchify_frames(self, frames: torch.Tensor) -> torch.Tensor:
-        """TCHW frames (T whole temporal patches; merge_window, the one layout with frames) -> rows, temporal patch by
-        temporal patch, each in merge-window order."""
+        """TCHW frames (T whole temporal patches) -> rows, temporal patch by temporal patch: merge_window's in
+        merge-window order; a layout without temporal patches takes each frame as an image (SigLIP2's NaFlex frames)."""
+        if self.kind != MERGE_WINDOW:
+            return torch.cat([self.patchify(frame) for frame in frames])
         t, c, h, w = frames.shape
         p, m, tps = self.patch_size, self.merge_size, self.temporal_patch_size
         gt, gh, gw = t // tps, h // p, w // p

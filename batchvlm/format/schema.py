@@ -74,7 +74,7 @@ class Column:
 
 _SIZE = pa.list_(pa.int32(), 2)
 CONVERSATION = "a conversation (`dataset.format` other than text)"
-CLIPS = "a record with clips (qwen2_vl: Qwen2-VL, Qwen2.5-VL, Qwen3-VL; kimi_k25)"
+CLIPS = "a record with clips (qwen2_vl: Qwen2-VL, Qwen2.5-VL, Qwen3-VL; kimi_k25; siglip2)"
 
 DATA_COLUMNS = (
     Column("id", pa.string(), "the dataset's own id", read=True),
@@ -130,6 +130,9 @@ DATA_COLUMNS = (
            "(the hidden size of `image_embeds`)", CLIPS, read=True, embedding=True),
     Column("video_deepstack_embeds", pa.large_binary(), "the deepstack layers' merged features per clip token, as "
            "`deepstack_embeds` per image token (its hidden size)", "qwen2_vl (Qwen3-VL) with clips", read=True,
+           embedding=True),
+    Column("video_pooled_embeds", pa.large_binary(), "one pooled vector per sampled frame of every clip, in clip "
+           "order, `[sum(frames), hidden]` (the hidden size of `pooled_embeds`)", "siglip2 clips", read=True,
            embedding=True),
 )
 """A data shard's row: one per record written."""
@@ -196,12 +199,21 @@ DATA_SCHEMA, QUARANTINE_SCHEMA = DATA_SHARD.schema, QUARANTINE_SHARD.schema
 EXTRA_OUTPUTS = {column.name: column.meaning for column in DATA_COLUMNS
                  if column.embedding and column.name not in ("image_embeds", "video_embeds")}
 """Outputs an encoder may return beside `image_embeds`; each is stored in its own column. A `video_` one holds the
-clips' share of the output it names (video_deepstack_embeds: deepstack_embeds'), as wide as the images'."""
+clips' share of the output it names (video_deepstack_embeds: deepstack_embeds', video_pooled_embeds: pooled_embeds'),
+as wide as the images'."""
 
 
 def image_counterpart(name: str) -> str:
     """The encoder output whose width a column has: a clip column's (`video_<name>`) is its image counterpart's."""
     return name.removeprefix("video_")
+
+
+def stored_sizes(hidden_sizes: dict[str, int]) -> dict[str, int]:
+    """The hidden size of every embedding column the encoder's outputs fill: its outputs', and their clip columns'."""
+    return hidden_sizes | {name: hidden_sizes[image_counterpart(name)] for name in EXTRA_OUTPUTS
+                           if image_counterpart(name) != name and image_counterpart(name) in hidden_sizes}
+
+
 TENSOR_COLUMNS = tuple(column.name for column in DATA_COLUMNS if column.read)
 """The columns the training readers take; a reader that only wants tensors need not read the others."""
 
@@ -214,6 +226,7 @@ def shard_metadata(family: str, hidden_sizes: dict[str, int], embed_dtype: str, 
     of columns a file lacks."""
     from batchvlm.format.hf_features import SIZE_KEY, features_key
 
+    hidden_sizes = stored_sizes(hidden_sizes)
     sizes = {f"{SIZE_KEY}{name}": str(size) for name, size in hidden_sizes.items()}
     return {FORMAT_KEY: str(FORMAT_VERSION), **sizes, "batchvlm.family": family,
             "batchvlm.hidden_size": str(hidden_sizes["image_embeds"]), "batchvlm.embed_dtype": str(embed_dtype),

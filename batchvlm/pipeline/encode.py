@@ -34,7 +34,9 @@ class Launched:
 
 
 def expected_rows(name: str, plan: ImagePlan) -> int:
-    return 1 if name == "pooled_embeds" else plan.num_tokens
+    """A pooled vector per frame (an image is one frame, a SigLIP2 clip's grid counts its frames), else a row per
+    token."""
+    return plan.grid_thw[0] if name == "pooled_embeds" else plan.num_tokens
 
 
 def cu_seqlens_of(grid_thw: torch.Tensor) -> torch.Tensor:

@@ -122,9 +122,10 @@ def _resized(image: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Ten
 
 
 def frame_rows(frames: torch.Tensor, resized: tuple[int, int], layout, norm, resample: str) -> torch.Tensor:
-    """A clip's sampled frames, (n, H, W, 3) uint8, as the rows of a layout with frames (Qwen's merge windows): each
-    frame resized as an image is (uint8 on the CPU), an odd count padded with its last frame, normalized by `norm`
-    (an object with image_mean and image_std), then patchified a temporal patch at a time."""
+    """A clip's sampled frames, (n, H, W, 3) uint8, as the rows of a layout with frames (Qwen's merge windows; SigLIP2's
+    raster, a frame a temporal patch): each frame resized as an image is (uint8 on the CPU), an odd count padded with
+    its last frame, normalized by `norm` (an object with image_mean and image_std), then patchified a temporal patch at
+    a time (PatchLayout.patchify_frames)."""
     images = frames.permute(0, 3, 1, 2)
     if tuple(images.shape[2:]) != resized:
         images = torch.stack([_resized(image, resized, resample) for image in images])

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from batchvlm.checks import CheckFailed
+from batchvlm.checks import CheckFailed, require
 from batchvlm.pipeline.chat import ChatRenderer, Overflow, TextConfig
 from batchvlm.pipeline.tokens import build_layout, place_conversation_images, place_images, require_fits
-from batchvlm.records import ImagePlan, SourceRecord, TokenLayout, Turn
+from batchvlm.records import ImagePlan, Slot, SourceRecord, TokenLayout, Turn
+
+VIDEO = Slot.VIDEO.value
 
 
 class TextSide(Protocol):
@@ -29,22 +31,28 @@ class PlainText:
     def __init__(self, family, placeholder: str, missing_placeholder: str, control_tokens: str):
         self.family, self.placeholder, self.missing = family, placeholder, missing_placeholder
         self.control_tokens = control_tokens
+        self.no_clips = clip_refusal(family, getattr(family, "video_token_id", None))
 
     def placed(self, record: SourceRecord) -> str:
+        """The text with one placeholder per image, and one `<video>` per clip (a source reads clips into a plain
+        text's record only where dataset.videos_column names their column: the text is its `<video>`'s only place)."""
+        if record.videos or VIDEO in record.text:
+            if self.no_clips is not None:
+                refuse_clips(record, self.no_clips)
+            found = record.text.count(VIDEO)
+            require(found == len(record.videos), "text.placeholder_count", f"Expected {len(record.videos)} video "
+                    f"placeholder(s) {VIDEO!r}, one per clip the record names, found {found}.",
+                    expected=len(record.videos), observed=found)
         return place_images(record.text, self.placeholder, len(record.images), self.missing)
 
     def lay_out(self, text: str, plans: list[ImagePlan], clip_plans: list = ()) -> TokenLayout:
-        return build_layout(text, self.placeholder, plans, self.family, self.control_tokens)  # no clip in plain text
+        return build_layout(text, self.placeholder, plans, self.family, self.control_tokens, clip_plans)
 
 
 class Conversation:
     def __init__(self, renderer: ChatRenderer, missing_placeholder: str):
         self.renderer, self.missing = renderer, missing_placeholder
-        family = renderer.family
-        # What a clip is refused with where the family has no clip rule (the renderer then has no video token).
-        self.no_clips = None if renderer.video_token_id is not None else (
-            f"model.family={family.name} ({getattr(family, 'version', family.name)}) has no video rule in batchvlm "
-            "yet: its clips are not embedded")
+        self.no_clips = clip_refusal(renderer.family, renderer.video_token_id)
 
     def placed(self, record: SourceRecord) -> list[Turn]:
         if self.no_clips is not None:
@@ -55,9 +63,17 @@ class Conversation:
         return self.renderer.lay_out(turns, plans, clip_plans)
 
 
+def clip_refusal(family, video_token_id: int | None) -> str | None:
+    """What a clip is refused with where the family has no clip rule (then no video token); None where it has one."""
+    if video_token_id is not None and getattr(family, "video_rule", None) is not None:
+        return None
+    return (f"model.family={family.name} ({getattr(family, 'version', family.name)}) has no video rule in batchvlm "
+            "yet: its clips are not embedded")
+
+
 def refuse_clips(record: SourceRecord, reason: str) -> None:
     """text.video where the record names or places a clip and the family takes none."""
-    placed = sum(turn.num_videos for turn in record.turns)
+    placed = sum(turn.num_videos for turn in record.turns) if record.turns is not None else record.text.count(VIDEO)
     if record.videos or placed:
         raise CheckFailed("text.video", f"the record holds {max(len(record.videos), placed)} clip(s): {reason}",
                           expected="text and images", observed=f"{len(record.videos)} clip(s) named, {placed} placed")

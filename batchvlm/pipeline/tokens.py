@@ -6,14 +6,15 @@ and finds the spans again in the ids, so that a layout bug cannot hide behind it
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
-from functools import cache
+from functools import cache, partial
 
 import numpy as np
 
 from batchvlm.checks import CheckFailed, require
-from batchvlm.format.schema import TEXT
-from batchvlm.records import ImagePlan, TokenLayout, Turn
+from batchvlm.format.schema import FRAME, TEXT, VIDEO
+from batchvlm.records import ImagePlan, Slot, TokenLayout, Turn
 
 
 def find_spans(input_ids: list[int] | np.ndarray, token_id: int) -> list[tuple[int, int]]:
@@ -94,20 +95,51 @@ def place_conversation_images(turns: list[Turn], num_images: int, missing_policy
 
 
 def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family,
-                 control_tokens: str = "quarantine") -> TokenLayout:
-    """Tokenize text pieces with the checkpoint's tokenizer and expand each placeholder via the family."""
-    pieces = text.split(placeholder)
+                 control_tokens: str = "quarantine", clip_plans: list = ()) -> TokenLayout:
+    """Tokenize text pieces with the checkpoint's tokenizer and expand each placeholder via the family: an image's by
+    `expand_image`, with `clip_plans` a clip's (`<video>`) by `clip_ids`."""
+    if clip_plans:
+        pieces = re.split(f"({re.escape(placeholder)}|{re.escape(Slot.VIDEO.value)})", text)
+        texts, marks = pieces[0::2], pieces[1::2]
+    else:
+        texts = text.split(placeholder)
+        marks = [placeholder] * (len(texts) - 1)
+    media = {placeholder: (iter(plans), family.expand_image)}
+    if clip_plans:
+        media[Slot.VIDEO.value] = (iter(clip_plans), partial(clip_ids, family))
     input_ids: list[int] = []
     tags: list[int] = []
-    for index, piece in enumerate(pieces):
+    for index, piece in enumerate(texts):
         ids = text_ids(family, piece, control_tokens)
         input_ids += ids
         tags += [TEXT] * len(ids)
-        if index < len(plans):
-            image_ids, image_tags = family.expand_image(plans[index])
-            input_ids += image_ids
-            tags += image_tags
-    return TokenLayout(input_ids=input_ids, image_spans=checked_spans(input_ids, plans, family), token_tags=tags)
+        if index < len(marks):
+            plans_left, expand = media[marks[index]]
+            if (plan := next(plans_left, None)) is not None:
+                media_ids, media_tags = expand(plan)
+                input_ids += media_ids
+                tags += media_tags
+    video_spans = checked_spans(input_ids, [span for plan in clip_plans for span in plan.spans], family,
+                                family.video_token_id) if clip_plans else []
+    return TokenLayout(input_ids=input_ids, image_spans=checked_spans(input_ids, plans, family), token_tags=tags,
+                       video_spans=video_spans)
+
+
+def clip_ids(family, plan) -> tuple[list[int], list[int]]:
+    """The ids (and tags) a plain text's `<video>` becomes: the family's prompt for the clip where it has one (Qwen3-VL's
+    timestamps, Kimi-K2.5's chunks), tokenized apart (a plain text has no template to place it in), each video token
+    expanded to its span; else `expand_video`."""
+    prompt = getattr(family, "video_prompt", None)
+    text = prompt(plan) if prompt is not None else None
+    if text is None:
+        return family.expand_video(plan)
+    spans, ids, tags = iter(plan.spans), [], []
+    for token in family.tokenizer.encode(text, add_special_tokens=False):
+        count = next(spans).num_tokens if token == family.video_token_id else 1
+        ids += [token] * count
+        tag = VIDEO if token == family.video_token_id else FRAME if token in family.frame_token_ids else TEXT
+        tags += [tag] * count
+    return ids, tags
 
 
 def checked_spans(input_ids: list[int] | np.ndarray, plans: list, family,

@@ -23,8 +23,9 @@ Format 2 (every run written before clips) differs from format 3 in its shards al
 `video_frame_times`, `video_embeds`), a quarantine shard no `video_index` or `video_paths`; the upgrade adds them, null
 (no record of such a run holds a clip: it quarantined them as text.video).
 
-Format 3 (every run written before Qwen3-VL clips) differs from format 4 in its data shards alone: no
-`video_deepstack_embeds` column; the upgrade adds it, null (such a run quarantined Qwen3-VL's clips as text.video).
+Format 3 (every run written before Qwen3-VL and SigLIP2 clips) differs from format 4 in its data shards alone: no
+`video_deepstack_embeds` or `video_pooled_embeds` column; the upgrade adds them, null (such a run quarantined those
+families' clips as text.video).
 
 The upgrade rewrites each listed shard of an older format (row group by row group, so a reader's row groups stay
 where they were) beside itself and renames it into place, rewrites its unit's manifest with the new sizes and

@@ -176,7 +176,7 @@ class Estimate:
 def estimate(config: EstimateConfig) -> Estimate:
     family = load_family(config.model)
     hidden_sizes, checkpoint = check_checkpoint(family, EMBED_DTYPES[config.model.dtype])
-    source = make_source(config.dataset, max_bytes=config.decode.max_bytes)
+    source = make_source(config.dataset, max_bytes=config.decode.max_bytes, clip_max_bytes=config.video.max_bytes)
     units = source.plan()
     if not units:
         raise ConfigError(f"dataset.path={config.dataset.path!r}: the inputs hold no rows")
@@ -241,8 +241,8 @@ def _encoded(outcome: PreparedRecord | QuarantinedRecord, hidden_sizes: dict[str
     embeds = {name: [torch.randn(expected_rows(name, plan), size) for plan in outcome.plans]
               for name, size in hidden_sizes.items()}
     clips = [torch.randn(plan.num_tokens, hidden_sizes["image_embeds"]) for plan in outcome.clip_plans]
-    if clips:  # the clips' share of an output with a clip column (Qwen3-VL's deepstack)
-        embeds |= {f"video_{name}": [torch.randn(plan.num_tokens, size) for plan in outcome.clip_plans]
+    if clips:  # the clips' share of an output with a clip column (Qwen3-VL's deepstack, SigLIP2's pooled vectors)
+        embeds |= {f"video_{name}": [torch.randn(expected_rows(name, plan), size) for plan in outcome.clip_plans]
                    for name, size in hidden_sizes.items() if f"video_{name}" in EXTRA_OUTPUTS}
     return EncodedRecord(outcome, embeds.pop("image_embeds"), embeds, video_embeds=clips)
 

@@ -34,9 +34,11 @@ class Source:
     rows_are_offsets = False
     """A record's row is the byte offset where it starts (JSON), not its number in its input."""
 
-    def __init__(self, cfg: DatasetConfig, inputs: Sequence[InputFile] | None = None, max_bytes: int | None = None):
+    def __init__(self, cfg: DatasetConfig, inputs: Sequence[InputFile] | None = None, max_bytes: int | None = None,
+                 clip_max_bytes: int | None = None):
         self.cfg = cfg
         self.max_bytes = max_bytes  # decode.max_bytes: what a stream source does not read into memory at all
+        self.clip_max_bytes = clip_max_bytes  # video.max_bytes: the same for a clip
         inputs = self.list_inputs() if inputs is None else inputs
         # a pattern too large to list is looked up name by name, never held
         self.pattern = inputs if isinstance(inputs, PatternInputs) else None
@@ -92,6 +94,7 @@ def source_class(kind: str) -> type[Source]:
     return importlib.import_module(f"batchvlm.sources.{KINDS[kind]}").SOURCE
 
 
-def make_source(cfg: DatasetConfig, inputs: list[InputFile] | None = None, max_bytes: int | None = None) -> Source:
+def make_source(cfg: DatasetConfig, inputs: list[InputFile] | None = None, max_bytes: int | None = None,
+                clip_max_bytes: int | None = None) -> Source:
     """The source of `dataset.kind`; with `inputs` (a plan's), nothing is listed again."""
-    return source_class(cfg.kind)(cfg, inputs, max_bytes)
+    return source_class(cfg.kind)(cfg, inputs, max_bytes, clip_max_bytes)

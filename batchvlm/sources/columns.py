@@ -35,7 +35,8 @@ def _turns(kind: pa.DataType) -> bool:
 
 COLUMN_TYPES = {"id_column": (lambda kind: _texts(kind) or pa.types.is_integer(kind), "a string or an integer"),
                 "text_column": (_texts, "a string"), "status_column": (_texts, "a string"),
-                "images_column": (_images, "image bytes, a path or an HF Image struct, or a list of them")}
+                "images_column": (_images, "image bytes, a path or an HF Image struct, or a list of them"),
+                "videos_column": (_images, "clip bytes, a path or an HF Video struct, or a list of them")}
 """What each column the config names may hold: a value of any other type would mean something else or nothing."""
 TURNS_COLUMN = (_turns, "a list of turns (structs) or a JSON string of one")
 """The text column of a conversation format (dataset.format other than text)."""

@@ -77,6 +77,11 @@ class DatasetConfig(Config):
     """A column of image bytes / paths / HF Image structs, or a list of them per row. webdataset: the image
     part, `jpg;png;webp` meaning the first present."""
     text_column: str = written("text")
+    videos_column: str | None = written(None)
+    """A column of clips (paths under dataset.image_root, bytes, or {bytes, path} structs; or a list of them per row),
+    each placed at a `<video>` in the record's text or turns; webdataset: the clip member, `mp4;webm;mkv` meaning the
+    first present. Null: the format's own (llava `video`, messages `videos`); dataset.format=text then reads none. In
+    the run's fingerprint only where set."""
     status_column: str | None = written(None)
     """A column (webdataset: a .json field) that must be `success` (img2dataset); other rows are quarantined
     under source.download_failed."""
@@ -111,7 +116,7 @@ class DatasetConfig(Config):
         positive("dataset.unit_records", self.unit_records)
         if not self.placeholder:
             raise ConfigError("dataset.placeholder must not be empty")
-        for key in ("id_column", "images_column", "text_column", "status_column"):
+        for key in ("id_column", "images_column", "text_column", "status_column", "videos_column"):
             if getattr(self, key) is not None and not str(getattr(self, key)).strip():  # no row has such a column
                 raise ConfigError(f"dataset.{key} must not be empty (null where a key allows none)")
         if self.limit is not None:

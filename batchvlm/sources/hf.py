@@ -16,17 +16,19 @@ from batchvlm.records import InputFile, SourceRecord, WorkUnit
 from batchvlm.sources import Source
 from batchvlm.sources.columns import check_column_types
 from batchvlm.sources.files import stable_name
-from batchvlm.sources.rows import cut_units, record_from_row
+from batchvlm.sources.rows import cut_units, record_from_row, video_column
 
 datasets.disable_progress_bars()  # the job's own progress covers the reading
 
 
-def as_bytes_images(dataset, column: str):
+def as_bytes_images(dataset, column: str, kind=datasets.Image):
+    """The column's Image (with `kind=datasets.Video`, Video) feature, or list of them, left undecoded: {bytes, path}
+    structs, which the job's own decoder reads."""
     feature = dataset.features[column] if dataset.features else None
-    if isinstance(feature, datasets.Image):
-        return dataset.cast_column(column, datasets.Image(decode=False))
-    if isinstance(getattr(feature, "feature", None), datasets.Image):
-        return dataset.cast_column(column, datasets.List(datasets.Image(decode=False)))
+    if isinstance(feature, kind):
+        return dataset.cast_column(column, kind(decode=False))
+    if isinstance(getattr(feature, "feature", None), kind):
+        return dataset.cast_column(column, datasets.List(kind(decode=False)))
     return dataset
 
 
@@ -69,13 +71,17 @@ class HFSource(Source):
             loaded = datasets.load_dataset(cfg.path, streaming=True, storage_options=cfg.storage_options or None)
         dataset = _split(loaded, cfg)
         self._check_columns(dataset)
-        return as_bytes_images(dataset, cfg.images_column)
+        dataset = as_bytes_images(dataset, cfg.images_column)
+        clips = video_column(cfg)
+        return as_bytes_images(dataset, clips, datasets.Video) if clips in (dataset.features or {}) else dataset
 
     def _check_columns(self, dataset) -> None:
         columns = dataset.column_names or list(dataset.features or [])
         required = {"dataset.images_column": self.cfg.images_column, "dataset.text_column": self.cfg.text_column}
         if self.cfg.kind != "imagefolder" and self.cfg.missing_ids == "quarantine":
             required["dataset.id_column"] = self.cfg.id_column
+        if self.cfg.videos_column is not None:
+            required["dataset.videos_column"] = self.cfg.videos_column
         for key, column in required.items():
             if column not in columns:
                 raise ConfigError(f"{key}={column!r} is not a column of {self.cfg.path} (columns: {', '.join(columns)})")

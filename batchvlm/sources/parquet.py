@@ -18,7 +18,7 @@ from batchvlm.records import InputFile, SourceRecord, WorkUnit
 from batchvlm.sources import Source
 from batchvlm.sources.columns import check_column_types
 from batchvlm.sources.files import list_files, open_input, parent_of
-from batchvlm.sources.rows import VIDEO_COLUMNS, cut_units, record_from_row, record_id
+from batchvlm.sources.rows import cut_units, record_from_row, record_id, video_column
 
 FOOTER_BLOCK = 1 << 16
 """Read size for footers of remote files: fsspec's default blocks (MBs) would fetch data pages too."""
@@ -48,12 +48,14 @@ class ParquetSource(Source):
                   "dataset.text_column": self.cfg.text_column}
         if self.cfg.status_column is not None:
             wanted["dataset.status_column"] = self.cfg.status_column
+        if self.cfg.videos_column is not None:
+            wanted["dataset.videos_column"] = self.cfg.videos_column
         for key, column in wanted.items():
             if column not in names and not (key == "dataset.id_column" and self.cfg.missing_ids != "quarantine"):
                 raise ConfigError(f"{key}={column!r} is not a column of {item.location} (columns: {', '.join(names)})")
         check_column_types(file.schema_arrow, self.cfg, item.location)
         wanted = {key: column for key, column in wanted.items() if column in names}
-        also = [column for column in ("error_message", VIDEO_COLUMNS.get(self.cfg.format)) if column in names]
+        also = [column for column in ("error_message", video_column(self.cfg)) if column in names]
         return list(dict.fromkeys([*wanted.values(), *also]))
 
     def plan(self) -> Sequence[WorkUnit]:

@@ -122,15 +122,15 @@ def id_failure(record_id) -> Failure | None:
 
 def text_failure(cfg: DatasetConfig, text) -> Failure | None:
     """A plain text's (dataset.format=text) own checks: text.not_a_string where it is neither a string nor null,
-    text.video where it holds a video placeholder."""
+    text.video where it holds a video placeholder and the dataset names no clip column (dataset.videos_column)."""
     if cfg.format != "text" or text is None:
         return None
     if not isinstance(text, str):
         return failure("text.not_a_string", f"the {cfg.text_column!r} column holds a {type(text).__name__}, not a "
                        "string", expected="a string (or null)", observed=type(text).__name__)
-    if VIDEO_PLACEHOLDER in text:
-        return failure("text.video", f"the text holds a {VIDEO_PLACEHOLDER} placeholder: video is not supported yet",
-                       expected="text and images", observed=VIDEO_PLACEHOLDER)
+    if VIDEO_PLACEHOLDER in text and cfg.videos_column is None:
+        return failure("text.video", f"the text holds a {VIDEO_PLACEHOLDER} placeholder and the dataset names no "
+                       "clip column (dataset.videos_column)", expected="text and images", observed=VIDEO_PLACEHOLDER)
     return None
 
 
@@ -139,10 +139,15 @@ VIDEO_COLUMNS = {"llava": "video", "messages": "videos"}
 and ms-swift's `videos`."""
 
 
+def video_column(cfg: DatasetConfig) -> str | None:
+    """Where the dataset's records name their clips: dataset.videos_column, else the format's own (None: no clip)."""
+    return cfg.videos_column or VIDEO_COLUMNS.get(cfg.format)
+
+
 def video_refs(cfg: DatasetConfig, row: dict, base: str) -> list[ImageRef]:
-    """The clips a record names in its format's video column (paths under dataset.image_root, as images, or bytes);
-    none for a format without one."""
-    column = VIDEO_COLUMNS.get(cfg.format)
+    """The clips a record names in its video column (paths under dataset.image_root, as images, or bytes); none
+    where the dataset has no such column."""
+    column = video_column(cfg)
     if column is None:
         return []
     return [image_ref(video, base, cfg) for video in _as_list(row.get(column)) if video]

@@ -4,12 +4,13 @@ A sample is the run of consecutive members that share a key (the member's path u
 of its file name, WebDataset's `__key__`); its parts are named by the rest (`jpg`, `txt`, `json`).
 `dataset.images_column` names the image part, `jpg;png;webp` meaning the first of these present
 (WebDataset's own convention); `dataset.text_column` the caption part; `dataset.id_column` is
-`__key__` or a field of the sample's `.json`, as is `dataset.status_column`.
+`__key__` or a field of the sample's `.json`, as is `dataset.status_column`; `dataset.videos_column` the clip
+part (`mp4;webm;mkv`, the first present), else the `.json`'s field of that name.
 
 A tar shard is one unit: its sample count is only known once it is read, so planning costs one
-listing of the shards. A member over decode.max_bytes (by the size its header declares) is never read into
-memory; a malformed sample (its .json not an object, no part the config names) and a truncated shard's tail
-are quarantined under source.* checks, and the rest of the shard commits.
+listing of the shards. An image member over decode.max_bytes (a clip member over video.max_bytes), by the size its
+header declares, is never read into memory; a malformed sample (its .json not an object, no part the config names)
+and a truncated shard's tail are quarantined under source.* checks, and the rest of the shard commits.
 """
 
 from __future__ import annotations
@@ -52,9 +53,12 @@ class Truncated:
     error: str
 
 
-def samples(handle, max_bytes: int | None, image_parts: tuple[str, ...] = ()) -> Iterator[dict]:
+def samples(handle, max_bytes: int | None, image_parts: tuple[str, ...] = (), clip_parts: tuple[str, ...] = (),
+            clip_max_bytes: int | None = None) -> Iterator[dict]:
     """Each sample of a tar stream as {__key__: key, part: bytes or Unread}, members never seeked back to; an image
-    part over `max_bytes` is not read; a shard that stops being readable ends with a Truncated."""
+    part over `max_bytes` (a clip part over `clip_max_bytes`) is not read; a shard that stops being readable ends
+    with a Truncated."""
+    limits = {part: max_bytes for part in image_parts} | {part: clip_max_bytes for part in clip_parts}
     sample: dict = {}
     try:
         with tarfile.open(fileobj=handle, mode="r|*") as tar:
@@ -66,7 +70,7 @@ def samples(handle, max_bytes: int | None, image_parts: tuple[str, ...] = ()) ->
                     yield sample
                     sample = {}
                 sample[KEY] = key
-                too_big = max_bytes is not None and member.size > max_bytes and part in image_parts
+                too_big = limits.get(part) is not None and member.size > limits[part]
                 sample[part] = Unread(member.name, member.size) if too_big else tar.extractfile(member).read()
     except (tarfile.TarError, EOFError, OSError) as error:
         yield Truncated(f"{type(error).__name__}: {error}")
@@ -97,8 +101,11 @@ class WebDatasetSource(Source):
         row = {**meta, **{part: value for part, value in sample.items() if part != "json"}}
         # An image part of the sample, else the .json's field of that name (paths, as LLaVA records give them)
         image = next((sample[part] for part in parts if part in sample), meta.get(self.cfg.images_column))
-        row[self.cfg.images_column] = ({"bytes": None, "path": f"{location}#{image.name}", "size": image.size}
-                                       if isinstance(image, Unread) else image)
+        row[self.cfg.images_column] = _member(image, location)
+        if self.cfg.videos_column is not None:  # the clip part, else the .json's field (paths)
+            clip_parts = self.cfg.videos_column.split(";")
+            clip = next((sample[part] for part in clip_parts if part in sample), meta.get(self.cfg.videos_column))
+            row[self.cfg.videos_column] = _member(clip, location)
         text = sample.get(self.cfg.text_column, meta.get(self.cfg.text_column))
         # Bytes that are not UTF-8 stay themselves (surrogateescape): the record fails source.invalid_unicode.
         row[self.cfg.text_column] = text.decode("utf-8", "surrogateescape") if isinstance(text, bytes) else text
@@ -107,7 +114,9 @@ class WebDatasetSource(Source):
     def _records(self, item: InputFile, unit_id: str, rows: set[int] | None) -> Iterator[SourceRecord]:
         with open_input(item.location, self.cfg.storage_options) as handle:
             image_parts = tuple(self.cfg.images_column.split(";"))
-            for index, sample in enumerate(samples(handle, self.max_bytes, image_parts)):
+            clip_parts = tuple(self.cfg.videos_column.split(";")) if self.cfg.videos_column else ()
+            for index, sample in enumerate(samples(handle, self.max_bytes, image_parts, clip_parts,
+                                                   self.clip_max_bytes)):
                 if index >= (self.cfg.limit or float("inf")):
                     return
                 if rows is None or index in rows:
@@ -144,12 +153,21 @@ class WebDatasetSource(Source):
         return unit.nbytes if rest is None else sum(_tar_bytes(record) for record in first)
 
 
+def _member(value, location: str):
+    """A part as the row holds it: its bytes, or where it was not read (Unread) its place and size, which the decoder
+    refuses by that size (decode.too_many_bytes, video.too_many_bytes)."""
+    if isinstance(value, Unread):
+        return {"bytes": None, "path": f"{location}#{value.name}", "size": value.size}
+    return value
+
+
 TAR_BLOCK = 512
 
 
 def _tar_bytes(record: SourceRecord) -> int:
-    """What a record takes in a tar shard: its image and text members, each a header and whole blocks."""
-    sizes = [len(ref.data) if ref.data is not None else ref.size or 0 for ref in record.images] + [len(record.text)]
+    """What a record takes in a tar shard: its image, clip and text members, each a header and whole blocks."""
+    sizes = [len(ref.data) if ref.data is not None else ref.size or 0 for ref in [*record.images, *record.videos]]
+    sizes.append(len(record.text))
     return sum(TAR_BLOCK + math.ceil(size / TAR_BLOCK) * TAR_BLOCK for size in sizes)
 
 

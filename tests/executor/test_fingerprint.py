@@ -26,7 +26,7 @@ OTHER = {
     "dataset.status_column": "status", "dataset.require_images": True, "dataset.image_root": "/images",
     "dataset.fetch_urls": True, "dataset.placeholder": "<img>", "dataset.missing_placeholder": "quarantine",
     "dataset.unit_records": 5, "dataset.limit": 10, "dataset.unit_bytes": 1000, "dataset.path": "/elsewhere.json",
-    "dataset.split": "validation", "dataset.missing_ids": "content",
+    "dataset.split": "validation", "dataset.missing_ids": "content", "dataset.videos_column": "clips",
     "model.family": "qwen2_vl", "model.path": "/checkpoints/b", "model.tokenizer_path": "/tokenizer",
     "model.dtype": "bfloat16", "model.device": "cpu", "model.attn_implementation": "eager", "model.embedding": "tower",
     "model.framing": "plain", "model.trust_remote_code": True, "model.chat_template": None,
@@ -162,14 +162,17 @@ def _schemas_in(schema: type) -> list[type]:
 
 
 def test_clips_count_in_the_fingerprint_only_where_the_format_can_name_them(parts):
-    """The video keys and the family's clip rule: in a llava or messages run's fingerprint; out of every other
-    format's, whose fingerprint is what it was before clips were read (a resume of such a run is not refused)."""
+    """The video keys and the family's clip rule: in a llava or messages run's fingerprint, and a plain text's that
+    names a clip column (dataset.videos_column); out of every other, whose fingerprint is what it was before clips
+    were read (a resume of such a run is not refused): dataset.videos_column is in it only where set."""
     _, _, template = parts
     qwen = load_family(ModelConfig(family="qwen2_vl"))
     encoder = qwen.load_encoder(torch.device("cpu"), torch.float32)
     conversation = changed(base_job("", template), "model.path", TINY)
     plain = changed(changed(conversation, "dataset.format", "text"), "text.train_on", "all")
-    for job, takes_clips in ((conversation, True), (plain, False)):
+    captioned_clips = changed(plain, "dataset.videos_column", "mp4")
+    assert "videos_column" not in run_fingerprint(plain, qwen, encoder)["settings"]["dataset"]
+    for job, takes_clips in ((conversation, True), (plain, False), (captioned_clips, True)):
         fingerprint = run_fingerprint(job, qwen, encoder)
         other = run_fingerprint(changed(job, "video.max_frames", 100), qwen, encoder)
         assert (other != fingerprint) is takes_clips

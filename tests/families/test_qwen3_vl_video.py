@@ -227,3 +227,29 @@ def test_a_conversation_with_clips_lays_out_as_qwen3vl_processor_gives_it(qwen3)
                                                       image_grid_thw=reference["image_grid_thw"],
                                                       video_grid_thw=reference["video_grid_thw"])
         assert layout.position_ids.tolist() == positions[:, 0].tolist() and layout.rope_delta == int(delta)
+
+
+@pytest.mark.slow  # the real vocabulary takes seconds to build
+def test_a_plain_texts_clip_lays_out_a_timestamp_and_a_span_per_temporal_patch_with_positions(qwen3):
+    """A captioned clip (dataset.format=text with dataset.videos_column) has no template to place its prompt in: the
+    prompt is tokenized where its `<video>` stands, a span per temporal patch, each after its timestamp as text."""
+    from batchvlm.format.schema import FRAME, TEXT
+    from batchvlm.pipeline.chat import TextConfig
+    from batchvlm.pipeline.text import laid_out, text_side
+    from batchvlm.pipeline.tokens import attach_positions
+    from batchvlm.records import ImageRef, SourceRecord
+
+    side = text_side(qwen3, "text", "<image>", "prepend", TextConfig())
+    record = SourceRecord(id="r", unit_id="u", source="s", row=0, text="A clip: <video> the end.", images=[],
+                          videos=[ImageRef(path="/clips/a.mp4")])
+    plan = qwen3.plan_video([0, 6, 12, 17, 23, 29], 30, 10.0, 64, 96)
+    layout = laid_out(side, side.placed(record), [], TextConfig(), [plan])
+    attach_positions(layout, [], qwen3, [plan])
+    tags = np.asarray(layout.token_tags)
+    assert [length for _, length in layout.video_spans] == [span.num_tokens for span in plan.spans]
+    assert len(layout.video_spans) == plan.grid_thw[0] == 3
+    for (start, length), seconds in zip(layout.video_spans, plan.timestamps):
+        stamp = qwen3.tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False)
+        assert layout.input_ids[start - 1 - len(stamp):start - 1] == stamp
+        assert set(tags[start - 1 - len(stamp):start - 1]) == {TEXT} and tags[start - 1] == FRAME
+    assert layout.position_ids.shape == (3, len(layout.input_ids))

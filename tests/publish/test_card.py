@@ -103,8 +103,9 @@ def test_the_facts_of_a_run_are_read_from_its_fingerprint_totals_and_shards(sigl
     fingerprint = json.loads(layout.fingerprint.read_text())
     assert read.fingerprint == fingerprint and read.totals == json.loads(layout.success.read_text())
     record = next(read_run(siglip_run))
-    assert read.embedding_columns == {"image_embeds": record.image_embeds.shape[1],
-                                      "pooled_embeds": record.extras["pooled_embeds"].shape[1]}
+    pooled = record.extras["pooled_embeds"].shape[1]
+    assert read.embedding_columns == {"image_embeds": record.image_embeds.shape[1], "pooled_embeds": pooled,
+                                      "video_pooled_embeds": pooled}  # a clip's frames' (none in this run)
     assert read.embedding_columns["image_embeds"] == fingerprint["hidden_size"]
     assert (read.run_name, read.revision, read.config["model"]["path"]) == ("siglip", None, "tiny")
     assert read.requeue_from is None and read.clip_rows is None  # no lineage; the demo's texts name no clips

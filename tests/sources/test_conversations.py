@@ -208,23 +208,26 @@ def test_a_video_placeholder_where_no_clip_can_be_placed_is_named(format, turns)
 
 
 @pytest.mark.parametrize("write", [write_parquet, write_jsonl, write_json_array, write_disk, write_webdataset])
-@pytest.mark.parametrize("format, column, turns", [
-    ("llava", "video", [{"from": "human", "value": "What happens?"}, {"from": "gpt", "value": "A ball rolls."}]),
-    ("messages", "videos", [{"role": "user", "content": "What happens?"},
-                            {"role": "assistant", "content": "A ball rolls."}]),
+@pytest.mark.parametrize("format, column, named, turns", [
+    ("llava", "video", None, [{"from": "human", "value": "What happens?"}, {"from": "gpt", "value": "A ball rolls."}]),
+    ("messages", "videos", None, [{"role": "user", "content": "What happens?"},
+                                  {"role": "assistant", "content": "A ball rolls."}]),
+    # LLaMA-Factory's ShareGPT video data: conversations of {from, value} beside a `videos` column
+    ("llava", "videos", "videos", [{"from": "human", "value": "What happens?"},
+                                   {"from": "gpt", "value": "A ball rolls."}]),
 ])
 def test_a_record_naming_a_clip_without_its_placeholder_fails_the_placeholder_count_never_dropped(
-        tmp_path, write, format, column, turns):
-    """LLaVA-Video's `video` (LLaMA-Factory's `videos`) is read as the record's clips, under dataset.image_root as
-    images are; one the turns do not place is text.placeholder_count (never embedded without it); an empty value and
-    an image record name none."""
+        tmp_path, write, format, column, named, turns):
+    """LLaVA-Video's `video` (ms-swift's and LLaMA-Factory's `videos`, the latter's ShareGPT under
+    dataset.videos_column) is read as the record's clips, under dataset.image_root as images are; one the turns do not place is
+    text.placeholder_count (never embedded without it); an empty value and an image record name none."""
     text, images = {"llava": ("conversations", "image"), "messages": ("messages", "images")}[format]
     rows = [{"id": "clip", text: turns, images: [], column: ["clips/a.mp4"]},
             {"id": "none", text: turns, images: [], column: []},
             {"id": "image", text: turns, images: [], column: None}]
     options = write(tmp_path, rows)
     cfg = dataset_config(**{"id_column": "id", **options}, format=format, images_column=images, text_column=text,
-                         image_root="/images")
+                         image_root="/images", videos_column=named)
     source = make_source(cfg)
     records = {r.id: r for unit in source.plan() for r in source.records(unit)}
     assert [ref.path for ref in records["clip"].videos] == ["/images/clips/a.mp4"]

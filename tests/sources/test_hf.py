@@ -52,3 +52,30 @@ def test_a_streamed_dataset_is_one_unit_per_shard_and_copies_nothing(tmp_path, m
     assert sorted(r.id for r in records) == ["cat", "coins", "cup"]
     assert records[0].images[0].data[:2] == b"\xff\xd8"
     assert not any(path.is_file() for path in (tmp_path / "cache").rglob("*"))
+
+
+def test_a_video_feature_column_named_by_videos_column_is_read_undecoded_and_required(tmp_path):
+    """A `datasets` Video column (dataset.videos_column) reaches the job as the clips' own bytes or paths, never
+    decoded by `datasets` (torchcodec); a column the dataset lacks is refused before any work, naming the key."""
+    import pytest
+
+    from batchvlm.config import ConfigError
+
+    features = datasets.Features({"id": datasets.Value("string"), "text": datasets.Value("string"),
+                                  "images": datasets.List(datasets.Image()), "videos": datasets.List(datasets.Video())})
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "b.webm").write_bytes(b"\x1aE\xdf\xa3")
+    clips = [[{"bytes": b"\x00\x00\x00\x18ftypmp42", "path": None}], [{"bytes": None, "path": str(media / "b.webm")}]]
+    datasets.Dataset.from_dict({"id": ["a", "b"], "text": ["<video> one", "<video> two"], "images": [[], []],
+                                "videos": clips}, features=features).save_to_disk(tmp_path / "ds")
+    columns = dict(id_column="id", text_column="text", images_column="images")
+    source = make_source(dataset_config("disk", path=str(tmp_path / "ds"), videos_column="videos",
+                                        **columns))
+    records = {r.id: r for unit in source.plan() for r in source.records(unit)}
+    assert [ref.data for ref in records["a"].videos] == [b"\x00\x00\x00\x18ftypmp42"]
+    # save_to_disk embeds a path's file (its name kept): the clip's bytes
+    assert [(ref.data, ref.path) for ref in records["b"].videos] == [(b"\x1aE\xdf\xa3", "b.webm")]
+    assert all(record.failure is None for record in records.values())
+    with pytest.raises(ConfigError, match="dataset.videos_column='clips' is not a column"):
+        make_source(dataset_config("disk", path=str(tmp_path / "ds"), videos_column="clips", **columns)).plan()

@@ -177,7 +177,8 @@ def test_rows_become_tensors_after_map_select_and_save_to_disk_with_the_run_and_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run,kind,embedding_columns", [("qwen_run", "data", ["image_embeds"]),
-                                                        ("siglip_run", "data", ["image_embeds", "pooled_embeds"]),
+                                                        ("siglip_run", "data", ["image_embeds", "pooled_embeds",
+                                                                                "video_pooled_embeds"]),
                                                         ("qwen_run", "quarantine", [])])
 def test_shards_type_no_column_for_datasets_other_than_it_would_infer_and_tag_the_embedding_columns(
         run, kind, embedding_columns, request):
