@@ -35,7 +35,7 @@ from batchvlm.towers.attention import resolve_attention, use
 from batchvlm.towers.grids import PerGrid, interpolation_taps, joined
 from batchvlm.format.layouts import RASTER_CHW, PatchLayout
 from batchvlm.records import ImagePlan
-from batchvlm.format.schema import FRAME, IMAGE, VIDEO
+from batchvlm.format.schema import FRAME, IMAGE
 
 IMAGE_TOKEN = "<|media_pad|>"
 FRAME_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_end|>")
