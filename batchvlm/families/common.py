@@ -3,6 +3,8 @@ subclasses `PatchFamily` and states only its own rules, and builds its tiny chec
 
 from __future__ import annotations
 
+import functools
+
 import contextlib
 import dataclasses
 import hashlib
@@ -46,9 +48,9 @@ class PatchFamily:
         self.layout = layout
         self.image_token_id = token_id(tokenizer, image_token, self.name)
 
-    @property
+    @functools.cached_property
     def frame_token_ids(self) -> set[int]:
-        """The ids of the frame tokens the tokenizer has."""
+        """The ids of the frame tokens the tokenizer has (once: the vocabulary is rebuilt on every get_vocab)."""
         vocab = self.tokenizer.get_vocab()
         return {vocab[token] for token in self.frame_tokens if token in vocab}
 
@@ -72,7 +74,9 @@ class PatchFamily:
         # True division: a size that is not a whole number of patches shows up as a fraction.
         return (1, h / p, w / p)
 
-    def positions(self, layout: TokenLayout, plans: list[ImagePlan]) -> tuple[np.ndarray, int] | None:
+    def positions(self, layout: TokenLayout, plans: list[ImagePlan],
+                  clip_plans: list = ()) -> tuple[np.ndarray, int] | None:
+        """A layout's position ids and rope delta, where the family has its own (M-RoPE); None: the model counts."""
         return None
 
     def reference_preprocess(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +136,14 @@ def token_id(tokenizer, token: str, family: str) -> int:
     if found is None or found == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(found) != token:
         raise ConfigError(f"the tokenizer has no {token} token; {family} needs it (model.tokenizer_path)")
     return found
+
+
+def optional_token_id(tokenizer, token: str) -> int | None:
+    """The token's id, or None where the tokenizer lacks it (a family then takes no input that needs it)."""
+    try:
+        return token_id(tokenizer, token, "")
+    except ConfigError:
+        return None
 
 
 def tokenizer_digest(tokenizer) -> str:

@@ -29,8 +29,8 @@ from batchvlm.families import ModelConfig
 from batchvlm.devices import to_device
 from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_released
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, choose_projector, config_field,
-                                      processor_params, published_template, read_config, tiny_tokenizer, token_id,
-                                      tokenizer_digest, tower_inputs)
+                                      optional_token_id, processor_params, published_template, read_config,
+                                      tiny_tokenizer, token_id, tokenizer_digest, tower_inputs)
 from batchvlm.towers.attention import resolve_attention, use
 from batchvlm.towers.grids import PerGrid, interpolation_taps, joined
 from batchvlm.format.layouts import RASTER_CHW, PatchLayout
@@ -393,9 +393,9 @@ class KimiK25(PatchFamily):
 def _video_token_id(tokenizer, raw: dict) -> int | None:
     """The tokenizer's clip token where the checkpoint's LLM reads clips there (config.json's video_token_id, where it
     states one, is the same id); None otherwise: the family then takes no clip."""
-    found = tokenizer.convert_tokens_to_ids(VIDEO_TOKEN) if VIDEO_TOKEN in tokenizer.get_vocab() else None
+    found = optional_token_id(tokenizer, VIDEO_TOKEN)
     stated = raw.get("video_token_id")
-    return found if stated is None or stated == found else None
+    return found if found is not None and stated in (None, found) else None
 
 
 # -- the checkpoint: config.json's fields, the tensors' names ------------------------------------

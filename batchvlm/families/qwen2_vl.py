@@ -27,7 +27,8 @@ from batchvlm.families import ModelConfig
 from batchvlm.devices import to_device
 from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_released
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, config_field, processor_params,
-                                      published_template, read_config, tiny_tokenizer, token_id, tokenizer_digest,
+                                      optional_token_id, published_template, read_config, tiny_tokenizer, token_id,
+                                      tokenizer_digest,
                                       tower_inputs)
 from batchvlm.towers.attention import resolve_attention, use
 from batchvlm.towers.grids import PerGrid, interpolation_taps, joined, patches_of
@@ -89,8 +90,10 @@ def _read_processor_config(path: Path) -> dict:
     return values
 
 
-def smart_resize(height: int, width: int, params: QwenProcessorParams) -> tuple[int, int]:
-    """The processor's rule, pinned to transformers 5.24: half-even rounding, max(factor, .) only when shrinking."""
+def smart_resize(height: int, width: int, params: QwenProcessorParams, frames: int = 1,
+                 t_bar: int = 1) -> tuple[int, int]:
+    """The processor's rule, pinned to transformers 5.24: half-even rounding, max(factor, .) only when shrinking. A
+    Qwen3-VL clip is held whole (qwen3_smart_resize): its `frames`, `t_bar` of them in whole temporal patches."""
     factor = params.factor
     ratio = max(height, width) / min(height, width)
     require(ratio <= MAX_ASPECT_RATIO, "plan.size_rule", f"aspect ratio {ratio:.1f} is over the "
@@ -98,12 +101,12 @@ def smart_resize(height: int, width: int, params: QwenProcessorParams) -> tuple[
             observed=f"{ratio:.1f} ({width}x{height})")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    if h_bar * w_bar > params.max_pixels:
-        beta = math.sqrt(height * width / params.max_pixels)
+    if t_bar * h_bar * w_bar > params.max_pixels:
+        beta = math.sqrt(frames * height * width / params.max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < params.min_pixels:
-        beta = math.sqrt(params.min_pixels / (height * width))
+    elif t_bar * h_bar * w_bar < params.min_pixels:
+        beta = math.sqrt(params.min_pixels / (frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
@@ -254,21 +257,8 @@ def qwen3_smart_resize(frames: int, height: int, width: int, params: QwenProcess
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    ratio = max(height, width) / min(height, width)
-    require(ratio <= MAX_ASPECT_RATIO, "plan.size_rule", f"aspect ratio {ratio:.1f} is over the "
-            f"{MAX_ASPECT_RATIO} that Qwen's processor accepts", expected=f"<= {MAX_ASPECT_RATIO}",
-            observed=f"{ratio:.1f} ({width}x{height})")
-    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    t_bar = round(frames / tps) * tps
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt(frames * height * width / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return smart_resize(height, width, dataclasses.replace(params, min_pixels=min_pixels, max_pixels=max_pixels),
+                        frames=frames, t_bar=round(frames / tps) * tps)
 
 
 def qwen3_video_plan(indices: list[int], times: list[float], total: int, video_fps: float, height: int, width: int,
@@ -471,8 +461,13 @@ class Qwen2VL(PatchFamily):
         start, end = self.frame_ids
         return [start] + [self.image_token_id] * plan.num_tokens + [end], [FRAME] + [IMAGE] * plan.num_tokens + [FRAME]
 
-    def positions(self, layout: TokenLayout, plans: list[ImagePlan]) -> tuple[np.ndarray, int]:
-        return self.media_positions(len(layout.input_ids), layout.image_spans, plans)
+    def positions(self, layout: TokenLayout, plans: list[ImagePlan], clip_plans: list = ()) -> tuple[np.ndarray, int]:
+        """M-RoPE over the images' and the clips' spans in sequence order (Qwen3-VL: a clip's per temporal patch)."""
+        clip_spans = [span for plan in clip_plans for span in plan.spans]
+        spans, ordered = zip(*sorted([*zip(layout.image_spans, plans), *zip(layout.video_spans, clip_spans,
+                                                                            strict=True)],
+                                     key=lambda span_plan: span_plan[0][0])) if plans or clip_spans else ((), ())
+        return self.media_positions(len(layout.input_ids), list(spans), list(ordered))
 
     def reference_processor(self):
         from transformers import Qwen2VLImageProcessor
@@ -521,12 +516,9 @@ class Qwen2VL(PatchFamily):
 def _video_token_id(tokenizer, raw: dict) -> int | None:
     """The tokenizer's `<|video_pad|>` where the checkpoint's LLM reads clips' embeddings there (config.json's
     video_token_id, top level or in text_config); None otherwise: the family then takes no clip."""
-    try:
-        found = token_id(tokenizer, VIDEO_TOKEN, "qwen2_vl video")
-    except ConfigError:
-        return None
+    found = optional_token_id(tokenizer, VIDEO_TOKEN)
     stated = raw.get("video_token_id", (raw.get("text_config") or {}).get("video_token_id"))
-    return found if stated == found else None
+    return found if found is not None and stated == found else None
 
 
 def _tokens_per_second(raw: dict, path: Path) -> float:

@@ -33,7 +33,8 @@ from batchvlm.families import ModelConfig
 from batchvlm.families.checkpoint import Layout, Rename, nontrivial, write_released
 from batchvlm.families.qwen2_vl import VideoPlan
 from batchvlm.families.common import (PatchFamily, checkpoint_and_tokenizer, processor_inputs,
-                                      processor_params, read_config, token_id, tokenizer_digest,
+                                      optional_token_id, processor_params, read_config, token_id,
+                                      tokenizer_digest,
                                       tower_inputs)
 from batchvlm.towers.attention import VARLEN, resolve_attention, varlen
 from batchvlm.format.layouts import RASTER_HWC, PatchLayout
@@ -376,10 +377,7 @@ class Siglip2(PatchFamily):
 def _video_token_id(tokenizer) -> int | None:
     """The tokenizer's `<video_soft_token>` (SigLIP2's released tokenizer has none, nor any image token: a tokenizer
     with them is given by model.tokenizer_path); None without it."""
-    try:
-        return token_id(tokenizer, VIDEO_TOKEN, "siglip2 video")
-    except ConfigError:
-        return None
+    return optional_token_id(tokenizer, VIDEO_TOKEN)
 
 
 def from_config(model: ModelConfig) -> Siglip2:

@@ -208,10 +208,15 @@ def image_counterpart(name: str) -> str:
     return name.removeprefix("video_")
 
 
+def clip_column(output: str) -> str | None:
+    """The column a clip's share of an encoder output goes to (`video_<output>`), where the contract declares one."""
+    column = f"video_{output}"
+    return column if column in EXTRA_OUTPUTS else None
+
+
 def stored_sizes(hidden_sizes: dict[str, int]) -> dict[str, int]:
     """The hidden size of every embedding column the encoder's outputs fill: its outputs', and their clip columns'."""
-    return hidden_sizes | {name: hidden_sizes[image_counterpart(name)] for name in EXTRA_OUTPUTS
-                           if image_counterpart(name) != name and image_counterpart(name) in hidden_sizes}
+    return hidden_sizes | {column: size for name, size in hidden_sizes.items() if (column := clip_column(name))}
 
 
 TENSOR_COLUMNS = tuple(column.name for column in DATA_COLUMNS if column.read)

@@ -13,7 +13,7 @@ import torch
 
 from batchvlm.checks import CheckFailed, require
 from batchvlm.devices import Syncs, to_device, to_host
-from batchvlm.format.schema import EXTRA_OUTPUTS
+from batchvlm.format.schema import clip_column
 from batchvlm.records import EncodedRecord, ImagePlan, PixelBatch
 
 
@@ -102,8 +102,8 @@ def finish_batch(launched: Launched, syncs: Syncs) -> list[EncodedRecord]:
         mine = {name: tensors[cursor:cursor + images] for name, tensors in per_image.items()}
         clips = per_image["image_embeds"][cursor + images:cursor + media]
         if media > images:  # the clips' share of an output with a clip column (deepstack); the others: images only
-            mine |= {f"video_{name}": tensors[cursor + images:cursor + media] for name, tensors in per_image.items()
-                     if f"video_{name}" in EXTRA_OUTPUTS}
+            mine |= {column: tensors[cursor + images:cursor + media] for name, tensors in per_image.items()
+                     if (column := clip_column(name))}
         cursor += media
         embeds = mine.pop("image_embeds")
         encoded.append(EncodedRecord(prepared=record, image_embeds=embeds, extras=mine, video_embeds=clips))

@@ -126,15 +126,15 @@ def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family,
 
 
 def clip_ids(family, plan) -> tuple[list[int], list[int]]:
-    """The ids (and tags) a plain text's `<video>` becomes: the family's prompt for the clip where it has one (Qwen3-VL's
-    timestamps, Kimi-K2.5's chunks), tokenized apart (a plain text has no template to place it in), each video token
+    """The ids (and tags) a plain text's `<video>` becomes: the family's prompt for the clip where it has one
+    (Qwen3-VL's timestamps, Kimi-K2.5's chunks), tokenized apart (a plain text has no template to place it in), each video token
     expanded to its span; else `expand_video`."""
     prompt = getattr(family, "video_prompt", None)
     text = prompt(plan) if prompt is not None else None
     if text is None:
         return family.expand_video(plan)
     spans, ids, tags = iter(plan.spans), [], []
-    for token in family.tokenizer.encode(text, add_special_tokens=False):
+    for token in family.encode_text(text):
         count = next(spans).num_tokens if token == family.video_token_id else 1
         ids += [token] * count
         tag = VIDEO if token == family.video_token_id else FRAME if token in family.frame_token_ids else TEXT
@@ -182,14 +182,7 @@ def require_fits(layout: TokenLayout, max_tokens: int | None, dropped: bool = Fa
 def attach_positions(layout: TokenLayout, plans: list[ImagePlan], family, clip_plans: list = ()) -> None:
     """The family's position ids (M-RoPE), checked against the sequence they must cover: with clips, over the
     images' and clips' spans in sequence order."""
-    if clip_plans and hasattr(family, "media_positions"):  # a family without M-RoPE positions has none for clips
-        clip_spans = [span for plan in clip_plans for span in plan.spans]  # Qwen3-VL: one per temporal patch
-        spans, ordered = zip(*sorted([*zip(layout.image_spans, plans), *zip(layout.video_spans, clip_spans,
-                                                                            strict=True)],
-                                     key=lambda span_plan: span_plan[0][0]))
-        found = family.media_positions(len(layout.input_ids), list(spans), list(ordered))
-    else:
-        found = family.positions(layout, plans)
+    found = family.positions(layout, plans, clip_plans)
     if found is None:
         return
     positions, delta = found

@@ -31,7 +31,7 @@ from batchvlm.executor.config import JobConfig
 from batchvlm.executor.rows import Assembler
 from batchvlm.executor.worker import checked_id, prepare, text_side_of
 from batchvlm.families import check_checkpoint, load_family
-from batchvlm.format.schema import DATA_SCHEMA, EMBED_DTYPES, EXTRA_OUTPUTS, QUARANTINE_SCHEMA
+from batchvlm.format.schema import DATA_SCHEMA, EMBED_DTYPES, QUARANTINE_SCHEMA, clip_column
 from batchvlm.pipeline.decode import read_bytes, upright_size
 from batchvlm.pipeline.encode import expected_rows
 from batchvlm.pipeline.video import (Clip, DecodedVideo, Sampler, VideoConfig, display_rotation, probe,
@@ -242,8 +242,8 @@ def _encoded(outcome: PreparedRecord | QuarantinedRecord, hidden_sizes: dict[str
               for name, size in hidden_sizes.items()}
     clips = [torch.randn(plan.num_tokens, hidden_sizes["image_embeds"]) for plan in outcome.clip_plans]
     if clips:  # the clips' share of an output with a clip column (Qwen3-VL's deepstack, SigLIP2's pooled vectors)
-        embeds |= {f"video_{name}": [torch.randn(expected_rows(name, plan), size) for plan in outcome.clip_plans]
-                   for name, size in hidden_sizes.items() if f"video_{name}" in EXTRA_OUTPUTS}
+        embeds |= {column: [torch.randn(expected_rows(name, plan), size) for plan in outcome.clip_plans]
+                   for name, size in hidden_sizes.items() if (column := clip_column(name))}
     return EncodedRecord(outcome, embeds.pop("image_embeds"), embeds, video_embeds=clips)
 
 

@@ -114,7 +114,7 @@ def model_inputs(model, batch: PackedBatch | PaddedBatch) -> dict:
         if outputs:
             inputs["mm_encoder_outputs"] = outputs
     else:
-        if batch.deepstack_embeds is not None:
+        if batch.deepstack_embeds is not None or batch.video_deepstack_embeds is not None:
             raise ValueError(f"{type(model).__name__}.forward takes no mm_encoder_outputs, and the batch's "
                              "deepstack layers can only reach their layers through it")
         inputs["inputs_embeds"] = embeds_with_images(model, batch)

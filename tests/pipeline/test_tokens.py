@@ -65,8 +65,8 @@ class _ShiftedPositions:
     def __init__(self, inner, drop_last: bool):
         self.inner, self.drop_last = inner, drop_last
 
-    def positions(self, layout, plans):
-        positions, delta = self.inner.positions(layout, plans)
+    def positions(self, layout, plans, clip_plans=()):
+        positions, delta = self.inner.positions(layout, plans, clip_plans)
         return (positions[:, :-1], delta) if self.drop_last else (positions, delta + 1)
 
 
