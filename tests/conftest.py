@@ -17,6 +17,12 @@ os.environ.setdefault("BATCHVLM_HOME", tempfile.mkdtemp(prefix="batchvlm-home-")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # An xdist worker's torch ops (and the processes it starts) on its share of the cores: OpenMP's threads beyond
+    # the cores spin while they wait. Two workers of two threads each on two cores spent twice the CPU time on the
+    # same tests (docs/design.md, Tests).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
+                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGINS = Path(__file__).resolve().parent / "families" / "plugins"
