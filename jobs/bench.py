@@ -41,8 +41,9 @@ def main(cfg: DictConfig) -> None:
         config = OmegaConf.to_object(cfg)
         run, report = tasks[config.task]
         if config.dry_run:
-            print(f"dry run: task={config.task} ({run.__module__}.{run.__name__}) on device={config.device}, "
-                  f"records={config.records}, tower={config.tower}, dtype={config.dtype}: not run")
+            print(f"dry run: task={config.task} ({run.__module__}.{run.__name__}), model={config.model.family}, "
+                  f"on device={config.device}, records={config.records}, tower={config.tower}, dtype={config.dtype}: "
+                  "not run")
             return
         result = run(config)
     print(report(result))

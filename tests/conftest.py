@@ -17,6 +17,12 @@ os.environ.setdefault("BATCHVLM_HOME", tempfile.mkdtemp(prefix="batchvlm-home-")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # An xdist worker's torch ops (and the processes it starts) on its share of the cores: OpenMP's threads beyond
+    # the cores spin while they wait. Two workers of two threads each on two cores spent twice the CPU time on the
+    # same tests (docs/design.md, Tests).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
+                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGINS = Path(__file__).resolve().parent / "families" / "plugins"
@@ -26,6 +32,47 @@ PLUGIN_FAMILY = "framed_moonvit"
 PLUGIN_SEARCHPATH = f"hydra.searchpath=[file://{PLUGINS / 'conf'}]"
 sys.path.insert(0, str(PLUGINS))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))
+
+
+SLOW_FOLDER = "slow"
+"""The unit part (`-m "not slow"`) is every test outside a room's slow/ folder but those marked slow one by one: a
+file in slow/ holds only slow tests (the job as a process, full models, benches, the Triton interpreter), and a file
+with no unit test lives in slow/ (pytest_collection_modifyitems checks both, docs/design.md's Tests)."""
+
+
+# A room's slow/ folder on the path as the room's own folder is (pytest puts a test file's folder there as it imports
+# it): a unit test file imports a slow file's helpers by module name wherever the two lie (test_sft's trained_run).
+sys.path[1:1] = [str(folder) for folder in sorted(Path(__file__).parent.glob(f"*/{SLOW_FOLDER}"))]
+
+
+def in_slow_folder(item: pytest.Item) -> bool:
+    return SLOW_FOLDER in item.path.relative_to(Path(__file__).parent).parts[:-1]
+
+
+def misplaced_files(items: list[pytest.Item]) -> list[str]:
+    """The test files whose tests disagree with their place: in slow/ with a unit test, or elsewhere with none."""
+    slow_by_file: dict[Path, set[bool]] = {}
+    for item in items:
+        slow_by_file.setdefault(item.path, set()).add(item.get_closest_marker("slow") is not None)
+    placed = {item.path: in_slow_folder(item) for item in items}
+    return [f"{path.relative_to(REPO)}: " + ("in slow/ with a test not marked slow" if placed[path] else
+                          "every test is slow: it belongs in its room's slow/ folder")
+            for path, kinds in slow_by_file.items() if (False in kinds) == placed[path]]
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the check sees every collected test
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files checked against their place; then the slow/ files first (in their rooms' order), the files with slow
+    tests among their unit tests next (the most slow tests first), the unit files last. xdist (`--dist loadfile`, `--no-loadscope-reorder`)
+    hands the files out in this order as each worker frees up: the longest files start first, and the short ones at
+    the end even out the two workers, where a single-test file of a minute handed out last would leave one worker
+    idle."""
+    if misplaced := misplaced_files(items):
+        raise pytest.UsageError("test files in the wrong place for their tests:\n" + "\n".join(misplaced))
+    slow_count: dict[Path, int] = {}
+    for item in items:
+        slow_count[item.path] = slow_count.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: (0, 0) if in_slow_folder(item) else (1, -slow_count[item.path]))
 
 
 def shared_folder(name: str) -> Path:

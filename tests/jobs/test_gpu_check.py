@@ -42,6 +42,10 @@ def test_a_dry_run_rehearses_every_step_and_names_the_wheel_that_is_missing(tmp_
         in result.stdout
     assert "would run: nvidia-smi" in result.stdout and "dry run: task=tower" in result.stdout
     assert result.stdout.count("dry run: task=e2e") == 3 and result.stdout.count("dry run: task=preprocess") == 3
+    checked = {(line.split("task=")[1].split()[0], line.split("model=")[1].split(",")[0])
+               for line in result.stdout.splitlines() if line.startswith("dry run:")}
+    per_family = {(task, family) for task in ("tower", "preprocess") for family in ("kimi_k25", "qwen2_vl", "siglip2")}
+    assert checked == per_family | {("e2e", "kimi_k25"), ("jpeg", "kimi_k25")}  # per family: one sweep, 3 configs
 
 
 def step_limits() -> dict[str, int]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import all_families, embed_in_process
+from conftest import REPO, all_families, embed_in_process
 from hf_models import pretrained
 from transformers import AutoConfig, AutoModelForImageTextToText
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
@@ -21,7 +21,7 @@ from batchvlm.families import load_family, tiny_checkpoint
 from batchvlm.training import PackedBatch, pack
 from batchvlm.training.reader import read_run
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "families"))
+sys.path.insert(0, str(REPO / "tests" / "families"))
 from test_qwen2_vl import _tiny_variant, qwen3_config  # noqa: E402  (the Qwen3-VL checkpoint those tests build)
 
 # the job per family, then the full models

@@ -1,4 +1,4 @@
-"""PackedTrainer on a run, as `torchrun --nproc_per_node 2` starts it (gloo, CPU), for tests/training/test_trainer.py.
+"""PackedTrainer on a run, as `torchrun --nproc_per_node 2` starts it (gloo, CPU), for test_trainer.py.
 
 Each rank appends one line per training step to <out>/steps-<rank>.jsonl: the step and the sha256 of the input_ids
 that reached the model. `--exit-after-save K` ends every rank abruptly (os._exit) once the checkpoint of step K is

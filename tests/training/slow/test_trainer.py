@@ -101,39 +101,41 @@ def digest(input_ids: torch.Tensor) -> str:
 
 def test_under_torchrun_each_epoch_trains_the_plan_once_and_a_killed_run_resumes_with_the_same_batches(qwen_run,
                                                                                                     tmp_path):
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    for folder in (straight, killed):
-        folder.mkdir()
-    result = torchrun(qwen_run, straight)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # One run, killed after the checkpoint of step 4 and resumed: its steps, the first 4 before the kill and the rest
+    # after the resume, are checked against the plan (from the loader alone), which is what a run never killed trains.
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    cut = torchrun(qwen_run, killed, "--exit-after-save", "4")
+    assert cut.returncode != 0 and (killed / "trainer" / "checkpoint-4" / LOADER_STATE).exists()
+    assert not (killed / "done-0.json").exists()
     # The plan, from the loader alone: pack g of an epoch is rank g % 2's; every pack's input_ids from read_run.
     by_id = {record.id: record for record in read_run(qwen_run)}
     planned = {rank: [] for rank in (0, 1)}
     packs_of: dict[str, list[str]] = {}
+    per_epoch = []
     for epoch in (0, 1):
         plan = PackedLoader(qwen_run, CONFIG)
         plan.epoch = epoch
         names = [[by_id[i].id for i in ids] for ids in _plan_ids(plan)]
+        per_epoch.append(names)
         for g, ids in enumerate(names[:len(names) // 2 * 2]):
             packed = digest(pack([by_id[i] for i in ids], CONFIG.max_tokens).input_ids)
             planned[g % 2].append(packed)
             packs_of[packed] = ids
-        trained = [i for rank in (0, 1) for packed in steps(straight, rank)[epoch * len(names) // 2:
-                                                                            (epoch + 1) * (len(names) // 2)]
+    assert steps(killed, 0) == planned[0][:4]
+    assert len(per_epoch[0]) // 2 < 4  # the run crossed into its second epoch before the kill, unbroken
+    resumed = torchrun(qwen_run, killed, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for epoch, names in enumerate(per_epoch):
+        trained = [i for rank in (0, 1) for packed in steps(killed, rank)[epoch * len(names) // 2:
+                                                                          (epoch + 1) * (len(names) // 2)]
                    for i in packs_of[packed]]
         kept = [i for ids in names[:len(names) // 2 * 2] for i in ids]
         assert sorted(trained) == sorted(kept) and len(set(trained)) == len(trained), epoch  # once, none dropped
         assert len(kept) > 0.75 * len(by_id)  # only the tail of < 2 packs is left out of an epoch
-    assert steps(straight, 0) == planned[0] and steps(straight, 1) == planned[1]
-    done = json.loads((straight / "done-0.json").read_text())
-    assert done["global_step"] == done["max_steps"] == len(planned[0])
-
-    cut = torchrun(qwen_run, killed, "--exit-after-save", "4")
-    assert cut.returncode != 0 and (killed / "trainer" / "checkpoint-4" / LOADER_STATE).exists()
-    assert steps(killed, 0) == planned[0][:4]
-    resumed = torchrun(qwen_run, killed, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert steps(killed, 0) == planned[0] and steps(killed, 1) == planned[1]
+    done = json.loads((killed / "done-0.json").read_text())
+    assert done["global_step"] == done["max_steps"] == len(planned[0])
 
 
 def _plan_ids(loader: PackedLoader) -> list[list[str]]:
