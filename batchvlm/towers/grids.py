@@ -8,7 +8,7 @@ computed once per grid (`PerGrid`, least recently used first out) and a batch's 
 concatenation, and that offset added by the family). Photos come in few sizes, so nearly every image is a hit; a miss
 costs one image's share. `interpolation_taps` builds an image's taps from its two axes' (a row's and a column's) rather
 than patch by patch: the same operations on the same values as transformers' batched function, so the same numbers
-(tests/families/test_grids.py checks them equal, bit for bit).
+(tests/towers/test_grids.py checks them equal, bit for bit).
 """
 
 from __future__ import annotations

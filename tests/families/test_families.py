@@ -14,7 +14,7 @@ from batchvlm.records import DecodedImage
 
 # On the CPU the torch backend resizes with torch's uint8 kernel, as the processors do: measured max
 # 3e-5 levels (float rounding of the normalization) for every family. The GPU's two float passes stay
-# within 2 levels of it (tests/test_kernels.py), the Triton kernels within 1 level of those.
+# within 2 levels of it (tests/kernels/test_pack_pixels.py), the Triton kernels within 1 level of those.
 PIXEL_MAX_LEVELS = 0.01
 PIXEL_MEAN_LEVELS = 0.001
 

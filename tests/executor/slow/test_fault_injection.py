@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 def job_config(root: Path, name: str, **model) -> JobConfig:
     # fallback=quarantine: the planted preprocess faults must reach quarantine, not the CPU fallback
-    # (tests/test_preprocess_fallback.py covers that path).
+    # (tests/executor/slow/test_preprocess_fallback.py covers that path).
     return JobConfig(run_name=name, model=ModelConfig(**model), output=OutputConfig(root=str(root)),
                      runtime=RuntimeConfig(num_workers=0, progress=False), checks=ChecksConfig(max_quarantine_fraction=1),
                      preprocess=PreprocessConfig(fallback="quarantine"))

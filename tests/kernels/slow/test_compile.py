@@ -1,5 +1,5 @@
 """The kernels compile for a real GPU (PTX for sm_90) even where none is: the interpreter that runs
-tests/test_kernels.py on CPU accepts code that Triton's compiler refuses (e.g. non-constexpr globals).
+tests/kernels/test_pack_pixels.py on CPU accepts code that Triton's compiler refuses (e.g. non-constexpr globals).
 In a subprocess, because TRITON_INTERPRET must be unset when the kernels are defined."""
 
 from __future__ import annotations
