@@ -191,14 +191,20 @@ def equal_images(batch: PackedBatch | PaddedBatch, rows: torch.Tensor, width: in
 # scatters its output at the image and video pad tokens: `{"inputs_embeds": ...}`.
 
 def stored_post_encode(model, inputs: dict) -> dict:
-    """ms-swift's `Template._post_encode(model, inputs)` for Qwen2/2.5-VL over stored features: `inputs` are the
+    """ms-swift's `Template._post_encode(model, inputs)` for Qwen2/2.5/3-VL over stored features: `inputs` are the
     keyword arguments batchvlm gives for a batch (`model_inputs(model, batch)` of a loader's batch, or what
     `RowCollator` returns for rows), whose `mm_encoder_outputs` go in at the image and clip tokens of `input_ids` as
     `inputs_embeds` (out of place: the embedding table trains); the vision tower is never called. Also returned, so
     that the forward gets them whatever the hook keeps of the batch: the stored `position_ids` (`[4, B, L]`, the
     text row then the M-RoPE rows the job computed from each record's grids, restarted per packed record; without
     them the model would give the image tokens text positions) and `use_cache` (which the hook would drop: a cache
-    stops transformers masking attention per packed record)."""
+    stops transformers masking attention per packed record).
+
+    Qwen3-VL's template differs by more than its deepstack layers: its `_post_encode` returns the batch as it is and
+    the model runs the tower in `forward`, where the deepstack layers go in at the image tokens it finds in
+    `input_ids`, so no `inputs_embeds` can carry them. For a batch with deepstack layers the shim returns `input_ids`
+    with the stored rows as `mm_encoder_outputs` (which `forward` takes in transformers 5, skipping the tower), the
+    stored positions and `use_cache`."""
     pixels = sorted(key for key in ("pixel_values", "pixel_values_videos") if inputs.get(key) is not None)
     if pixels:
         raise ValueError(f"the batch holds {pixels}: it comes from a collator of pixels, not of stored features "
@@ -207,19 +213,15 @@ def stored_post_encode(model, inputs: dict) -> dict:
         raise ValueError("the batch has no position_ids: without the stored M-RoPE positions the image tokens would "
                          "train at text positions")
     outputs = inputs.get("mm_encoder_outputs") or {}
+    kept = {key: inputs[key] for key in ("position_ids", "use_cache") if key in inputs}
     if any(getattr(output, "deepstack_features", None) is not None for output in outputs.values()):
-        raise ValueError("Qwen3-VL: its ms-swift template passes the batch to forward as it is (the model runs the "
-                         "tower there) and its deepstack layers are injected at the image tokens of input_ids, so "
-                         "no inputs_embeds can carry them: forward batchvlm's inputs with mm_encoder_outputs as they are")
+        return {"input_ids": inputs["input_ids"], "mm_encoder_outputs": outputs, **kept}
     input_ids = inputs["input_ids"]
     embeds = model.get_input_embeddings()(input_ids)
     config = model.config
     for kind, token_id in (("image", config.image_token_id), ("video", config.video_token_id)):
         embeds = scattered_at(embeds, input_ids == token_id, outputs.get(kind), kind)
-    returned = {"inputs_embeds": embeds, "position_ids": inputs["position_ids"]}
-    if "use_cache" in inputs:
-        returned["use_cache"] = inputs["use_cache"]
-    return returned
+    return {"inputs_embeds": embeds, **kept}
 
 
 def scattered_at(embeds: torch.Tensor, at: torch.Tensor, output, kind: str) -> torch.Tensor:
