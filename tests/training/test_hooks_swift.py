@@ -6,13 +6,14 @@ no tower parameter gets a gradient; the stored positions are what ms-swift's col
 
 from __future__ import annotations
 
+import ast
 import inspect
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import embed_in_process
+from conftest import REPO, embed_in_process
 from hf_models import pretrained
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
@@ -31,8 +32,9 @@ MAX_TOKENS = 4096
 
 # ms-swift @3602360a, swift/template/base.py:1648-1664, `Template.pre_forward_hook(model, args, kwargs)`: it calls
 # `self._post_encode(model, old_kwargs)` (the collator's batch), then puts back these keys of the batch where the
-# returned dict lacks them (lines 1652-1654), drops `input_ids` when `inputs_embeds` was returned (1658-1659), and
-# forwards that dict; every other key of the batch is dropped.
+# returned dict lacks them (lines 1652-1654), drops `input_ids` when `inputs_embeds` was returned (1657-1658) and
+# `position_ids` when `forward` does not name it (1660-1663), and forwards that dict; every other key of the batch is
+# dropped.
 SWIFT_KEPT_KEYS = {"input_ids", "attention_mask", "labels", "position_ids", "output_hidden_states", "logits_to_keep",
                    "max_length_q", "max_length_k", "cu_seq_lens_q", "cu_seq_lens_k", "mm_token_type_ids"}
 # swift/template/base.py:744 `def _post_encode(self, model: nn.Module, inputs: Dict[str, Any]) -> Dict[str, Any]`,
@@ -49,12 +51,26 @@ def swift_forward_kwargs(model, batch_inputs: dict) -> dict:
             kwargs[key] = value
     if "inputs_embeds" in kwargs:
         kwargs.pop("input_ids", None)
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        kwargs.pop("position_ids", None)
     return kwargs
 
 
 def test_the_shim_is_called_as_swifts_post_encode_is():
     parameters = list(inspect.signature(stored_post_encode).parameters)
     assert parameters == SWIFT_POST_ENCODE_PARAMETERS
+
+
+def test_the_documented_template_overrides_swifts_post_encode_with_the_shim():
+    """docs/training.md's ms-swift template (not runnable here: ms-swift is not installed) parses, and its
+    _post_encode has ms-swift's parameters and calls the shim."""
+    page = (REPO / "docs" / "training.md").read_text()
+    blocks = [code.split("```")[0] for code in page.split("```python")[1:]]
+    block = next(code for code in blocks if "stored_post_encode(" in code)
+    template = next(node for node in ast.parse(block).body if isinstance(node, ast.ClassDef))
+    method = next(node for node in template.body if isinstance(node, ast.FunctionDef) and node.name == "_post_encode")
+    assert [argument.arg for argument in method.args.args] == ["self", *SWIFT_POST_ENCODE_PARAMETERS]
+    assert "stored_post_encode" in ast.unparse(method)
 
 
 def qwen2_5_checkpoint(folder: Path) -> Path:
