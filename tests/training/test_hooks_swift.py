@@ -18,10 +18,11 @@ from hf_models import pretrained
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from batchvlm.families import ModelConfig, load_family, tiny_checkpoint
-from batchvlm.training import pack
+from batchvlm.training import load_run_dataset, pack
 from batchvlm.training.hooks import stored_post_encode
 from batchvlm.training.model_inputs import forward_parameters, model_inputs, pad
 from batchvlm.training.reader import read_run
+from batchvlm.training.trainer import RowCollator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "families"))
 from test_model_inputs import pixel_loss  # noqa: E402  (the record's loss with the model fed its pixels)
@@ -99,7 +100,7 @@ def stored(request, tmp_path_factory):
     model = pretrained(checkpoint, dtype=torch.float32)
     records = list(read_run(run))
     chosen = [r for r in records if len(r.grid_thw)][:2] + [r for r in records if not len(r.grid_thw)][:1]
-    return request.param, model, family, chosen
+    return request.param, model, family, chosen, run
 
 
 @pytest.fixture
@@ -132,7 +133,7 @@ def pixel_embeds(model, family, record) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_the_embeddings_are_the_models_own_image_features_of_the_pixels_at_its_image_tokens(stored, request):
-    name, model, family, chosen = stored
+    name, model, family, chosen, _ = stored
     if name == "qwen3_vl":
         pytest.skip("Qwen3-VL gets mm_encoder_outputs, no inputs_embeds (its loss is the next test's)")
     with torch.no_grad():
@@ -146,7 +147,7 @@ def test_the_embeddings_are_the_models_own_image_features_of_the_pixels_at_its_i
 
 @pytest.mark.slow
 def test_one_step_through_swifts_hook_gives_the_pixel_loss_and_trains_no_tower_parameter(stored, request):
-    name, model, family, chosen = stored
+    name, model, family, chosen, _ = stored
     with torch.no_grad():  # the pixel path, before the sentinel
         per_record = [pixel_loss(model, family, record, pack([record], MAX_TOKENS).labels) for record in chosen]
     pixels = sum(loss * tokens for loss, tokens in per_record) / sum(tokens for _, tokens in per_record)
@@ -169,22 +170,26 @@ def test_one_step_through_swifts_hook_gives_the_pixel_loss_and_trains_no_tower_p
 
 
 @pytest.mark.slow
-def test_a_padded_batch_of_rows_gives_each_record_the_packed_batchs_loss(stored, sentinel):
-    """RowCollator's batches (`pad`, with an attention mask, which ms-swift's hook keeps)."""
-    name, model, _, chosen = stored
-    packed, padded = pack(chosen, MAX_TOKENS), pad(chosen, MAX_TOKENS)
-    kwargs = swift_forward_kwargs(model, model_inputs(model, padded))
-    assert "attention_mask" in kwargs and kwargs["position_ids"] is padded.position_ids
+def test_rows_through_the_row_collator_give_the_packed_batchs_loss(stored, sentinel, tmp_path):
+    """RowCollator over the run's `datasets` rows (a padded batch with an attention mask, which ms-swift's hook
+    keeps), as the documented template's _data_collator gives them."""
+    name, model, _, chosen, run = stored
+    dataset = load_run_dataset(run, cache_dir=str(tmp_path / "cache"))
+    at = {record_id: index for index, record_id in enumerate(dataset["id"])}
+    rows = [dataset[at[record.id]] for record in chosen]
+    kwargs = swift_forward_kwargs(model, RowCollator(model, dataset, MAX_TOKENS)(rows))
+    assert "attention_mask" in kwargs and kwargs["attention_mask"].shape[0] == len(chosen) > 1
+    assert torch.equal(kwargs["position_ids"], pad(chosen, MAX_TOKENS).position_ids)
     with torch.no_grad():
-        assert torch.allclose(model(**kwargs).loss, model(**swift_forward_kwargs(model, model_inputs(model, packed))).loss,
-                              rtol=1e-5), name
+        packed = model(**swift_forward_kwargs(model, model_inputs(model, pack(chosen, MAX_TOKENS)))).loss
+        assert torch.allclose(model(**kwargs).loss, packed, rtol=1e-5), name
 
 
 @pytest.mark.slow
 def test_the_stored_positions_are_those_swifts_collator_computes_with_get_rope_index(stored):
     """ms-swift's Qwen2VLTemplate._data_collator runs the model's get_rope_index over the batch's image grids and
     puts a text row first (_concat_text_position_ids); the stored positions are that, for the stored grids."""
-    name, model, _, chosen = stored
+    name, model, _, chosen, _ = stored
     padded = pad(chosen, MAX_TOKENS)
     types = (padded.input_ids == model.config.image_token_id).long()  # ms-swift's mm_token_type_ids: 1 on images
     rope, _ = model.model.get_rope_index(padded.input_ids, types, image_grid_thw=padded.grid_thw,
@@ -197,7 +202,7 @@ def test_the_stored_positions_are_those_swifts_collator_computes_with_get_rope_i
 
 @pytest.mark.slow
 def test_a_batch_that_cannot_be_stored_features_is_refused(stored):
-    name, model, _, chosen = stored
+    name, model, _, chosen, _ = stored
     inputs = model_inputs(model, pack(chosen[:1], MAX_TOKENS))
     with pytest.raises(ValueError, match="pixel_values"):
         stored_post_encode(model, {**inputs, "pixel_values": torch.zeros(4, 1176)})
