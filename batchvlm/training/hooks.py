@@ -180,3 +180,57 @@ def equal_images(batch: PackedBatch | PaddedBatch, rows: torch.Tensor, width: in
         raise ValueError(f"the batch's images have the grids {grids.tolist()}: LLaVA's encode_images returns one "
                          "[images, patches, D] tensor, so every image must have the same patch grid")
     return rows.view(len(grids), -1, width)
+
+
+# ms-swift (github.com/modelscope/ms-swift, swift/template/base.py): a multimodal template registers
+# `pre_forward_hook` on the model, which calls `template._post_encode(model, kwargs)` on the collator's batch and
+# forwards what it returns, plus those of the batch's own keys it keeps (input_ids, attention_mask, labels,
+# position_ids, the flash-attention bounds...) where the returned dict has none; `input_ids` is dropped when
+# `inputs_embeds` is returned, and every other key of the batch is dropped. `Qwen2VLTemplate._post_encode`
+# (swift/template/templates/qwen.py) embeds `input_ids`, runs `model.visual` on the batch's `pixel_values` and
+# scatters its output at the image and video pad tokens: `{"inputs_embeds": ...}`.
+
+def stored_post_encode(model, inputs: dict) -> dict:
+    """ms-swift's `Template._post_encode(model, inputs)` for Qwen2/2.5/3-VL over stored features: `inputs` are the
+    keyword arguments batchvlm gives for a batch (`model_inputs(model, batch)` of a loader's batch, or what
+    `RowCollator` returns for rows), whose `mm_encoder_outputs` go in at the image and clip tokens of `input_ids` as
+    `inputs_embeds` (out of place: the embedding table trains); the vision tower is never called. Also returned, so
+    that the forward gets them whatever the hook keeps of the batch: the stored `position_ids` (`[4, B, L]`, the
+    text row then the M-RoPE rows the job computed from each record's grids, restarted per packed record; without
+    them the model would give the image tokens text positions) and `use_cache` (which the hook would drop: a cache
+    stops transformers masking attention per packed record).
+
+    Qwen3-VL's template differs by more than its deepstack layers: its `_post_encode` returns the batch as it is and
+    the model runs the tower in `forward`, where the deepstack layers go in at the image tokens it finds in
+    `input_ids`, so no `inputs_embeds` can carry them. For a batch with deepstack layers the shim returns `input_ids`
+    with the stored rows as `mm_encoder_outputs` (which `forward` takes in transformers 5, skipping the tower), the
+    stored positions and `use_cache`."""
+    pixels = sorted(key for key in ("pixel_values", "pixel_values_videos") if inputs.get(key) is not None)
+    if pixels:
+        raise ValueError(f"the batch holds {pixels}: it comes from a collator of pixels, not of stored features "
+                         "(the template's data_collator must give batchvlm's inputs: model_inputs or RowCollator)")
+    if "position_ids" not in inputs:
+        raise ValueError("the batch has no position_ids: without the stored M-RoPE positions the image tokens would "
+                         "train at text positions")
+    outputs = inputs.get("mm_encoder_outputs") or {}
+    kept = {key: inputs[key] for key in ("position_ids", "use_cache") if key in inputs}
+    if any(getattr(output, "deepstack_features", None) is not None for output in outputs.values()):
+        return {"input_ids": inputs["input_ids"], "mm_encoder_outputs": outputs, **kept}
+    input_ids = inputs["input_ids"]
+    embeds = model.get_input_embeddings()(input_ids)
+    config = model.config
+    for kind, token_id in (("image", config.image_token_id), ("video", config.video_token_id)):
+        embeds = scattered_at(embeds, input_ids == token_id, outputs.get(kind), kind)
+    return {"inputs_embeds": embeds, **kept}
+
+
+def scattered_at(embeds: torch.Tensor, at: torch.Tensor, output, kind: str) -> torch.Tensor:
+    """`embeds` with the encoder output's rows in place of the tokens `at` marks, in sequence order; refused when
+    the rows and the tokens differ in number (the prompt was counted for other images)."""
+    rows = torch.cat(output.pooler_output) if output is not None else embeds.new_zeros(0, embeds.shape[-1])
+    if int(at.sum()) != len(rows):
+        raise ValueError(f"the batch's input_ids hold {int(at.sum())} {kind} tokens but its stored {kind} rows are "
+                         f"{len(rows)}: the prompt was counted for other {kind}s")
+    if not len(rows):
+        return embeds
+    return embeds.masked_scatter(at.unsqueeze(-1).to(embeds.device), rows.to(embeds.device, embeds.dtype))
