@@ -27,9 +27,10 @@ PARAMS = QwenProcessorParams()
 LAYOUT = PatchLayout(MERGE_WINDOW, PARAMS.patch_size, PARAMS.merge_size, PARAMS.temporal_patch_size)
 
 
-def hf_processor(video: QwenVideoParams, params: QwenProcessorParams = PARAMS) -> Qwen2VLVideoProcessor:
-    """The reference as VIDEO_RULE names it, built from the same numbers (no hub)."""
-    return Qwen2VLVideoProcessor(
+def hf_processor(video: QwenVideoParams, params: QwenProcessorParams = PARAMS, kind=Qwen2VLVideoProcessor):
+    """The reference as VIDEO_RULE (kind=Qwen3VLVideoProcessor: QWEN3_VIDEO_RULE) names it, built from the same
+    numbers (no hub)."""
+    return kind(
         patch_size=params.patch_size, merge_size=params.merge_size, temporal_patch_size=params.temporal_patch_size,
         size={"shortest_edge": video.min_pixels, "longest_edge": video.max_pixels}, image_mean=list(params.image_mean),
         image_std=list(params.image_std), fps=video.fps, min_frames=video.min_frames, max_frames=video.max_frames,

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from transformers import Qwen3VLVideoProcessor
-from transformers.video_utils import VideoMetadata
 
 from batchvlm.checks import CheckFailed
 from batchvlm.families.qwen2_vl import (QWEN3_VIDEO_RULE, QwenProcessorParams, Qwen3VideoParams,
@@ -21,6 +20,8 @@ from batchvlm.pipeline.preprocess import frame_rows
 from batchvlm.pipeline.video import VideoConfig, decode_frames, probe
 from clips import make_clip
 from qwen_vocab import write_qwen3_checkpoint
+from test_qwen2_vl_video import hf_processor as video_processor
+from test_qwen2_vl_video import metadata
 
 PARAMS = QwenProcessorParams(patch_size=16, image_mean=(0.5,) * 3, image_std=(0.5,) * 3)
 LAYOUT = PatchLayout(MERGE_WINDOW, PARAMS.patch_size, PARAMS.merge_size, PARAMS.temporal_patch_size)
@@ -29,17 +30,7 @@ SMALL = Qwen3VideoParams(min_pixels=32 * 32 * 16, max_pixels=32 * 32 * 64, max_v
 
 
 def hf_processor(video: Qwen3VideoParams, params: QwenProcessorParams = PARAMS) -> Qwen3VLVideoProcessor:
-    """The reference as QWEN3_VIDEO_RULE names it, built from the same numbers (no hub)."""
-    return Qwen3VLVideoProcessor(
-        patch_size=params.patch_size, merge_size=params.merge_size, temporal_patch_size=params.temporal_patch_size,
-        size={"shortest_edge": video.min_pixels, "longest_edge": video.max_pixels}, image_mean=list(params.image_mean),
-        image_std=list(params.image_std), fps=video.fps, min_frames=video.min_frames, max_frames=video.max_frames,
-        max_video_tokens=video.max_video_tokens, do_sample_frames=True, cap_pixels_per_frame=True)
-
-
-def metadata(total: int, video_fps: float, height: int = 64, width: int = 96) -> VideoMetadata:
-    return VideoMetadata(total_num_frames=total, fps=video_fps, height=height, width=width,
-                         duration=total / video_fps)
+    return video_processor(video, params, Qwen3VLVideoProcessor)
 
 
 @pytest.mark.parametrize("video", [Qwen3VideoParams(), Qwen3VideoParams(fps=1.0, min_frames=2, max_frames=16),

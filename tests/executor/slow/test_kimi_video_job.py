@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import embed_in_process
 from PIL import Image
+from test_video_job import blocks
 
 from batchvlm.families import ModelConfig, load_family
 from batchvlm.format.schema import FRAME, VIDEO
@@ -77,17 +78,6 @@ def sampled(path: Path, family) -> tuple[list[int], float, np.ndarray]:
     header = probe(data, VideoConfig())
     indices = family.video_sampler()(header.frames, header.fps)
     return indices, header.fps, decode_frames(data, header, indices, VideoConfig()).frames
-
-
-def blocks(text: str) -> list[dict]:
-    """A LLaVA turn's text as content blocks, `<video>` and `<image>` where they stand."""
-    parts = []
-    for piece in text.replace("<video>", "\0video\0").replace("<image>", "\0image\0").split("\0"):
-        if piece in ("video", "image"):
-            parts.append({"type": piece})
-        elif piece:
-            parts.append({"type": "text", "text": piece})
-    return parts
 
 
 def reference_inputs(family, folder: Path, record: dict) -> dict:

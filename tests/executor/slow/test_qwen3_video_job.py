@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import embed_in_process
-from PIL import Image
-from test_video_job import CLIPS, RECORDS, blocks, every_frame, rows_of, write_dataset
+from test_video_job import RECORDS, reference_inputs, rows_of, write_dataset
 
 from batchvlm.format.schema import FRAME, TEXT, VIDEO
 from batchvlm.training.interop import mm_token_type_ids
@@ -41,29 +40,6 @@ def qwen3_run(tmp_path_factory, qwen_real_checkpoint):
     return checkpoint, dataset.parent, run
 
 
-def reference_inputs(checkpoint, folder, record: dict) -> dict:
-    """The checkpoint's own Qwen3VLProcessor on the record: its chat template over the turns as messages, then its
-    expansion with every frame of each clip (sampled by its video processor, given the clips' metadata)."""
-    from transformers import AutoImageProcessor, AutoTokenizer, AutoVideoProcessor, Qwen3VLProcessor
-    from transformers.video_utils import VideoMetadata
-
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    processor = Qwen3VLProcessor(image_processor=AutoImageProcessor.from_pretrained(checkpoint),
-                                 video_processor=AutoVideoProcessor.from_pretrained(checkpoint), tokenizer=tokenizer,
-                                 chat_template=tokenizer.chat_template)
-    messages = [{"role": {"human": "user", "gpt": "assistant"}[turn["from"]], "content": blocks(turn["value"])}
-                for turn in record["conversations"]]
-    rendered = processor.apply_chat_template(messages, tokenize=False)
-    videos = [record["video"]] if isinstance(record["video"], str) else record["video"]
-    images = [record["image"]] if isinstance(record["image"], str) else record["image"]
-    metadata = [VideoMetadata(total_num_frames=CLIPS[name][0], fps=CLIPS[name][1], height=CLIPS[name][2],
-                              width=CLIPS[name][3], duration=CLIPS[name][0] / CLIPS[name][1]) for name in videos]
-    return processor(text=[rendered], images=[np.asarray(Image.open(folder / name)) for name in images] or None,
-                     videos=[torch.from_numpy(every_frame(folder / name)).permute(0, 3, 1, 2) for name in videos],
-                     videos_kwargs={"video_metadata": metadata, "do_sample_frames": True,
-                                    "cap_pixels_per_frame": True}, return_tensors="pt")
-
-
 def model_of(checkpoint):
     from transformers import Qwen3VLForConditionalGeneration
 
@@ -84,7 +60,7 @@ def test_qwen3_clips_are_stored_as_the_checkpoints_processor_and_model_give_them
     assert set(rows) == {"clip_and_image", "two_clips"}
     model = model_of(checkpoint)
     for record in RECORDS[:2]:
-        row, reference = rows[record["id"]], reference_inputs(checkpoint, folder, record)
+        row, reference = rows[record["id"]], reference_inputs("qwen3_vl", checkpoint, folder, record)
         assert row["input_ids"] == reference["input_ids"][0].tolist(), record["id"]
         grids = reference["video_grid_thw"]
         assert row["video_grid_thw"] == grids.tolist() and all(t > 1 for t, _, _ in grids.tolist())
@@ -134,7 +110,7 @@ def test_a_stored_qwen3_clip_row_trains_with_the_loss_the_model_gives_on_its_pix
         batch = pack([records[record["id"]]], 4096)
         assert len(batch.video_deepstack_embeds) == 2 and len(batch.video_deepstack_embeds[0]) == len(
             batch.video_embeds) == (batch.token_tags == VIDEO).sum()
-        reference = reference_inputs(checkpoint, folder, record)
+        reference = reference_inputs("qwen3_vl", checkpoint, folder, record)
         with torch.inference_mode():
             ours = model(**model_inputs(model, batch)).loss
             theirs = model(**{key: value for key, value in reference.items() if key != "attention_mask"},

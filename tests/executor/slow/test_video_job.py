@@ -119,16 +119,17 @@ def every_frame(path: Path) -> np.ndarray:
     return decode_frames(data, header, list(range(header.frames)), VideoConfig()).frames
 
 
-def reference_inputs(version: str, checkpoint: Path, folder: Path, record: dict) -> dict:
+def reference_inputs(version: str, checkpoint: Path, folder: Path, record: dict, **videos_kwargs) -> dict:
     """The checkpoint's own processor on the record: its chat template over the turns as messages (a clip and an
     image as {type: video} and {type: image} blocks), then its expansion with every frame of each clip (sampled by
     the video processor itself, do_sample_frames) and the image."""
-    from transformers import AutoImageProcessor, AutoTokenizer, AutoVideoProcessor, Qwen2_5_VLProcessor, \
-        Qwen2VLProcessor
+    from transformers import (AutoImageProcessor, AutoTokenizer, AutoVideoProcessor, Qwen2_5_VLProcessor,
+                              Qwen2VLProcessor, Qwen3VLProcessor)
     from transformers.video_utils import VideoMetadata
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    processor = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}[version](
+    kind = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[version]
+    processor = kind(
         image_processor=AutoImageProcessor.from_pretrained(checkpoint),
         video_processor=AutoVideoProcessor.from_pretrained(checkpoint), tokenizer=tokenizer,
         chat_template=tokenizer.chat_template)
@@ -141,8 +142,8 @@ def reference_inputs(version: str, checkpoint: Path, folder: Path, record: dict)
                               width=CLIPS[name][3], duration=CLIPS[name][0] / CLIPS[name][1]) for name in videos]
     return processor(text=[rendered], images=[np.asarray(Image.open(folder / name)) for name in images] or None,
                      videos=[torch.from_numpy(every_frame(folder / name)).permute(0, 3, 1, 2) for name in videos],
-                     videos_kwargs={"video_metadata": metadata, "do_sample_frames": True, "fps": FPS,
-                                    "cap_pixels_per_frame": True}, return_tensors="pt")
+                     videos_kwargs={"video_metadata": metadata, "do_sample_frames": True,
+                                    "cap_pixels_per_frame": True, **videos_kwargs}, return_tensors="pt")
 
 
 def blocks(text: str) -> list[dict]:
@@ -173,7 +174,7 @@ def test_a_clip_and_an_image_are_stored_as_the_checkpoints_processor_and_model_g
     assert set(rows) == {"clip_and_image", "two_clips"}
     model = model_of(version, checkpoint)
     for record in RECORDS[:2]:
-        row, reference = rows[record["id"]], reference_inputs(version, checkpoint, folder, record)
+        row, reference = rows[record["id"]], reference_inputs(version, checkpoint, folder, record, fps=FPS)
         assert row["input_ids"] == reference["input_ids"][0].tolist(), record["id"]
         assert row["video_grid_thw"] == reference["video_grid_thw"].tolist(), record["id"]
         if version == "qwen2_5_vl":
@@ -226,7 +227,7 @@ def test_a_stored_clip_row_trains_with_the_loss_the_model_gives_on_its_pixels(vi
     for record in RECORDS[:2]:
         batch = pack([stored[record["id"]]], 4096)
         assert batch.video_embeds is not None and len(batch.video_embeds) == (batch.token_tags == VIDEO).sum()
-        reference = reference_inputs(version, checkpoint, folder, record)
+        reference = reference_inputs(version, checkpoint, folder, record, fps=FPS)
         with torch.inference_mode():
             ours = model(**model_inputs(model, batch)).loss
             theirs = model(**{key: value for key, value in reference.items() if key != "attention_mask"},
@@ -352,7 +353,8 @@ def test_vllms_video_request_from_stored_clips_carries_the_processors_grids_and_
     merge = config.vision_config.spatial_merge_size
     served = served_run(run, VLLM)
     for record in read_run(run):
-        reference = reference_inputs(version, checkpoint, folder, next(r for r in RECORDS if r["id"] == record.id))
+        reference = reference_inputs(version, checkpoint, folder, next(r for r in RECORDS if r["id"] == record.id),
+                                     fps=FPS)
         media = request(record, served)["multi_modal_data"]
         video = media["video"]
         assert torch.equal(video["video_grid_thw"], reference["video_grid_thw"]), record.id
