@@ -57,10 +57,10 @@ class BrightenOne:
         self.inner, self.record_id = inner, record_id
 
     def __call__(self, records):
-        rows, grids = self.inner(records)
+        rows, grids, clips = self.inner(records)
         index = first_image_of(records, self.record_id)
         rows[index] = rows[index] + 5 * float(self.inner.scale.flatten()[0])
-        return rows, grids
+        return rows, grids, clips
 
 
 def photo_records(family) -> list[PreparedRecord]:
@@ -99,11 +99,11 @@ class LeaveOneValueUnwritten:
         self.inner, self.record_id = inner, record_id
 
     def __call__(self, records):
-        rows, grids = self.inner(records)
+        rows, grids, clips = self.inner(records)
         index = first_image_of(records, self.record_id)
         rows[index] = rows[index].clone()
         rows[index].view(-1)[7] = float("nan")
-        return rows, grids
+        return rows, grids, clips
 
 
 def test_unwritten_values_are_caught_and_redone_on_the_cpu_path(kimi_family):
