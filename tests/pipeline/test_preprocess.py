@@ -156,6 +156,18 @@ def clip_records(family) -> list[PreparedRecord]:
     return records
 
 
+def test_each_familys_clip_oracle_holds_the_jobs_clip_rows(family):
+    """family.reference_clip_rows (the transformers processor its clip rule names, on the sampled frames: the parity
+    sample's oracle) against the job's clip_rows: the same rows to float rounding, five frames (an odd count)."""
+    from batchvlm.pipeline.preprocess import clip_rows
+
+    (record, _) = clip_records(family)
+    frames, plan = record.clips[0].pixels, record.clip_plans[0]
+    oracle = family.reference_clip_rows(frames, plan)
+    assert oracle.shape[0] == plan.num_patches
+    torch.testing.assert_close(clip_rows(torch.from_numpy(frames), plan, family), oracle, atol=1e-4, rtol=0)
+
+
 def test_a_sampled_clip_within_the_video_processors_levels_passes_and_is_counted(kimi_family):
     records = clip_records(kimi_family)
     backend = TorchPreprocessor(kimi_family, torch.device("cpu"), "black")
