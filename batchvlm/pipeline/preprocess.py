@@ -159,16 +159,18 @@ def clip_rows(frames: torch.Tensor, plan, family) -> torch.Tensor:
                       for part, part_frames in zip(plan.parts, torch.split(frames, counts))])
 
 
-def frames_as_images(plan, family) -> list[tuple[tuple[int, int], tuple[int, int]]] | None:
-    """(resized, padded) of each of a clip's frames where the family lays them out as images (the Triton kernels then
-    take them with the batch's images): Kimi-K2.5's at their chunk's plan, SigLIP2's (a frame a temporal patch) at the
-    clip's size, unpadded. None where a row holds several frames (Qwen's temporal patches: the kernels store an image
-    in every time slice of its rows, from one source)."""
+def kernel_frames(plan, family, count: int) -> list[tuple[tuple[int, int], tuple[int, int], int]] | None:
+    """Each of a clip's `count` frames as the Triton kernels take it with the batch's images: (resized, padded, 1 where
+    the next frame fills the second time slice of its rows, else 0). Laid out as images: Kimi-K2.5's at their chunk's
+    plan, SigLIP2's (a frame a temporal patch) at the clip's size. In pairs: Qwen's temporal patches of two frames
+    (never padded), an odd last frame in both slices as frame_rows pads it. None where a row holds more frames."""
     if hasattr(plan, "parts"):
-        return [(part.resized, part.padded) for part in plan.parts for _ in range(part.grid_thw[0])]
-    if family.layout.temporal_patch_size == 1:
-        return [(plan.resized, plan.resized)] * plan.grid_thw[0]
-    return None
+        return [(part.resized, part.padded, 0) for part in plan.parts for _ in range(part.grid_thw[0])]
+    tps = family.layout.temporal_patch_size
+    if tps > 2:
+        return None
+    return [(plan.resized, plan.resized, int(tps == 2 and frame % 2 == 0 and frame + 1 < count))
+            for frame in range(count)]
 
 
 def clips_of(records: list[PreparedRecord]) -> list[tuple[PreparedRecord, int, object, object]]:
@@ -269,7 +271,8 @@ class TorchPreprocessor:
 
 class TritonPreprocessor:
     """kernels/pack_pixels.py: every image of the batch staged once, preprocessed in two launches, with the frames of
-    the clips whose frames are laid out as images (`frames_as_images`); the other clips by torch ops."""
+    its clips (`kernel_frames`: as images, or in pairs as Qwen's temporal patches); a clip whose rows hold more than
+    two frames by torch ops."""
 
     def __init__(self, family, device: torch.device, background: str):
         # Imported here, not at the top: Triton fixes compiled vs interpreted when a kernel is defined.
@@ -285,15 +288,17 @@ class TritonPreprocessor:
         images, plans = images_and_plans(records)
         plans = [backend_plan(image, plan, self.family.layout) for image, plan in zip(images, plans)]
         clips = clips_of(records)
-        framed = [frames_as_images(plan, self.family) for _, _, _, plan in clips]
-        as_images = [(clip, sizes) for (_, _, clip, _), sizes in zip(clips, framed) if sizes is not None]
-        frames = [frame for clip, _ in as_images for frame in torch.as_tensor(clip.pixels).unbind(0)]
-        sizes = [size for _, clip_sizes in as_images for size in clip_sizes]
+        framed = [kernel_frames(plan, self.family, len(clip.pixels)) for _, _, clip, plan in clips]
+        taken = [(clip, sizes) for (_, _, clip, _), sizes in zip(clips, framed) if sizes is not None]
+        frames = [frame for clip, _ in taken for frame in torch.as_tensor(clip.pixels).unbind(0)]
+        sizes = [size for _, clip_sizes in taken for size in clip_sizes]
+        # A still image is its own second time slice; a clip's frame that starts a pair has the next frame there.
+        second_slice = list(range(len(images))) + [len(images) + k + size[2] for k, size in enumerate(sizes)]
         packed, counts = self.pack_images([torch.as_tensor(image.pixels) for image in images] + frames,
-                                          [plan.resized for plan in plans] + [resized for resized, _ in sizes],
-                                          [plan.padded for plan in plans] + [padded for _, padded in sizes],
+                                          [plan.resized for plan in plans] + [size[0] for size in sizes],
+                                          [plan.padded for plan in plans] + [size[1] for size in sizes],
                                           self.family.layout, self.family.resample, self.background, self.scale,
-                                          self.bias, self.device)
+                                          self.bias, self.device, second_slice)
         rows = list(torch.split(packed, counts[:len(images)] + [sum(counts[len(images):])]))
         frames_rows = rows.pop()
         # The grid the kernel was told to write (`preprocess_batch` checks its rows: their count, and that every

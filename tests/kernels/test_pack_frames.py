@@ -1,6 +1,7 @@
 """Clips under preprocess.backend=triton: the frames of a clip laid out as images (Kimi-K2.5's chunk frames, SigLIP2's
 NaFlex frames) go through the batch's one kernel launch with its images, their rows held to the torch path
-(`clip_rows`) and to the family's HF processor on the same frames; Qwen's temporal pairs stay on torch ops.
+(`clip_rows`) and to the family's HF processor on the same frames; Qwen's temporal pairs too, each time slice of a
+row from its own frame.
 
 Interpreted without a GPU (TRITON_INTERPRET=1, set before anything imports kernels/pack_pixels.py), so the frames are
 tiny; `jobs/gpu_check.sh` runs this file compiled on a GPU.
@@ -126,15 +127,41 @@ def test_siglip2_frames_go_through_the_images_launch_and_match_the_torch_path_an
     assert levels(siglip, rows, siglip.reference_clip_rows(frames, plan)) <= LEVELS
 
 
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """The tiny Qwen2-VL checkpoint whose clips' frames hold 4 to 16 merge windows (video_preprocessor_config.json)."""
+    folder = tmp_path_factory.mktemp("qwen_frames")
+    shutil.copytree(load_family(ModelConfig(family="qwen2_vl")).checkpoint, folder, dirs_exist_ok=True)
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 16}}))
+    return load_family(ModelConfig(family="qwen2_vl", path=str(folder)))
+
+
 @pytest.mark.slow
-def test_qwen_clips_stay_on_torch_ops_under_triton_and_equal_the_torch_path(monkeypatch):
-    """A Qwen temporal patch holds two different frames; the kernels store one source in every time slice."""
-    family = load_family(ModelConfig(family="qwen2_vl"))
-    frames = moving_frames(4, 56, 56)
-    plan = family.plan_video([0, 1, 2, 3], 4, 2.0, 56, 56)
-    record = record_with(family, frames, plan, photo_of_size(28, 28))
-    backend = TritonPreprocessor(family, DEVICE, "black")
+def test_qwen_temporal_pairs_take_two_frames_in_the_images_launch_and_match_the_video_processor(qwen, monkeypatch):
+    """A Qwen temporal patch holds two different frames, each time slice from its own (five frames: the last one in
+    both slices of its patch, as the video processor pads it), resized in the kernel."""
+    frames = moving_frames(5, 60, 90)
+    plan = qwen.plan_video(list(range(5)), 5, 2.0, 60, 90)
+    assert plan.resized != (60, 90) and plan.grid_thw[0] == 3
+    record = record_with(qwen, frames, plan, photo_of_size(28, 56))
+    backend = TritonPreprocessor(qwen, DEVICE, "black")
     calls = launches(monkeypatch, backend)
-    _, _, (rows,) = backend([record])
-    assert calls == [1]  # the image alone
-    assert torch.equal(rows.cpu(), clip_rows(torch.from_numpy(frames), plan, family))
+    image_rows, _, (rows,) = backend([record])
+    assert calls == [1 + 5]
+    assert rows.shape[0] == plan.num_patches
+    assert levels(qwen, rows, clip_rows(torch.from_numpy(frames), plan, qwen)) <= LEVELS
+    assert levels(qwen, rows, qwen.reference_clip_rows(frames, plan)) <= LEVELS
+    torch_image, _ = TorchPreprocessor(qwen, torch.device("cpu"), "black").image_rows(record.images[0],
+                                                                                      record.plans[0])
+    assert levels(qwen, image_rows[0], torch_image) <= LEVELS  # a still image: both slices its own
+
+
+def test_a_second_time_slice_of_another_size_is_refused():
+    from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
+    from batchvlm.kernels.pack_pixels import pack_images
+
+    frames = [torch.zeros((28, 28, 3), dtype=torch.uint8), torch.zeros((28, 56, 3), dtype=torch.uint8)]
+    with pytest.raises(ValueError, match="second time slice"):
+        pack_images(frames, [(28, 28), (28, 56)], [(28, 28), (28, 56)], PatchLayout(MERGE_WINDOW, 14, 2, 2),
+                    "bicubic", "black", torch.ones(3), torch.zeros(3), DEVICE, [1, 1])
