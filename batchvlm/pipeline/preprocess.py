@@ -9,6 +9,8 @@ elsewhere. The resolved backend is in the run's fingerprint: the two differ by u
 Every image is checked against its plan whichever backend ran, and a deterministic sample of
 images is compared with the HF processor (parity). An image that fails is redone on the CPU path
 (`preprocess.fallback=cpu`) or its record quarantined (`quarantine`); `PreprocessGuard` notes either on the record.
+Clips alike: each backend returns their rows with the images' (triton: their frames in the images' launch,
+`kernel_frames`), checked, sampled against the family's HF processor (`reference_clip_rows`) and redone by `clip_rows`.
 """
 
 from __future__ import annotations
@@ -66,11 +68,12 @@ class PreprocessConfig(Config):
     background: Background = written(Background.black)
     """Background that transparent pixels are composited onto: black | white | gray | chessboard."""
     fallback: Fallback = written(Fallback.cpu)
-    """An image whose backend result fails a preprocess check: cpu (redone on the CPU torch path, counted in the
-    run's totals) | quarantine (its record is quarantined under the check)."""
+    """An image or clip whose backend result fails a preprocess check: cpu (redone on the CPU torch path, counted in
+    the run's totals) | quarantine (its record is quarantined under the check)."""
     parity_sample_rate: float = written(0.001)
-    """Fraction of images (chosen by content hash, so reruns pick the same) also run through the family's HF
-    processor and compared with the backend (check preprocess.parity). The HF processor runs on the CPU."""
+    """Fraction of images (chosen by content hash, so reruns pick the same) and of clips (by record id and clip index)
+    also run through the family's HF processor and compared with the backend (check preprocess.parity). The HF
+    processor runs on the CPU."""
     parity_max_levels: float = written(3.0)
     """Largest pixel difference from the HF processor that parity accepts, in uint8 levels."""
 
