@@ -118,6 +118,16 @@ def backend_plan(image: DecodedImage, plan: ImagePlan, layout) -> ImagePlan:
     return plan
 
 
+def backend_clip_rows(clips: list, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The backend's rows of each clip: as it returned them, unless a test forces a wrong result (fault
+    `preprocess.wrong_clip=<record id>`: that record's clips one row short). The CPU fallback path makes its own, so
+    it stays right."""
+    target = fault("preprocess.wrong_clip")
+    if not target:
+        return rows
+    return [part[:-1] if record.source.id == target else part for (record, *_), part in zip(clips, rows)]
+
+
 def _resized(image: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Tensor:
     """reference.resize_image, but left in uint8 on the CPU, where torch runs PIL's own uint8 algorithm; elsewhere
     its float passes, whose values are whole numbers (each pass rounds and clamps)."""
@@ -482,6 +492,8 @@ def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: Preproc
     and a batch that fails it is redone on the checked path."""
     guard = guard or PreprocessGuard()
     rows, grids, clips_rows = preprocessor(records)
+    clips = clips_of(records)
+    clips_rows = backend_clip_rows(clips, clips_rows)
     images, plans = images_and_plans(records)
     # Which image lost its grid cannot be told from a short list: the device stage bisects such a batch.
     require(len(grids) == len(plans), "preprocess.grid_match", "the backend returned a grid count that differs "
@@ -489,7 +501,6 @@ def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: Preproc
     require(len(rows) == len(plans), "preprocess.feature_length", "the backend returned pixels for a different "
             "number of images than the batch has", expected=len(plans), observed=len(rows))
     owners = [(record, index) for record in records for index in range(len(record.plans))]
-    clips = clips_of(records)
     every = rows + clips_rows
     on_device = torch.stack([torch.isfinite(part).all() for part in every]) if every else None
     finite = syncs.read(on_device) if syncs is not None and every else [True] * len(every)
