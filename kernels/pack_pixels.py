@@ -205,12 +205,14 @@ def pack_images(images: list[torch.Tensor], resized: list[tuple[int, int]], padd
     """
     with launching_on(device):  # Triton launches on the current CUDA device, which need not be the job's
         return _pack_images(images, resized, padded, layout, resample, background, scale, bias, device,
-                            list(range(len(images))) if second_slice is None else second_slice)
+                            second_slice)
 
 
-def _second_slices(images: list[torch.Tensor], resized: list[tuple[int, int]], second_slice: list[int],
+def _second_slices(images: list[torch.Tensor], resized: list[tuple[int, int]], second_slice: list[int] | None,
                    tps: int) -> set[int]:
     """The images that are another's second time slice (checked: only where a row has two, at the same size)."""
+    if second_slice is None:
+        return set()
     slices = {j for i, j in enumerate(second_slice) if j != i}
     for i, j in enumerate(second_slice):
         if j != i and (tps != 2 or images[j].shape != images[i].shape or resized[j] != resized[i]):
@@ -222,7 +224,7 @@ def _second_slices(images: list[torch.Tensor], resized: list[tuple[int, int]], s
 
 def _pack_images(images: list[torch.Tensor], resized: list[tuple[int, int]], padded: list[tuple[int, int]],
                  layout: PatchLayout, resample: str, background: str, scale: torch.Tensor, bias: torch.Tensor,
-                 device: torch.device, second_slice: list[int]) -> tuple[torch.Tensor, list[int]]:
+                 device: torch.device, second_slice: list[int] | None) -> tuple[torch.Tensor, list[int]]:
     p, m, tps = layout.patch_size, layout.merge_size if layout.kind == MERGE_WINDOW else 1, layout.temporal_patch_size
     slices = _second_slices(images, resized, second_slice, tps)
     sizes = [int(image.numel()) for image in images]
@@ -255,8 +257,8 @@ def _pack_images(images: list[torch.Tensor], resized: list[tuple[int, int]], pad
         [(image.shape[0], size[0]) for image, size in zip(images, resized)], resample)
     out_offset = np.cumsum([0] + rows[:-1]) * (3 * tps * p * p)
     v_meta = np.array([[stage[i], image.shape[0], resized[i][1], image.shape[2], resized[i][0], padded[i][1] // p,
-                        v_offset[i], out_offset[i], counts[i], stage[second_slice[i]] - stage[i]]
-                       for i, image in enumerate(images)], np.int64)
+                        v_offset[i], out_offset[i], counts[i], 0 if second_slice is None else
+                        stage[second_slice[i]] - stage[i]] for i, image in enumerate(images)], np.int64)
     block_image, block_offset = _blocks(counts)
     if len(block_image):
         _vertical_pass_and_pack[(len(block_image),)](

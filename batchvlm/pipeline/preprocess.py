@@ -306,7 +306,8 @@ class TritonPreprocessor:
         frames = [frame for clip, _ in taken for frame in torch.as_tensor(clip.pixels).unbind(0)]
         sizes = [size for _, clip_sizes in taken for size in clip_sizes]
         # A still image is its own second time slice; a clip's frame that starts a pair has the next frame there.
-        second_slice = list(range(len(images))) + [len(images) + k + size[2] for k, size in enumerate(sizes)]
+        second_slice = (list(range(len(images))) + [len(images) + k + size[2] for k, size in enumerate(sizes)]
+                        if any(size[2] for size in sizes) else None)
         packed, counts = self.pack_images([torch.as_tensor(image.pixels) for image in images] + frames,
                                           [plan.resized for plan in plans] + [size[0] for size in sizes],
                                           [plan.padded for plan in plans] + [size[1] for size in sizes],
@@ -422,7 +423,6 @@ class PreprocessGuard:
             raise CheckFailed("preprocess.parity", f"image {index}: the backend's pixels differ from the reference "
                               f"processor's by {observed}", expected=f"<= {self.parity_max_levels} levels",
                               observed=observed, image_index=index)
-
 
     def sampled_clip(self, record: PreparedRecord, index: int) -> bool:
         """Deterministic by the record's id and the clip's place (a clip carries no content hash): a rerun samples the

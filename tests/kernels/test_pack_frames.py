@@ -9,6 +9,7 @@ tiny; `jobs/gpu_check.sh` runs this file compiled on a GPU.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -26,6 +27,7 @@ from photos import photo_of_size  # noqa: E402
 
 from batchvlm.families import ModelConfig, load_family  # noqa: E402
 from batchvlm.families.siglip2 import VIDEO_PROCESSOR_CONFIG  # noqa: E402
+from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout  # noqa: E402
 from batchvlm.pipeline.preprocess import (TorchPreprocessor, TritonPreprocessor, clip_rows,  # noqa: E402
                                           preprocess_batch)
 from batchvlm.records import DecodedClip, DecodedImage, PreparedRecord, SourceRecord, TokenLayout  # noqa: E402
@@ -157,8 +159,23 @@ def test_qwen_temporal_pairs_take_two_frames_in_the_images_launch_and_match_the_
     assert levels(qwen, image_rows[0], torch_image) <= LEVELS  # a still image: both slices its own
 
 
+@pytest.mark.slow
+def test_a_clip_whose_rows_hold_more_than_two_frames_stays_on_torch_ops(qwen, monkeypatch):
+    """A layout of three time slices (no released family has one): the kernels pair frames only, so such a clip's
+    rows are clip_rows' under triton, its images still in the launch."""
+    family = copy.copy(qwen)
+    family.layout = PatchLayout(MERGE_WINDOW, 14, 2, 3)
+    frames = moving_frames(6, 56, 84)
+    plan = qwen.plan_video(list(range(6)), 6, 2.0, 56, 84)
+    record = record_with(family, frames, plan, photo_of_size(28, 56))
+    backend = TritonPreprocessor(family, DEVICE, "black")
+    calls = launches(monkeypatch, backend)
+    _, _, (rows,) = backend([record])
+    assert calls == [1]
+    assert torch.equal(rows.cpu(), clip_rows(torch.from_numpy(frames), plan, family))
+
+
 def test_a_second_time_slice_of_another_size_is_refused():
-    from batchvlm.format.layouts import MERGE_WINDOW, PatchLayout
     from batchvlm.kernels.pack_pixels import pack_images
 
     frames = [torch.zeros((28, 28, 3), dtype=torch.uint8), torch.zeros((28, 56, 3), dtype=torch.uint8)]
