@@ -149,12 +149,12 @@ def _vertical_pass_and_pack(buffer_ptr, out_ptr, meta_ptr, block_image_ptr, bloc
     inside = valid & (y < height) & (x < width)
     normalized = _packed_value(buffer_ptr, stage, width, channels, height_in, y, x, c, inside, valid, start_ptr,
                                weight_ptr, table, taps, scale_ptr, bias_ptr, background, CHESSBOARD)
-    # A clip's temporal patch holds TPS different frames, staged `step` apart; a still image (step 0) is one frame
-    # repeated, computed once.
-    step = tl.load(meta + V_STEP)
     destination = out_ptr + tl.load(meta + V_OUT) + row * (3 * TPS * P * P) + value_index
     for tau in tl.static_range(TPS):
-        if tau > 0:
+        if tau > 0:  # compiled only where rows have time slices (layouts without read nothing more)
+            # A clip's temporal patch holds TPS different frames, staged `step` apart; a still image (step 0) is one
+            # frame repeated, computed once.
+            step = tl.load(meta + V_STEP)
             if step != 0:
                 normalized = _packed_value(buffer_ptr, stage + tau * step, width, channels, height_in, y, x, c,
                                            inside, valid, start_ptr, weight_ptr, table, taps, scale_ptr, bias_ptr,
