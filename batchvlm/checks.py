@@ -169,9 +169,9 @@ CATALOGUE: dict[str, Check] = {
               "a preprocessing backend that drops or duplicates patches", "a backend bug: try preprocess.backend=reference"),
         Check("preprocess.grid_match", "grids measured from the preprocessed pixels == planned grids",
               "a preprocessing path whose output shape drifted from the plan", "a backend bug: try preprocess.backend=reference"),
-        Check("preprocess.parity", "on sampled images (preprocess.parity_sample_rate): pixels within "
+        Check("preprocess.parity", "on sampled images and clips (preprocess.parity_sample_rate): pixels within "
               "preprocess.parity_max_levels uint8 levels of the family's HF processor (of the CPU path for RGBA, "
-              "which the HF processors do not composite)",
+              "which the HF processors do not composite; a clip's frames against its video processor, `video_index`)",
               "a backend whose pixels drift from the checkpoint's processor while every shape stays right",
               "a backend bug: try preprocess.backend=torch or reference"),
         Check("encode.packed_tokens", "packed rows == sum of t*h*w over the batch; cu_seqlens starts at 0, increases, ends at the total",

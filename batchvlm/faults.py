@@ -6,6 +6,7 @@ to break; with the variable unset (always, outside tests) they return at once.
 - `decode.crash=<sha256 prefix>` / `decode.hang=<sha256 prefix>`: the decoder child aborts / hangs on that image.
 - `preprocess.wrong_grid=<sha256 prefix>`: the preprocessing backend pads that image one merge window too
   wide, so it produces a wrong grid (the CPU fallback path is not affected).
+- `preprocess.wrong_clip=<record id>`: the backend's rows of that record's clips come back one row short.
 - `crash.<point>=<n>`: the process exits with status 137 (as if SIGKILLed) the n-th time it reaches <point>.
 - `disk_full.<point>=<n>`: writing at <point> fails as on a full disk (ENOSPC) from its n-th time on.
 - `pause.<point>=<seconds>`: the process waits there, holding whatever it holds (a commit half done, a claim).

@@ -13,10 +13,10 @@
 # workers) and the syncs per batch, for the base tower at 8 and at 14 workers and the tiny tower at 8; the tower's
 # model FLOPs utilization per family at its released size; preprocessing of all three families, triton vs torch vs
 # their HF processors; nvJPEG against libjpeg-turbo on baseline, progressive, gray, 4:4:4 and EXIF-rotated JPEGs; the
-# CUDA tests (the device loop, the rings, varlen attention, the kernels compiled). Each step runs under its own
-# timeout, prints its figures as it ends, and a failing step is reported and the next one runs; the timeouts (and
-# their kill-after) add up to under 6 minutes, so that a rerun fits the device tool's 10-minute cap; the summary at
-# the end lists every step, and the script exits 1 if any failed.
+# CUDA tests (the device loop, the rings, varlen attention, the kernels compiled, clips' frames through them). Each
+# step runs under its own timeout, prints its figures as it ends, and a failing step is reported and the next one
+# runs; the timeouts (and their kill-after) add up to under 6 minutes, so that a rerun fits the device tool's 10-minute
+# cap; the summary at the end lists every step, and the script exits 1 if any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -130,7 +130,7 @@ per_family() {
 
 DEVICE_TESTS="tests/test_devices.py tests/executor/test_overlap.py tests/pipeline/test_jpeg.py"
 DEVICE_TESTS+=" tests/pipeline/test_encode.py tests/executor/test_device.py tests/executor/test_transport.py"
-DEVICE_TESTS+=" tests/towers/test_attention.py tests/kernels/test_pack_pixels.py"
+DEVICE_TESTS+=" tests/towers/test_attention.py tests/kernels/test_pack_pixels.py tests/kernels/test_pack_frames.py"
 E2E="task=e2e records=128 stages=false"
 # name, timeout in seconds, command: the timeouts, with KILL_AFTER each, add up to under 6 minutes (test_gpu_check.py
 # holds them to it); the steps take about two thirds of them.

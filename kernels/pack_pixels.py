@@ -6,7 +6,8 @@
                into a staging area of the same buffer (PIL's two-pass semantics)
     kernel 2:  for each value of the packed output: vertical pass, round and clamp, composite RGBA
                onto the background (floor), pad with raw 0, x*scale + bias, stored at its (row,
-               column) of the family's PatchLayout
+               column) of the family's PatchLayout; in every time slice of a row (TPS) for a still image,
+               or, for a clip's frames in pairs (Qwen's temporal patches), each slice from its own frame
 
 Each program block belongs to one image (its tables say which), so one launch covers any mix of
 sizes. Kernel 2 walks the output in order, so its stores are contiguous and its loads gather.
@@ -33,8 +34,8 @@ BLOCK = 1024
 LAYOUT_CODES = {RASTER_CHW: 0, MERGE_WINDOW: 1, RASTER_HWC: 2}
 # Columns of the per-image tables the kernels read (constexpr: the only globals a compiled kernel may read).
 H_SOURCE, H_WIDTH_IN, H_CHANNELS, H_STAGE, H_WIDTH_OUT, H_TABLE, H_COUNT, H_COLUMNS = map(tl.constexpr, range(8))
-(V_STAGE, V_HEIGHT_IN, V_WIDTH, V_CHANNELS, V_HEIGHT_OUT, V_GRID_W, V_TABLE, V_OUT, V_COUNT,
- V_COLUMNS) = map(tl.constexpr, range(10))
+(V_STAGE, V_HEIGHT_IN, V_WIDTH, V_CHANNELS, V_HEIGHT_OUT, V_GRID_W, V_TABLE, V_OUT, V_COUNT, V_STEP,
+ V_COLUMNS) = map(tl.constexpr, range(11))
 SQUARE, GRAY, WHITE = tl.constexpr(CHESSBOARD_SQUARE), tl.constexpr(CHESSBOARD_GRAY), tl.constexpr(CHESSBOARD_WHITE)
 
 
@@ -88,6 +89,28 @@ def _horizontal_pass(buffer_ptr, meta_ptr, block_image_ptr, block_offset_ptr, st
 
 
 @triton.jit
+def _packed_value(buffer_ptr, stage, width, channels, height_in, y, x, c, inside, valid, start_ptr, weight_ptr, table,
+                  taps, scale_ptr, bias_ptr, background, CHESSBOARD: tl.constexpr):
+    """The normalized value at (y, x, c) of the image staged at `stage`: its vertical pass, alpha composited, padded."""
+    # down a column: neighbouring pixels are a staged row (width * channels) apart
+    row_stride = width * channels
+    value = _resample(buffer_ptr, stage + x * channels + c, row_stride, height_in, y, start_ptr, weight_ptr, table,
+                      taps, inside)
+    if channels == 4:
+        alpha = _resample(buffer_ptr, stage + x * channels + 3, row_stride, height_in, y, start_ptr, weight_ptr,
+                          table, taps, inside)
+        alpha = tl.minimum(tl.maximum(alpha / 255.0, 0.0), 1.0)
+        if CHESSBOARD:
+            cell = ((y // SQUARE) + (x // SQUARE)) % 2
+            behind = tl.where(cell == 1, GRAY, WHITE)
+        else:
+            behind = background
+        value = tl.floor(tl.minimum(tl.maximum(alpha * value + (1.0 - alpha) * behind, 0.0), 255.0))
+    value = tl.where(inside, value, 0.0)  # pad with raw 0, before normalizing
+    return value * tl.load(scale_ptr + c, mask=valid, other=0.0) + tl.load(bias_ptr + c, mask=valid, other=0.0)
+
+
+@triton.jit
 def _vertical_pass_and_pack(buffer_ptr, out_ptr, meta_ptr, block_image_ptr, block_offset_ptr, start_ptr, weight_ptr,
                             taps, scale_ptr, bias_ptr, background, LAYOUT: tl.constexpr, P: tl.constexpr,
                             M: tl.constexpr, TPS: tl.constexpr, CHESSBOARD: tl.constexpr, BLOCK: tl.constexpr):
@@ -100,7 +123,7 @@ def _vertical_pass_and_pack(buffer_ptr, out_ptr, meta_ptr, block_image_ptr, bloc
     height = tl.load(meta + V_HEIGHT_OUT)
     grid_w = tl.load(meta + V_GRID_W)
     table = tl.load(meta + V_TABLE)
-    # One element per distinct value: a row's tps frames of a still image are equal, stored TPS times.
+    # One element per value of a time slice: a still image's TPS slices are equal, stored TPS times.
     element = tl.load(block_offset_ptr + pid) + tl.arange(0, BLOCK)
     valid = element < tl.load(meta + V_COUNT)
     row = element // (3 * P * P)
@@ -124,24 +147,18 @@ def _vertical_pass_and_pack(buffer_ptr, out_ptr, meta_ptr, block_image_ptr, bloc
     y = i * P + py
     x = j * P + px
     inside = valid & (y < height) & (x < width)
-    # down a column: neighbouring pixels are a staged row (width * channels) apart
-    row_stride = width * channels
-    value = _resample(buffer_ptr, stage + x * channels + c, row_stride, height_in, y, start_ptr, weight_ptr, table,
-                      taps, inside)
-    if channels == 4:
-        alpha = _resample(buffer_ptr, stage + x * channels + 3, row_stride, height_in, y, start_ptr, weight_ptr,
-                          table, taps, inside)
-        alpha = tl.minimum(tl.maximum(alpha / 255.0, 0.0), 1.0)
-        if CHESSBOARD:
-            cell = ((y // SQUARE) + (x // SQUARE)) % 2
-            behind = tl.where(cell == 1, GRAY, WHITE)
-        else:
-            behind = background
-        value = tl.floor(tl.minimum(tl.maximum(alpha * value + (1.0 - alpha) * behind, 0.0), 255.0))
-    value = tl.where(inside, value, 0.0)  # pad with raw 0, before normalizing
-    normalized = value * tl.load(scale_ptr + c, mask=valid, other=0.0) + tl.load(bias_ptr + c, mask=valid, other=0.0)
+    normalized = _packed_value(buffer_ptr, stage, width, channels, height_in, y, x, c, inside, valid, start_ptr,
+                               weight_ptr, table, taps, scale_ptr, bias_ptr, background, CHESSBOARD)
     destination = out_ptr + tl.load(meta + V_OUT) + row * (3 * TPS * P * P) + value_index
     for tau in tl.static_range(TPS):
+        if tau > 0:  # compiled only where rows have time slices (layouts without read nothing more)
+            # A clip's temporal patch holds TPS different frames, staged `step` apart; a still image (step 0) is one
+            # frame repeated, computed once.
+            step = tl.load(meta + V_STEP)
+            if step != 0:
+                normalized = _packed_value(buffer_ptr, stage + tau * step, width, channels, height_in, y, x, c,
+                                           inside, valid, start_ptr, weight_ptr, table, taps, scale_ptr, bias_ptr,
+                                           background, CHESSBOARD)
         # merge window rows are (c, tau, py, px): frame tau of channel c sits tau * P * P further on
         tl.store(destination + c * (TPS - 1) * P * P + tau * P * P, normalized, mask=valid)
 
@@ -175,21 +192,41 @@ def _device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def pack_images(images: list[torch.Tensor], resized: list[tuple[int, int]], padded: list[tuple[int, int]],
                 layout: PatchLayout, resample: str, background: str, scale: torch.Tensor, bias: torch.Tensor,
-                device: torch.device) -> tuple[torch.Tensor, list[int]]:
+                device: torch.device, second_slice: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
     """HWC uint8 images (RGB or RGBA, on the host or on `device`) -> (packed rows [N, *layout.row_shape], rows per
     image).
 
     `resized` and `padded` are (height, width) per image; `scale` and `bias` the 3 per-channel
     normalization constants. Rows are in input order, each image's at its offset.
+
+    `second_slice` (layouts of two time slices: a clip's frames in pairs): per image, the image whose pixels fill the
+    second time slice of its rows; its own index for a still image (both slices the same, as without the list). An
+    image named as another's second slice, of the same size, writes no rows of its own (0 rows).
     """
     with launching_on(device):  # Triton launches on the current CUDA device, which need not be the job's
-        return _pack_images(images, resized, padded, layout, resample, background, scale, bias, device)
+        return _pack_images(images, resized, padded, layout, resample, background, scale, bias, device,
+                            second_slice)
+
+
+def _second_slices(images: list[torch.Tensor], resized: list[tuple[int, int]], second_slice: list[int] | None,
+                   tps: int) -> set[int]:
+    """The images that are another's second time slice (checked: only where a row has two, at the same size)."""
+    if second_slice is None:
+        return set()
+    slices = {j for i, j in enumerate(second_slice) if j != i}
+    for i, j in enumerate(second_slice):
+        if j != i and (tps != 2 or images[j].shape != images[i].shape or resized[j] != resized[i]):
+            raise ValueError(f"image {j} cannot be image {i}'s second time slice: a row of this layout has {tps} "
+                             f"slices, the images are {tuple(images[i].shape)} -> {resized[i]} and "
+                             f"{tuple(images[j].shape)} -> {resized[j]}")
+    return slices
 
 
 def _pack_images(images: list[torch.Tensor], resized: list[tuple[int, int]], padded: list[tuple[int, int]],
                  layout: PatchLayout, resample: str, background: str, scale: torch.Tensor, bias: torch.Tensor,
-                 device: torch.device) -> tuple[torch.Tensor, list[int]]:
+                 device: torch.device, second_slice: list[int] | None) -> tuple[torch.Tensor, list[int]]:
     p, m, tps = layout.patch_size, layout.merge_size if layout.kind == MERGE_WINDOW else 1, layout.temporal_patch_size
+    slices = _second_slices(images, resized, second_slice, tps)
     sizes = [int(image.numel()) for image in images]
     source = np.cumsum([0] + sizes[:-1]).astype(np.int64)
     widened = [i for i, image in enumerate(images) if image.shape[1] != resized[i][1]]
@@ -212,7 +249,7 @@ def _pack_images(images: list[torch.Tensor], resized: list[tuple[int, int]], pad
             buffer, _device(h_meta, device), _device(block_image, device), _device(block_offset, device),
             _device(h_start, device), _device(h_weight, device), h_taps, BLOCK=BLOCK)
 
-    rows = [(h // p) * (w // p) for h, w in padded]
+    rows = [0 if i in slices else (h // p) * (w // p) for i, (h, w) in enumerate(padded)]
     counts = [n * 3 * p * p for n in rows]
     # NaN until written: a value the kernel misses fails preprocess.feature_length's check that every row is finite.
     out = torch.full((sum(rows), *layout.row_shape), float("nan"), dtype=torch.float32, device=device)
@@ -220,7 +257,8 @@ def _pack_images(images: list[torch.Tensor], resized: list[tuple[int, int]], pad
         [(image.shape[0], size[0]) for image, size in zip(images, resized)], resample)
     out_offset = np.cumsum([0] + rows[:-1]) * (3 * tps * p * p)
     v_meta = np.array([[stage[i], image.shape[0], resized[i][1], image.shape[2], resized[i][0], padded[i][1] // p,
-                        v_offset[i], out_offset[i], counts[i]] for i, image in enumerate(images)], np.int64)
+                        v_offset[i], out_offset[i], counts[i], 0 if second_slice is None else
+                        stage[second_slice[i]] - stage[i]] for i, image in enumerate(images)], np.int64)
     block_image, block_offset = _blocks(counts)
     if len(block_image):
         _vertical_pass_and_pack[(len(block_image),)](

@@ -368,6 +368,24 @@ class KimiK25(PatchFamily):
             size={"max_height": p.max_patches_per_side, "max_width": p.max_patches_per_side},
             image_mean=list(p.image_mean), image_std=list(p.image_std))
 
+    def reference_clip_rows(self, frames: np.ndarray, plan: KimiVideoPlan) -> torch.Tensor:
+        """A clip's rows from transformers' Kimi_K25VideoProcessor (the clip parity oracle), chunk by chunk: each
+        chunk's frames as one temporal patch under the chunk's per-frame patch budget (chunk_patch_limit)."""
+        from transformers import Kimi_K25VideoProcessor
+
+        p, rows, start = self.params, [], 0
+        for chunk in plan.chunks:
+            count = len(chunk.frames)
+            processor = Kimi_K25VideoProcessor(
+                patch_size=p.patch_size, merge_size=p.merge_size, temporal_patch_size=count,
+                max_patches=chunk_patch_limit(count, p, self.video_params),
+                size={"max_height": p.max_patches_per_side, "max_width": p.max_patches_per_side},
+                image_mean=list(p.image_mean), image_std=list(p.image_std), do_sample_frames=False)
+            video = torch.from_numpy(np.ascontiguousarray(frames[start:start + count])).permute(0, 3, 1, 2)
+            rows.append(processor(videos=[video], return_tensors="pt")["pixel_values_videos"])
+            start += count
+        return torch.cat(rows)
+
     # -- tower ----------------------------------------------------------------------------------
     def load_encoder(self, device: torch.device, dtype: torch.dtype) -> KimiEncoder:
         """On the meta device: the header check alone, no tensor read (what batchvlm-estimate runs)."""

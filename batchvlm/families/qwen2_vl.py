@@ -478,6 +478,21 @@ class Qwen2VL(PatchFamily):
             size={"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels},
             image_mean=list(p.image_mean), image_std=list(p.image_std))
 
+    def reference_clip_rows(self, frames: np.ndarray, plan: VideoPlan) -> torch.Tensor:
+        """A clip's rows from the video processor its rule names (Qwen2VLVideoProcessor; Qwen3VLVideoProcessor) on
+        its sampled frames (the clip parity oracle): sized as the rule sizes them, an odd count padded with the last
+        frame, two frames a temporal patch."""
+        from transformers import Qwen2VLVideoProcessor, Qwen3VLVideoProcessor
+
+        p, video = self.params, self.video_params
+        processor = (Qwen3VLVideoProcessor if self.version == "qwen3_vl" else Qwen2VLVideoProcessor)(
+            patch_size=p.patch_size, merge_size=p.merge_size, temporal_patch_size=p.temporal_patch_size,
+            size={"shortest_edge": video.min_pixels, "longest_edge": video.max_pixels},
+            image_mean=list(p.image_mean), image_std=list(p.image_std), max_video_tokens=video.max_video_tokens,
+            do_sample_frames=False, cap_pixels_per_frame=True)
+        clip = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+        return processor(videos=[clip], return_tensors="pt")["pixel_values_videos"]
+
     def load_encoder(self, device: torch.device, dtype: torch.dtype) -> QwenEncoder:
         """On the meta device: the header check alone, no tensor read (what batchvlm-estimate runs)."""
         config = hf_config(read_config(self.checkpoint), self.checkpoint)

@@ -340,11 +340,11 @@ class Siglip2(PatchFamily):
         start, end = self.frame_ids
         return [start] + [self.image_token_id] * plan.num_tokens + [end], [FRAME] + [IMAGE] * plan.num_tokens + [FRAME]
 
-    def reference_processor(self):
+    def reference_processor(self, max_num_patches: int | None = None):
         from transformers import Siglip2ImageProcessor
 
         p = self.params
-        return Siglip2ImageProcessor(patch_size=p.patch_size, max_num_patches=p.max_num_patches,
+        return Siglip2ImageProcessor(patch_size=p.patch_size, max_num_patches=max_num_patches or p.max_num_patches,
                                      image_mean=list(p.image_mean), image_std=list(p.image_std))
 
     def reference_preprocess(self, images: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,6 +353,14 @@ class Siglip2(PatchFamily):
         rows = [values[:int(h) * int(w)] for values, (h, w) in zip(out["pixel_values"], out["spatial_shapes"])]
         grids = torch.cat([torch.ones(len(rows), 1, dtype=torch.int64), out["spatial_shapes"].long()], dim=1)
         return torch.cat(rows), grids
+
+    def reference_clip_rows(self, frames: np.ndarray, plan: VideoPlan) -> torch.Tensor:
+        """A clip's rows from Siglip2ImageProcessor at the clip's patch budget (the clip parity oracle): each frame a
+        NaFlex image, its padded rows cut to the frame's."""
+        out = self.reference_processor(self.video_params.max_num_patches)(images=processor_inputs(list(frames)),
+                                                                           return_tensors="pt")
+        return torch.cat([values[:int(h) * int(w)] for values, (h, w) in zip(out["pixel_values"],
+                                                                             out["spatial_shapes"])])
 
     def load_encoder(self, device: torch.device, dtype: torch.dtype) -> SiglipEncoder:
         """On the meta device: the header check alone, no tensor read (what batchvlm-estimate runs)."""

@@ -9,17 +9,21 @@ elsewhere. The resolved backend is in the run's fingerprint: the two differ by u
 Every image is checked against its plan whichever backend ran, and a deterministic sample of
 images is compared with the HF processor (parity). An image that fails is redone on the CPU path
 (`preprocess.fallback=cpu`) or its record quarantined (`quarantine`); `PreprocessGuard` notes either on the record.
+Clips alike: each backend returns their rows with the images' (triton: their frames in the images' launch,
+`kernel_frames`), checked, sampled against the family's HF processor (`reference_clip_rows`) and redone by `clip_rows`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from typing import ClassVar
 import logging
 import os
 from collections import Counter
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -64,11 +68,12 @@ class PreprocessConfig(Config):
     background: Background = written(Background.black)
     """Background that transparent pixels are composited onto: black | white | gray | chessboard."""
     fallback: Fallback = written(Fallback.cpu)
-    """An image whose backend result fails a preprocess check: cpu (redone on the CPU torch path, counted in the
-    run's totals) | quarantine (its record is quarantined under the check)."""
+    """An image or clip whose backend result fails a preprocess check: cpu (redone on the CPU torch path, counted in
+    the run's totals) | quarantine (its record is quarantined under the check)."""
     parity_sample_rate: float = written(0.001)
-    """Fraction of images (chosen by content hash, so reruns pick the same) also run through the family's HF
-    processor and compared with the backend (check preprocess.parity). The HF processor runs on the CPU."""
+    """Fraction of images (chosen by content hash, so reruns pick the same) and of clips (by record id and clip index)
+    also run through the family's HF processor and compared with the backend (check preprocess.parity). The HF
+    processor runs on the CPU."""
     parity_max_levels: float = written(3.0)
     """Largest pixel difference from the HF processor that parity accepts, in uint8 levels."""
 
@@ -113,6 +118,16 @@ def backend_plan(image: DecodedImage, plan: ImagePlan, layout) -> ImagePlan:
     return plan
 
 
+def backend_clip_rows(clips: list, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The backend's rows of each clip: as it returned them, unless a test forces a wrong result (fault
+    `preprocess.wrong_clip=<record id>`: that record's clips one row short). The CPU fallback path makes its own, so
+    it stays right."""
+    target = fault("preprocess.wrong_clip")
+    if not target:
+        return rows
+    return [part[:-1] if record.source.id == target else part for (record, *_), part in zip(clips, rows)]
+
+
 def _resized(image: torch.Tensor, size: tuple[int, int], mode: str) -> torch.Tensor:
     """reference.resize_image, but left in uint8 on the CPU, where torch runs PIL's own uint8 algorithm; elsewhere
     its float passes, whose values are whole numbers (each pass rounds and clamps)."""
@@ -155,6 +170,32 @@ def clip_rows(frames: torch.Tensor, plan, family) -> torch.Tensor:
     counts = [part.grid_thw[0] for part in plan.parts]
     return torch.cat([padded_frame_rows(part_frames, part, family.layout, family, family.resample)
                       for part, part_frames in zip(plan.parts, torch.split(frames, counts))])
+
+
+def kernel_frames(plan, family, count: int) -> list[tuple[tuple[int, int], tuple[int, int], int]] | None:
+    """Each of a clip's `count` frames as the Triton kernels take it with the batch's images: (resized, padded, 1 where
+    the next frame fills the second time slice of its rows, else 0). Laid out as images: Kimi-K2.5's at their chunk's
+    plan, SigLIP2's (a frame a temporal patch) at the clip's size. In pairs: Qwen's temporal patches of two frames
+    (never padded), an odd last frame in both slices as frame_rows pads it. None where a row holds more frames."""
+    if hasattr(plan, "parts"):
+        return [(part.resized, part.padded, 0) for part in plan.parts for _ in range(part.grid_thw[0])]
+    tps = family.layout.temporal_patch_size
+    if tps > 2:
+        return None
+    return [(plan.resized, plan.resized, int(tps == 2 and frame % 2 == 0 and frame + 1 < count))
+            for frame in range(count)]
+
+
+def clips_of(records: list[PreparedRecord]) -> list[tuple[PreparedRecord, int, object, object]]:
+    """(record, clip index, DecodedClip, its plan) of every clip of the batch, in batch order."""
+    return [(record, index, clip, plan) for record in records
+            for index, (clip, plan) in enumerate(zip(record.clips, record.clip_plans))]
+
+
+def torch_clips_rows(clips: list, device: torch.device, family) -> list[torch.Tensor]:
+    """Clips' rows by torch ops (`clip_rows`) on `device`, their frames crossing together."""
+    frames = images_on([clip.pixels for _, _, clip, _ in clips], device) if clips else []
+    return [clip_rows(clip_frames, plan, family) for (_, _, _, plan), clip_frames in zip(clips, frames)]
 
 
 def pixels_on(image: DecodedImage, device: torch.device) -> torch.Tensor:
@@ -231,18 +272,20 @@ class TorchPreprocessor:
         canvas = self.padded_uint8(pixels, plan)
         return self.normalized_rows(canvas), self.family.grid_of(canvas)
 
-    def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
+    def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple], list[torch.Tensor]]:
         images, plans = images_and_plans(records)
         rows, grids = [], []
         for image, pixels, plan in zip(images, images_on([image.pixels for image in images], self.device), plans):
             image_rows, grid = self.rows_of(pixels, backend_plan(image, plan, self.family.layout))
             rows.append(image_rows)
             grids.append(grid)
-        return rows, grids
+        return rows, grids, torch_clips_rows(clips_of(records), self.device, self.family)
 
 
 class TritonPreprocessor:
-    """kernels/pack_pixels.py: every image of the batch staged once, preprocessed in two launches."""
+    """kernels/pack_pixels.py: every image of the batch staged once, preprocessed in two launches, with the frames of
+    its clips (`kernel_frames`: as images, or in pairs as Qwen's temporal patches); a clip whose rows hold more than
+    two frames by torch ops."""
 
     def __init__(self, family, device: torch.device, background: str):
         # Imported here, not at the top: Triton fixes compiled vs interpreted when a kernel is defined.
@@ -254,17 +297,38 @@ class TritonPreprocessor:
         self.background = background
         self.scale, self.bias = normalization(family, device)
 
-    def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
+    def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple], list[torch.Tensor]]:
         images, plans = images_and_plans(records)
         plans = [backend_plan(image, plan, self.family.layout) for image, plan in zip(images, plans)]
-        packed, counts = self.pack_images([torch.as_tensor(image.pixels) for image in images],
-                                          [plan.resized for plan in plans], [plan.padded for plan in plans],
+        clips = clips_of(records)
+        framed = [kernel_frames(plan, self.family, len(clip.pixels)) for _, _, clip, plan in clips]
+        taken = [(clip, sizes) for (_, _, clip, _), sizes in zip(clips, framed) if sizes is not None]
+        frames = [frame for clip, _ in taken for frame in torch.as_tensor(clip.pixels).unbind(0)]
+        sizes = [size for _, clip_sizes in taken for size in clip_sizes]
+        # A still image is its own second time slice; a clip's frame that starts a pair has the next frame there.
+        second_slice = (list(range(len(images))) + [len(images) + k + size[2] for k, size in enumerate(sizes)]
+                        if any(size[2] for size in sizes) else None)
+        packed, counts = self.pack_images([torch.as_tensor(image.pixels) for image in images] + frames,
+                                          [plan.resized for plan in plans] + [size[0] for size in sizes],
+                                          [plan.padded for plan in plans] + [size[1] for size in sizes],
                                           self.family.layout, self.family.resample, self.background, self.scale,
-                                          self.bias, self.device)
+                                          self.bias, self.device, second_slice)
+        rows = list(torch.split(packed, counts[:len(images)] + [sum(counts[len(images):])]))
+        frames_rows = rows.pop()
         # The grid the kernel was told to write (`preprocess_batch` checks its rows: their count, and that every
         # value was written, since the output starts as NaN).
         grids = [self.family.grid_of(torch.empty((3, *plan.padded), device="meta")) for plan in plans]
-        return list(torch.split(packed, counts)), grids
+        return rows, grids, self._clips_rows(clips, framed, frames_rows, counts[len(images):])
+
+    def _clips_rows(self, clips: list, framed: list, frames_rows: torch.Tensor,
+                    frame_counts: list[int]) -> list[torch.Tensor]:
+        """Each clip's rows: its frames' from the packed batch, or torch ops' for a clip the kernels do not take."""
+        counts = iter(frame_counts)
+        packed = iter(torch.split(frames_rows, [sum(next(counts) for _ in sizes) for sizes in framed
+                                                if sizes is not None]))
+        others = iter(torch_clips_rows([clip for clip, sizes in zip(clips, framed) if sizes is None], self.device,
+                                       self.family))
+        return [next(packed) if sizes is not None else next(others) for sizes in framed]
 
 
 class ReferencePreprocessor:
@@ -274,14 +338,14 @@ class ReferencePreprocessor:
         self.family = family
         self.device = device
 
-    def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple]]:
+    def __call__(self, records: list[PreparedRecord]) -> tuple[list[torch.Tensor], list[tuple], list[torch.Tensor]]:
         rows, grids = [], []
         for record in records:
             for image in record.images:
                 pixel_values, grid = self.family.reference_preprocess([image.on_host()])
                 rows.append(pixel_values.to(self.device))
                 grids.append(tuple(int(v) for v in grid[0]))
-        return rows, grids
+        return rows, grids, torch_clips_rows(clips_of(records), self.device, self.family)
 
 
 def make_preprocessor(backend: str, family, device: torch.device, background: str):
@@ -360,6 +424,55 @@ class PreprocessGuard:
                               f"processor's by {observed}", expected=f"<= {self.parity_max_levels} levels",
                               observed=observed, image_index=index)
 
+    def sampled_clip(self, record: PreparedRecord, index: int) -> bool:
+        """Deterministic by the record's id and the clip's place (a clip carries no content hash): a rerun samples the
+        same clips. Only a family with a clip oracle (`reference_clip_rows`) samples any."""
+        if self.parity_sample_rate <= 0 or not hasattr(self.cpu.family, "reference_clip_rows"):
+            return False
+        digest = hashlib.sha256(f"{record.source.id}\0clip {index}".encode()).hexdigest()
+        return int(digest[:8], 16) < self.parity_sample_rate * 16 ** 8
+
+    def checked_clip_rows(self, record: PreparedRecord, index: int, clip, plan, rows: torch.Tensor,
+                          all_finite: bool) -> torch.Tensor:
+        """A clip's rows once they pass every check: the backend's, or the CPU path's (`clip_rows`) instead. Its
+        events are kept by its index among the record's media (its images, then its clips), so an image's and a
+        clip's never collide, and counted with the images' (a clip is one)."""
+        stats, media_index = record.preprocess, len(record.images) + index
+        try:
+            _check_clip(index, plan, rows, all_finite)
+            if self.sampled_clip(record, index):
+                stats.parity_checked.add(media_index)
+                self._check_clip_parity(index, clip, plan, rows, stats, media_index)
+            return rows
+        except CheckFailed as failure:
+            if not self.fallback:
+                failure.record = record
+                raise
+            log.warning("%s clip %d: %s; redone on the CPU path", record.source.id, index, failure)
+            stats.fallbacks[media_index] = failure.check
+            cpu_rows = clip_rows(torch.as_tensor(clip.pixels), plan, self.cpu.family)
+            try:
+                _check_clip(index, plan, cpu_rows, True)
+            except CheckFailed as cpu_failure:
+                cpu_failure.record = record
+                raise
+            return cpu_rows.to(rows.device)
+
+    def _check_clip_parity(self, index: int, clip, plan, rows: torch.Tensor, stats: PreprocessStats,
+                           media_index: int) -> None:
+        """Within parity_max_levels uint8 levels of the family's HF processor on the clip's frames."""
+        oracle = self.cpu.family.reference_clip_rows(np.asarray(clip.pixels), plan).float()
+        ours = rows.detach().float().cpu()
+        levels = (float(((ours - oracle).abs() / self.cpu.row_scale.cpu()).max()) if ours.shape == oracle.shape
+                  else None)
+        if levels is None or levels > self.parity_max_levels:
+            stats.parity_failed.add(media_index)
+            observed = (f"shape {tuple(ours.shape)} vs {tuple(oracle.shape)}" if levels is None
+                        else f"{levels:.2f} levels")
+            raise CheckFailed("preprocess.parity", f"clip {index}: the backend's pixels differ from the reference "
+                              f"processor's by {observed}", expected=f"<= {self.parity_max_levels} levels",
+                              observed=observed, video_index=index)
+
 
 def merged_stats(parts: list[dict]) -> dict:
     """`PreprocessStats.counts()` of records (or of units, as their manifests keep them) added up."""
@@ -378,7 +491,9 @@ def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: Preproc
     stays on the device in the batch (PixelBatch.finite), read back with the tower's outputs (encode.finish_batch),
     and a batch that fails it is redone on the checked path."""
     guard = guard or PreprocessGuard()
-    rows, grids = preprocessor(records)
+    rows, grids, clips_rows = preprocessor(records)
+    clips = clips_of(records)
+    clips_rows = backend_clip_rows(clips, clips_rows)
     images, plans = images_and_plans(records)
     # Which image lost its grid cannot be told from a short list: the device stage bisects such a batch.
     require(len(grids) == len(plans), "preprocess.grid_match", "the backend returned a grid count that differs "
@@ -386,19 +501,14 @@ def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: Preproc
     require(len(rows) == len(plans), "preprocess.feature_length", "the backend returned pixels for a different "
             "number of images than the batch has", expected=len(plans), observed=len(rows))
     owners = [(record, index) for record in records for index in range(len(record.plans))]
-    clips = [(record, index, clip, plan) for record in records
-             for index, (clip, plan) in enumerate(zip(record.clips, record.clip_plans))]
-    frames = images_on([clip.pixels for _, _, clip, _ in clips], preprocessor.device) if clips else []
-    clips_rows = [clip_rows(clip_frames, plan, preprocessor.family)
-                  for (_, _, _, plan), clip_frames in zip(clips, frames)]
     every = rows + clips_rows
     on_device = torch.stack([torch.isfinite(part).all() for part in every]) if every else None
     finite = syncs.read(on_device) if syncs is not None and every else [True] * len(every)
     rows = [guard.checked_rows(record, index, image, plan, grid, image_rows, all_finite)
             for (record, index), image, plan, grid, image_rows, all_finite
             in zip(owners, images, plans, grids, rows, finite)]
-    clips_rows = [checked_clip_rows(record, index, plan, part, all_finite)
-                  for (record, index, _, plan), part, all_finite in zip(clips, clips_rows, finite[len(rows):])]
+    clips_rows = [guard.checked_clip_rows(record, index, clip, plan, part, all_finite)
+                  for (record, index, clip, plan), part, all_finite in zip(clips, clips_rows, finite[len(rows):])]
     pixel_values = torch.cat(in_record_order(records, rows, clips_rows) if clips_rows else rows)
     grid_thw = torch.tensor([plan.grid_thw for record in records for plan in record.media_plans], dtype=torch.int64)
     require(pixel_values.shape[0] == int(grid_thw.prod(-1).sum()), "preprocess.feature_length",
@@ -408,10 +518,8 @@ def preprocess_batch(records: list[PreparedRecord], preprocessor, guard: Preproc
                       finite=None if syncs is not None else on_device)
 
 
-def checked_clip_rows(record: PreparedRecord, index: int, plan, rows: torch.Tensor, all_finite: bool) -> torch.Tensor:
-    """A clip's rows, every backend's from `frame_rows` (torch ops on the job's device; the parity sample and the
-    CPU fallback are the images'): as many as its plan's patches, every value finite; else its record is
-    quarantined, naming the clip."""
+def _check_clip(index: int, plan, rows: torch.Tensor, all_finite: bool) -> None:
+    """As many rows as the clip's plan has patches, every value finite; a failure names the clip."""
     try:
         require(rows.shape[0] == plan.num_patches, "preprocess.feature_length", f"clip {index}: {rows.shape[0]} "
                 f"pixel rows for {plan.num_patches} planned patches", expected=plan.num_patches,
@@ -419,9 +527,8 @@ def checked_clip_rows(record: PreparedRecord, index: int, plan, rows: torch.Tens
         require(all_finite, "preprocess.feature_length", f"clip {index}: pixel rows hold NaN or Inf",
                 expected="every value written and finite", observed="non-finite")
     except CheckFailed as failure:
-        failure.record, failure.video_index = record, index
+        failure.video_index = index
         raise
-    return rows
 
 
 def in_record_order(records: list[PreparedRecord], image_rows: list, clip_rows: list) -> list:

@@ -117,6 +117,22 @@ def test_qwen3s_video_params_and_rule_are_what_auto_video_processor_reads_from_t
     assert json.loads(json.dumps(qwen3.video_fingerprint()))["params"]["max_video_tokens"] == 64
 
 
+@pytest.mark.slow  # the real vocabulary takes seconds to build
+def test_the_clip_parity_oracle_is_qwen3s_video_processor_and_holds_the_jobs_rows(qwen3):
+    """family.reference_clip_rows (the job's clip parity sample) on a clip's sampled frames: the job's rows within
+    float rounding, an odd count included (the last frame repeated)."""
+    from batchvlm.pipeline.preprocess import clip_rows
+
+    for frames, fps, height, width in [(31, 10, 64, 96), (12, 4, 90, 60)]:
+        data = make_clip(frames, fps=fps, height=height, width=width)
+        clip = decode_frames(data, probe(data, VideoConfig()), qwen3.video_sampler()(frames, fps),
+                             VideoConfig()).frames
+        plan = qwen3.plan_video(list(range(len(clip))), frames, fps, height, width)
+        oracle = qwen3.reference_clip_rows(clip, plan)
+        assert oracle.shape[0] == plan.num_patches
+        torch.testing.assert_close(clip_rows(torch.from_numpy(clip), plan, qwen3), oracle, atol=1e-5, rtol=0)
+
+
 # -- the prompt: ids, tags, mask and positions of a conversation with clips and an image ---------------------------
 CLIPS = {"a.mp4": (31, 10, 64, 96), "b.mp4": (12, 4, 90, 60)}
 """name -> (frames, fps, height, width)."""

@@ -20,7 +20,7 @@ from batchvlm.devices import Syncs
 from batchvlm.kernels.reference import normalized_image
 from batchvlm.pipeline.preprocess import (PreprocessGuard, TorchPreprocessor, merged_stats, preprocess_batch,
                                           resolve_backend)
-from batchvlm.records import DecodedImage, PreparedRecord, SourceRecord, TokenLayout
+from batchvlm.records import DecodedClip, DecodedImage, PreparedRecord, SourceRecord, TokenLayout
 
 
 @pytest.mark.parametrize("background", ["black", "chessboard"])
@@ -57,10 +57,10 @@ class BrightenOne:
         self.inner, self.record_id = inner, record_id
 
     def __call__(self, records):
-        rows, grids = self.inner(records)
+        rows, grids, clips = self.inner(records)
         index = first_image_of(records, self.record_id)
         rows[index] = rows[index] + 5 * float(self.inner.scale.flatten()[0])
-        return rows, grids
+        return rows, grids, clips
 
 
 def photo_records(family) -> list[PreparedRecord]:
@@ -99,11 +99,11 @@ class LeaveOneValueUnwritten:
         self.inner, self.record_id = inner, record_id
 
     def __call__(self, records):
-        rows, grids = self.inner(records)
+        rows, grids, clips = self.inner(records)
         index = first_image_of(records, self.record_id)
         rows[index] = rows[index].clone()
         rows[index].view(-1)[7] = float("nan")
-        return rows, grids
+        return rows, grids, clips
 
 
 def test_unwritten_values_are_caught_and_redone_on_the_cpu_path(kimi_family):
@@ -126,6 +126,89 @@ def test_parity_sampling_is_deterministic_by_content():
     digests = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(400)]
     picks = [guard.sampled(DecodedImage(np.zeros((1, 1, 3), np.uint8), "PNG", d)) for d in digests]
     assert picks == [guard.sampled(DecodedImage(np.zeros((1, 1, 3), np.uint8), "PNG", d)) for d in digests]
+    assert 60 < sum(picks) < 140
+
+
+# -- clips: the parity sample against the family's HF processor, the CPU fallback --------------------------------
+class SpoilClip:
+    """A backend whose rows for the batch's first clip are wrong: 5 levels too bright (shapes right), or a row short."""
+
+    def __init__(self, inner, how: str):
+        self.inner, self.how = inner, how
+
+    def __call__(self, records):
+        rows, grids, clips = self.inner(records)
+        if self.how == "brighter":
+            clips[0] = clips[0] + 5 * float(self.inner.scale.flatten()[0])
+        else:
+            clips[0] = clips[0][:-1]
+        return rows, grids, clips
+
+
+def clip_records(family) -> list[PreparedRecord]:
+    """Two records, each an image and a clip of five frames (Kimi-K2.5: chunks of 4 and 1)."""
+    records = photo_records(family)[:2]
+    for record, shift in zip(records, (0, 7)):
+        photo = np.ascontiguousarray(data.astronaut()[100:160, 100:210])
+        frames = np.stack([np.roll(photo, shift + 3 * index, axis=1)[:, :90] for index in range(5)])
+        record.clips = [DecodedClip(frames, tuple(range(5)), tuple(i / 2 for i in range(5)), 5, 2.0)]
+        record.clip_plans = [family.plan_video(list(range(5)), 5, 2.0, 60, 90)]
+    return records
+
+
+def test_each_familys_clip_oracle_holds_the_jobs_clip_rows(family):
+    """family.reference_clip_rows (the transformers processor its clip rule names, on the sampled frames: the parity
+    sample's oracle) against the job's clip_rows: the same rows to float rounding, five frames (an odd count)."""
+    from batchvlm.pipeline.preprocess import clip_rows
+
+    (record, _) = clip_records(family)
+    frames, plan = record.clips[0].pixels, record.clip_plans[0]
+    oracle = family.reference_clip_rows(frames, plan)
+    assert oracle.shape[0] == plan.num_patches
+    torch.testing.assert_close(clip_rows(torch.from_numpy(frames), plan, family), oracle, atol=1e-4, rtol=0)
+
+
+def test_a_sampled_clip_within_the_video_processors_levels_passes_and_is_counted(kimi_family):
+    records = clip_records(kimi_family)
+    backend = TorchPreprocessor(kimi_family, torch.device("cpu"), "black")
+    guard = PreprocessGuard(cpu=TorchPreprocessor(kimi_family, torch.device("cpu"), "black"), fallback=False,
+                            parity_sample_rate=1.0)
+    preprocess_batch(records, backend, guard)
+    assert [record.preprocess.parity_checked for record in records] == [{0, 1}, {0, 1}]  # media: the image, the clip
+    assert merged_stats([record.preprocess.counts() for record in records])["parity"] == {
+        "checked_images": 4, "failed_images": 0}
+
+
+@pytest.mark.parametrize("how,check", [("brighter", "preprocess.parity"), ("short", "preprocess.feature_length")])
+def test_a_clips_wrong_backend_rows_are_redone_on_the_cpu_path(kimi_family, how, check):
+    records = clip_records(kimi_family)
+    backend = TorchPreprocessor(kimi_family, torch.device("cpu"), "black")
+    guard = PreprocessGuard(cpu=TorchPreprocessor(kimi_family, torch.device("cpu"), "black"), fallback=True,
+                            parity_sample_rate=1.0)
+    packed = preprocess_batch(records, SpoilClip(backend, how), guard)
+    assert torch.equal(packed.pixel_values, preprocess_batch(records, backend).pixel_values)
+    assert records[0].preprocess.fallbacks == {1: check} and not records[1].preprocess.fallbacks
+    assert merged_stats([record.preprocess.counts() for record in records])["fallbacks"] == {check: 1}
+
+
+@pytest.mark.parametrize("how,check", [("brighter", "preprocess.parity"), ("short", "preprocess.feature_length")])
+def test_a_clips_wrong_backend_rows_quarantine_its_record_naming_the_clip_without_fallback(kimi_family, how, check):
+    records = clip_records(kimi_family)
+    backend = TorchPreprocessor(kimi_family, torch.device("cpu"), "black")
+    guard = PreprocessGuard(cpu=TorchPreprocessor(kimi_family, torch.device("cpu"), "black"), fallback=False,
+                            parity_sample_rate=1.0)
+    with pytest.raises(CheckFailed) as caught:
+        preprocess_batch(records, SpoilClip(backend, how), guard)
+    assert (caught.value.check, caught.value.record, caught.value.video_index) == (check, records[0], 0)
+    assert caught.value.image_index is None
+
+
+def test_clip_parity_sampling_is_deterministic_by_record_and_clip(kimi_family):
+    guard = PreprocessGuard(cpu=TorchPreprocessor(kimi_family, torch.device("cpu"), "black"), parity_sample_rate=0.25)
+    records = [PreparedRecord(SourceRecord(id=f"r{i}", unit_id="u", source="s", row=0, text="", images=[]), [], [],
+                              TokenLayout([], [], [])) for i in range(200)]
+    picks = [guard.sampled_clip(record, index) for record in records for index in (0, 1)]
+    assert picks == [guard.sampled_clip(record, index) for record in records for index in (0, 1)]
     assert 60 < sum(picks) < 140
 
 

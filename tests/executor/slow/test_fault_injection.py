@@ -67,30 +67,30 @@ class Wrapped:
 
 class RowShortPreprocessor(Wrapped):
     def __call__(self, records):
-        rows, grids = self.inner(records)
+        rows, grids, clips = self.inner(records)
         index = _image_index(records, TARGET)
         if index is not None:
             rows[index] = rows[index][:-1]
-        return rows, grids
+        return rows, grids, clips
 
 
 class GridOffByOnePreprocessor(Wrapped):
     def __call__(self, records):
-        rows, grids = self.inner(records)
+        rows, grids, clips = self.inner(records)
         index = _image_index(records, TARGET)
         if index is not None:
             t, h, w = grids[index]
             grids[index] = (t, h, w + 1)
-        return rows, grids
+        return rows, grids, clips
 
 
 class MissingGridPreprocessor(Wrapped):
     def __call__(self, records):
-        rows, grids = self.inner(records)
+        rows, grids, clips = self.inner(records)
         index = _image_index(records, TARGET)
         if index is not None:
             del grids[index]
-        return rows, grids
+        return rows, grids, clips
 
 
 class EncoderPlant(Wrapped):

@@ -213,6 +213,43 @@ def test_a_truncated_clip_and_a_clip_without_its_placeholder_are_quarantined_nam
     assert "1 video placeholder" in quarantined["unplaced"]["message"]
 
 
+def test_the_parity_sample_checks_every_clip_against_the_video_processor_in_the_job(video_run):
+    """parity_sample_rate=1.0 (the Qwen2-VL run): every image and every clip of a written row compared with the HF
+    processors (Qwen2VLVideoProcessor for the clips) and none failed."""
+    version, _, _, run = video_run
+    if version != "qwen2_vl":
+        pytest.skip("the Qwen2-VL run samples every image and clip")
+    written = rows_of(run, "data")
+    media = sum(len(row["grid_thw"] or []) + len(row["video_grid_thw"] or []) for row in written.values())
+    assert json.loads((run / "_SUCCESS").read_text())["parity"] == {"checked_images": media, "failed_images": 0}
+
+
+@pytest.mark.parametrize("fallback", ["cpu", "quarantine"])
+def test_a_clips_wrong_backend_rows_are_redone_on_the_cpu_path_or_quarantine_naming_the_clip(
+        video_run, tmp_path, monkeypatch, fallback):
+    """BATCHVLM_FAULTS=preprocess.wrong_clip: the backend's rows of a record's clips one row short. fallback=cpu: each
+    redone on the CPU path, the rows written as the clean run's, counted in _SUCCESS; quarantine: the record
+    quarantined under preprocess.feature_length naming its first clip. The other records unchanged."""
+    version, checkpoint, folder, clean = video_run
+    if version != "qwen2_vl":
+        pytest.skip("one family's run is enough")
+    monkeypatch.setenv("BATCHVLM_FAULTS", "preprocess.wrong_clip=two_clips")
+    run = embed_in_process(tmp_path, "clips", "dataset=llava", f"dataset.path={folder / 'llava.json'}",
+                           "model=qwen2_vl_tiny", f"model.path={checkpoint}", "output.embed_dtype=float32",
+                           *RUNS[version][1], f"preprocess.fallback={fallback}", "checks.max_quarantine_fraction=0.9")
+    written, expected = rows_of(run, "data"), rows_of(clean, "data")
+    success = json.loads((run / "_SUCCESS").read_text())
+    if fallback == "cpu":
+        assert set(written) == set(expected)
+        assert written["two_clips"]["video_embeds"] == expected["two_clips"]["video_embeds"]
+        assert success["fallbacks"] == {"preprocess.feature_length": 2}
+        return
+    assert set(written) == set(expected) - {"two_clips"}
+    failure = rows_of(run, "quarantine")["two_clips"]
+    assert (failure["check"], failure["video_index"], failure["image_index"]) == ("preprocess.feature_length", 0, None)
+    assert written["clip_and_image"]["video_embeds"] == expected["clip_and_image"]["video_embeds"]
+
+
 def test_a_stored_clip_row_trains_with_the_loss_the_model_gives_on_its_pixels(video_run):
     """training.model_inputs on the stored rows (the clips' tokens as `mm_encoder_outputs["video"]`, the stored
     positions), against the model's own forward on the processor's `pixel_values_videos` (its own positions), with
