@@ -172,15 +172,18 @@ def _blocks(counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _axis_tables(sizes: list[tuple[int, int]], resample: str) -> tuple[np.ndarray, np.ndarray, list[int], int]:
-    """Filter taps of one axis for every (in, out) pair, concatenated: start, weights, each pair's offset, width."""
+    """Filter taps of one axis for every (in, out) pair, concatenated: start, weights, each pair's offset, width. A
+    pair seen before (a clip's frames share one size) shares its taps' offset."""
     width = max((max_taps(n_in, n_out, resample) for n_in, n_out in sizes), default=1)
-    starts, weights, offsets, cursor = [], [], [], 0
+    starts, weights, offsets, cursor, seen = [], [], [], 0, {}
     for n_in, n_out in sizes:
-        start, weight = filter_taps(n_in, n_out, resample, width)
-        starts.append(start)
-        weights.append(weight)
-        offsets.append(cursor)
-        cursor += n_out
+        if (n_in, n_out) not in seen:
+            start, weight = filter_taps(n_in, n_out, resample, width)
+            starts.append(start)
+            weights.append(weight)
+            seen[n_in, n_out] = cursor
+            cursor += n_out
+        offsets.append(seen[n_in, n_out])
     if not sizes:
         return np.zeros(0, np.int64), np.zeros((0, width), np.float32), offsets, width
     return np.concatenate(starts), np.concatenate(weights), offsets, width

@@ -26,7 +26,7 @@ import torch
 from batchvlm.bench.decoding import timed
 from batchvlm.bench.e2e import budget_groups, run_whole
 from batchvlm.bench.tasks import best_seconds
-from batchvlm.bench.video import panned_clip
+from batchvlm.bench.video import panned_clip, status_mb
 from batchvlm.config import ConfigError
 from batchvlm.demo import DEMO_VERSION, build_once, home
 from batchvlm.executor.config import JobConfig, RuntimeConfig
@@ -102,12 +102,6 @@ def tower_alone(job: Parts, prepared: list, repeats: int) -> tuple[float, list]:
     return seconds, batches
 
 
-def status_mb(pid: int, field: str) -> float:
-    """A memory figure of process `pid` from /proc (VmRSS now, VmHWM its peak), in MB."""
-    with open(f"/proc/{pid}/status") as status:
-        return int(next(line.split()[1] for line in status if line.startswith(f"{field}:"))) / 1024
-
-
 def long_clip_in_the_decoder(folder: Path, config, sampler) -> dict:
     """A long clip decoded by the job's decoder child (a path under its root, read there), its peak RSS: the child is
     started on a one-second clip first, so that its RSS before is the child's own and its peak the long clip's."""
@@ -119,9 +113,9 @@ def long_clip_in_the_decoder(folder: Path, config, sampler) -> dict:
     decoder = Decoder(DecodeConfig(), limits)
     try:
         decoder.clip(ImageRef(path=str(short), root=str(folder)), 0, sampler)
-        before = status_mb(decoder.pid, "VmRSS")
+        before = status_mb("VmRSS", decoder.pid)
         clip = decoder.clip(ImageRef(path=str(long), root=str(folder)), 0, sampler)
-        peak = status_mb(decoder.pid, "VmHWM")
+        peak = status_mb("VmHWM", decoder.pid)
     finally:
         decoder.close()
     header = clip.header

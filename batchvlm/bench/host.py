@@ -20,16 +20,18 @@ import dataclasses
 import torch
 
 from batchvlm.devices import host_block
-from batchvlm.pipeline.preprocess import images_and_plans
+from batchvlm.pipeline.preprocess import clips_of, images_and_plans
 
 
 class ZeroCostPreprocessor:
-    """Gathers the batch's pixels into one host block and returns one zero per patch row, with the planned grids."""
+    """Gathers the batch's pixels into one host block and returns one zero per patch row, with the planned grids (and
+    a clip's rows as its plan's)."""
 
-    def __call__(self, records) -> tuple[list[torch.Tensor], list[tuple]]:
+    def __call__(self, records) -> tuple[list[torch.Tensor], list[tuple], list[torch.Tensor]]:
         images, plans = images_and_plans(records)
         host_block([torch.as_tensor(image.pixels) for image in images])
-        return [torch.zeros(plan.num_patches, 1) for plan in plans], [plan.grid_thw for plan in plans]
+        clips = [torch.zeros(plan.num_patches, 1) for *_, plan in clips_of(records)]
+        return [torch.zeros(plan.num_patches, 1) for plan in plans], [plan.grid_thw for plan in plans], clips
 
 
 class ZeroCostTower(torch.nn.Module):

@@ -49,9 +49,9 @@ def best_of(repeats: int, run) -> tuple[float, object]:
     return min(times), result
 
 
-def status_mb(field: str) -> float:
-    """A memory figure of this process from /proc/self/status (VmRSS now, VmHWM its peak), in MB."""
-    with open("/proc/self/status") as status:
+def status_mb(field: str, pid: int | str = "self") -> float:
+    """A memory figure of a process (this one by default) from /proc (VmRSS now, VmHWM its peak), in MB."""
+    with open(f"/proc/{pid}/status") as status:
         kb = next(line.split()[1] for line in status if line.startswith(f"{field}:"))
     return int(kb) / 1024
 

@@ -252,6 +252,10 @@ class PackedLoader:
             yield batch
         self.epoch, self.next_pack = self.epoch + 1, 0
 
+    def rewind(self) -> None:
+        """Back to the start of epoch 0, whose plan is kept (an eval loader's every pass: the same batches)."""
+        self.epoch, self.next_pack = 0, 0
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "next_pack": self.next_pack, "world_size": self.world_size,
                 "data": self.index.digest(), "config": asdict(self.config)}

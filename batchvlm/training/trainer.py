@@ -82,11 +82,12 @@ class _EvalBatches:
         self.trainer, self.loader = trainer, loader
 
     def __len__(self) -> int:
-        return self.loader.batches_in_epoch(0)
+        self.loader.rewind()  # a pass left it at its next epoch, whose packs would be planned to count them
+        return len(self.loader)
 
     def __iter__(self):
-        self.loader.load_state_dict({**self.loader.state_dict(), "epoch": 0, "next_pack": 0})  # rewound: a pass left it
-        for batch in self.loader:  # at its next epoch
+        self.loader.rewind()
+        for batch in self.loader:
             yield self.trainer.batch_inputs(batch.to(self.trainer.args.device))
 
 
