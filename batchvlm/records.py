@@ -195,8 +195,8 @@ class TokenLayout:
     position_ids: np.ndarray | None = None  # [3, seq] M-RoPE positions, for families that use them
     rope_delta: int | None = None  # max position + 1 - seq: where decoding continues
     chat: "ChatLayout | None" = None  # a conversation: which tokens are trained, where each turn lies
-    video_spans: list[tuple[int, int]] = field(default_factory=list)  # (start, length) per clip (Qwen3-VL: per
-    # temporal patch), in clip order
+    video_spans: list[tuple[int, int]] = field(default_factory=list)  # (start, length) per span of each clip (its
+    # plan's `spans`: Qwen3-VL's per temporal patch, Kimi-K2.5's per chunk), in clip order
 
 
 @dataclass

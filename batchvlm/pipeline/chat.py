@@ -377,9 +377,9 @@ class ChatRenderer:
     def _with_prompts(self, text: str, spans: list[tuple[int, int]],
                       prompts: list[str]) -> tuple[str, list[tuple[int, int]], list[tuple[int, int]]]:
         """The rendering with each clip's place (its video token, with the family's frame tokens where the template
-        puts them around it: Qwen's `<|vision_start|><|video_pad|><|vision_end|>`) replaced by the family's prompt for it, as its processor replaces it before tokenizing (the
-        prompt's text tokenized with the text around it); the turns' texts' characters moved by what was inserted
-        before them, and the prompts' characters. A video token inside a turn's text (text.control_tokens=text) is
+        puts them around it: Qwen's `<|vision_start|><|video_pad|><|vision_end|>`) replaced by the family's prompt
+        for it, as its processor replaces it before tokenizing (the prompt's text tokenized with the text around it);
+        the turns' texts' characters moved by what was inserted before them, and the prompts' characters. A video token inside a turn's text (text.control_tokens=text) is
         the text's, not a clip's: left as it is (tokenize counts the clips' tokens)."""
         pad = self.tokenizer.convert_ids_to_tokens(self.video_token_id)
         start, end = self.family.frame_tokens[0], self.family.frame_tokens[-1]  # what a template may put around it

@@ -127,8 +127,8 @@ def build_layout(text: str, placeholder: str, plans: list[ImagePlan], family,
 
 def clip_ids(family, plan) -> tuple[list[int], list[int]]:
     """The ids (and tags) a plain text's `<video>` becomes: the family's prompt for the clip where it has one
-    (Qwen3-VL's timestamps, Kimi-K2.5's chunks), tokenized apart (a plain text has no template to place it in), each video token
-    expanded to its span; else `expand_video`."""
+    (Qwen3-VL's timestamps, Kimi-K2.5's chunks), tokenized apart (a plain text has no template to place it in), each
+    video token expanded to its span; else `expand_video`."""
     prompt = getattr(family, "video_prompt", None)
     text = prompt(plan) if prompt is not None else None
     if text is None:
