@@ -150,26 +150,16 @@ def frame_rows(frames: torch.Tensor, resized: tuple[int, int], layout, norm, res
     return layout.patchify_frames(images.float().mul_(scale).add_(bias))
 
 
-def padded_frame_rows(frames: torch.Tensor, plan: ImagePlan, layout, norm, resample: str) -> torch.Tensor:
-    """Frames, (n, H, W, 3) uint8, as a layout without frames lays out images (Kimi's RASTER_CHW), frame after frame:
-    each resized as an image is, padded bottom/right with 0 to the plan's padded size, normalized, patchified."""
-    images = frames.permute(0, 3, 1, 2)
-    if tuple(images.shape[2:]) != plan.resized:
-        images = torch.stack([_resized(image, plan.resized, resample) for image in images])
-    canvas = images.new_zeros((images.shape[0], 3, *plan.padded))
-    canvas[:, :, :images.shape[2], :images.shape[3]] = images
-    scale, bias = (t.view(3, 1, 1) for t in normalization(norm, images.device))
-    return torch.cat([layout.patchify(frame.float().mul_(scale).add_(bias)) for frame in canvas])
-
-
 def clip_rows(frames: torch.Tensor, plan, family) -> torch.Tensor:
     """A clip's sampled frames as the tower's rows: a clip in parts (records.clip_parts: Kimi-K2.5's chunks) part by
-    part, each part's frames (its grid's t) laid out as images at the part's plan; any other clip by frame_rows."""
+    part, each part's frames (its grid's t) as images at the part's plan (an image's own rows: TorchPreprocessor); any
+    other clip by frame_rows."""
     if not hasattr(plan, "parts"):
         return frame_rows(frames, plan.resized, family.layout, family, family.resample)
+    as_images = TorchPreprocessor(family, frames.device, "black")  # frames are RGB: no background shows
     counts = [part.grid_thw[0] for part in plan.parts]
-    return torch.cat([padded_frame_rows(part_frames, part, family.layout, family, family.resample)
-                      for part, part_frames in zip(plan.parts, torch.split(frames, counts))])
+    return torch.cat([as_images.rows_of(frame, part)[0]
+                      for part, part_frames in zip(plan.parts, torch.split(frames, counts)) for frame in part_frames])
 
 
 def kernel_frames(plan, family, count: int) -> list[tuple[tuple[int, int], tuple[int, int], int]] | None:
