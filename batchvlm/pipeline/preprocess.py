@@ -22,6 +22,7 @@ from typing import ClassVar
 import logging
 import os
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -368,13 +369,24 @@ class PreprocessGuard:
 
     def sampled(self, image: DecodedImage) -> bool:
         """Deterministic by content: a rerun samples the same images."""
-        return self.parity_sample_rate > 0 and int(image.sha256[:8], 16) < self.parity_sample_rate * 16 ** 8
+        return self._in_sample(image.sha256)
+
+    def sampled_clip(self, record: PreparedRecord, index: int) -> bool:
+        """Deterministic by the record's id and the clip's place (a clip carries no content hash): a rerun samples the
+        same clips. Only a family with a clip oracle (`reference_clip_rows`) samples any."""
+        if self.parity_sample_rate <= 0 or not hasattr(self.cpu.family, "reference_clip_rows"):
+            return False
+        return self._in_sample(hashlib.sha256(f"{record.source.id}\0clip {index}".encode()).hexdigest())
+
+    def _in_sample(self, digest: str) -> bool:
+        return self.parity_sample_rate > 0 and int(digest[:8], 16) < self.parity_sample_rate * 16 ** 8
 
     def checked_rows(self, record: PreparedRecord, index: int, image: DecodedImage, plan: ImagePlan, grid: tuple,
                      rows: torch.Tensor, all_finite: bool) -> torch.Tensor:
         """The image's rows once they pass every check: the backend's, or the CPU path's instead."""
         stats = record.preprocess
-        try:
+
+        def backend_rows() -> torch.Tensor:
             _check_image(index, plan, grid, rows)
             require(all_finite, "preprocess.feature_length", f"image {index}: pixel rows hold NaN or Inf (values "
                     "the backend never wrote)", expected="every value written and finite", observed="non-finite",
@@ -383,19 +395,53 @@ class PreprocessGuard:
                 stats.parity_checked.add(index)
                 self._check_parity(index, image, plan, rows, stats)
             return rows
+
+        def cpu_rows() -> torch.Tensor:
+            redone, redone_grid = self.cpu.image_rows(image, plan)
+            _check_image(index, plan, redone_grid, redone)
+            return redone.to(rows.device)
+
+        return self._guarded(record, f"image {index}", index, backend_rows, cpu_rows)
+
+    def checked_clip_rows(self, record: PreparedRecord, index: int, clip, plan, rows: torch.Tensor,
+                          all_finite: bool) -> torch.Tensor:
+        """A clip's rows once they pass every check: the backend's, or the CPU path's (`clip_rows`) instead. Its
+        events are kept by its index among the record's media (its images, then its clips), so an image's and a
+        clip's never collide, and counted with the images' (a clip is one)."""
+        stats, media_index = record.preprocess, len(record.images) + index
+
+        def backend_rows() -> torch.Tensor:
+            _check_clip(index, plan, rows, all_finite)
+            if self.sampled_clip(record, index):
+                stats.parity_checked.add(media_index)
+                self._check_clip_parity(index, clip, plan, rows, stats, media_index)
+            return rows
+
+        def cpu_rows() -> torch.Tensor:
+            redone = clip_rows(torch.as_tensor(clip.pixels), plan, self.cpu.family)
+            _check_clip(index, plan, redone, True)
+            return redone.to(rows.device)
+
+        return self._guarded(record, f"clip {index}", media_index, backend_rows, cpu_rows)
+
+    def _guarded(self, record: PreparedRecord, label: str, key: int, backend_rows: Callable[[], torch.Tensor],
+                 cpu_rows: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`backend_rows()` where every check passes; where one fails, with preprocess.fallback=cpu `cpu_rows()` (the
+        CPU path, checked again), the failure kept on the record's stats under `key`; else the failure, the
+        record's."""
+        try:
+            return backend_rows()
         except CheckFailed as failure:
             if not self.fallback:
                 failure.record = record
                 raise
-            log.warning("%s image %d: %s; redone on the CPU path", record.source.id, index, failure)
-            stats.fallbacks[index] = failure.check
-            cpu_rows, cpu_grid = self.cpu.image_rows(image, plan)
+            log.warning("%s %s: %s; redone on the CPU path", record.source.id, label, failure)
+            record.preprocess.fallbacks[key] = failure.check
             try:
-                _check_image(index, plan, cpu_grid, cpu_rows)
+                return cpu_rows()
             except CheckFailed as cpu_failure:
                 cpu_failure.record = record
                 raise
-            return cpu_rows.to(rows.device)
 
     def _check_parity(self, index: int, image: DecodedImage, plan: ImagePlan, rows: torch.Tensor,
                       stats: PreprocessStats) -> None:
@@ -406,47 +452,7 @@ class PreprocessGuard:
         else:
             oracle, _ = self.cpu.family.reference_preprocess([image.on_host()])
         levels = self.cpu.levels(rows.detach().float().cpu(), oracle.float(), plan)
-        if levels is None or levels > self.parity_max_levels:
-            stats.parity_failed.add(index)
-            observed = (f"shape {tuple(rows.shape)} vs {tuple(oracle.shape)}" if levels is None
-                        else f"{levels:.2f} levels")
-            raise CheckFailed("preprocess.parity", f"image {index}: the backend's pixels differ from the reference "
-                              f"processor's by {observed}", expected=f"<= {self.parity_max_levels} levels",
-                              observed=observed, image_index=index)
-
-    def sampled_clip(self, record: PreparedRecord, index: int) -> bool:
-        """Deterministic by the record's id and the clip's place (a clip carries no content hash): a rerun samples the
-        same clips. Only a family with a clip oracle (`reference_clip_rows`) samples any."""
-        if self.parity_sample_rate <= 0 or not hasattr(self.cpu.family, "reference_clip_rows"):
-            return False
-        digest = hashlib.sha256(f"{record.source.id}\0clip {index}".encode()).hexdigest()
-        return int(digest[:8], 16) < self.parity_sample_rate * 16 ** 8
-
-    def checked_clip_rows(self, record: PreparedRecord, index: int, clip, plan, rows: torch.Tensor,
-                          all_finite: bool) -> torch.Tensor:
-        """A clip's rows once they pass every check: the backend's, or the CPU path's (`clip_rows`) instead. Its
-        events are kept by its index among the record's media (its images, then its clips), so an image's and a
-        clip's never collide, and counted with the images' (a clip is one)."""
-        stats, media_index = record.preprocess, len(record.images) + index
-        try:
-            _check_clip(index, plan, rows, all_finite)
-            if self.sampled_clip(record, index):
-                stats.parity_checked.add(media_index)
-                self._check_clip_parity(index, clip, plan, rows, stats, media_index)
-            return rows
-        except CheckFailed as failure:
-            if not self.fallback:
-                failure.record = record
-                raise
-            log.warning("%s clip %d: %s; redone on the CPU path", record.source.id, index, failure)
-            stats.fallbacks[media_index] = failure.check
-            cpu_rows = clip_rows(torch.as_tensor(clip.pixels), plan, self.cpu.family)
-            try:
-                _check_clip(index, plan, cpu_rows, True)
-            except CheckFailed as cpu_failure:
-                cpu_failure.record = record
-                raise
-            return cpu_rows.to(rows.device)
+        self._within_levels(levels, rows, oracle, stats, index, f"image {index}", image_index=index)
 
     def _check_clip_parity(self, index: int, clip, plan, rows: torch.Tensor, stats: PreprocessStats,
                            media_index: int) -> None:
@@ -455,13 +461,19 @@ class PreprocessGuard:
         ours = rows.detach().float().cpu()
         levels = (float(((ours - oracle).abs() / self.cpu.row_scale.cpu()).max()) if ours.shape == oracle.shape
                   else None)
+        self._within_levels(levels, ours, oracle, stats, media_index, f"clip {index}", video_index=index)
+
+    def _within_levels(self, levels: float | None, ours: torch.Tensor, oracle: torch.Tensor, stats: PreprocessStats,
+                       key: int, label: str, **where) -> None:
+        """preprocess.parity where the backend's rows are off the oracle's shape (`levels` None) or over
+        parity_max_levels from them, the failure kept on the record's stats under `key`."""
         if levels is None or levels > self.parity_max_levels:
-            stats.parity_failed.add(media_index)
+            stats.parity_failed.add(key)
             observed = (f"shape {tuple(ours.shape)} vs {tuple(oracle.shape)}" if levels is None
                         else f"{levels:.2f} levels")
-            raise CheckFailed("preprocess.parity", f"clip {index}: the backend's pixels differ from the reference "
+            raise CheckFailed("preprocess.parity", f"{label}: the backend's pixels differ from the reference "
                               f"processor's by {observed}", expected=f"<= {self.parity_max_levels} levels",
-                              observed=observed, video_index=index)
+                              observed=observed, **where)
 
 
 def merged_stats(parts: list[dict]) -> dict:
