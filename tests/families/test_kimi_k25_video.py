@@ -179,8 +179,6 @@ def test_a_clips_chunks_expand_to_the_ids_kimi_k25_processor_gives_its_chat_temp
     plan = family.plan_video(indices, 31, video_fps, 64, 96)
     processor = hf_processor(family)
     image = photo_of_size(70, 120)
-    # Text before a clip ends at a token boundary: the reference tokenizes the timestamp with the text before it
-    # (docs/video.md: a digit, or for a byte-level BPE a space, before a clip fuses with it there).
     messages = [{"role": "user", "content": [{"type": "text", "text": "Watch:"}, {"type": "video"},
                                              {"type": "text", "text": " then"}, {"type": "image"}]},
                 {"role": "assistant", "content": [{"type": "text", "text": "A ball rolls."}]}]

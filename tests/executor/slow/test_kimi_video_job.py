@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import embed_in_process
 from PIL import Image
-from test_video_job import blocks
+from test_video_job import RECORDS, blocks
 
 from batchvlm.families import ModelConfig, load_family
 from batchvlm.format.schema import FRAME, VIDEO
@@ -27,21 +27,9 @@ from photos import photo_of_size
 pytestmark = pytest.mark.slow
 
 CLIPS = {"a.mp4": (31, 10, 64, 96), "b.mp4": (25, 10, 90, 50)}
-"""name -> (frames, fps, height, width): 6 sampled frames (chunks of 4 and 2), and 5 (4 and 1). No clip follows a
-space or a digit, where the reference tokenizes the text before a clip together with its first chunk's time
-(docs/video.md; tests/families/test_kimi_k25_video.py)."""
-RECORDS = [
-    {"id": "clip_and_image", "video": "a.mp4", "image": "photo.png",
-     "conversations": [{"from": "human", "value": "<video>\nWhat happens, and in <image>?"},
-                       {"from": "gpt", "value": "A ball rolls past a wall."}]},
-    {"id": "two_clips", "video": ["b.mp4", "a.mp4"], "image": [],
-     "conversations": [{"from": "human", "value": "<video> then:<video> which is longer?"},
-                       {"from": "gpt", "value": "The second."}]},
-    {"id": "truncated", "video": "cut.webm", "image": [],
-     "conversations": [{"from": "human", "value": "<video>What is it?"}, {"from": "gpt", "value": "Cut short."}]},
-    {"id": "unplaced", "video": "a.mp4", "image": [],
-     "conversations": [{"from": "human", "value": "What is it?"}, {"from": "gpt", "value": "No place for it."}]},
-]
+"""name -> (frames, fps, height, width): 6 sampled frames (chunks of 4 and 2), and 5 (4 and 1). The records are the
+Qwen clip run's: a clip after a space too, where the reference tokenizes the text before it with its first chunk's
+time."""
 
 
 RUNS = {"float32": ["output.embed_dtype=float32"],
