@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import forked
+
 # Set before batchvlm is imported anywhere, so tests and the subprocesses they start share one build.
 os.environ.setdefault("BATCHVLM_HOME", tempfile.mkdtemp(prefix="batchvlm-home-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -118,9 +120,27 @@ def run_training_doc_recipe(heading: str, run_dir: Path) -> dict:
     return scope
 
 
+def job_command(job: str, *args: str) -> list[str]:
+    """`python jobs/<job>.py args...` as a user runs it."""
+    return [sys.executable, str(REPO / "jobs" / f"{job}.py"), *args]
+
+
 def embed_command(*overrides: str) -> list[str]:
-    """`python jobs/embed.py overrides...` as a user runs it."""
-    return [sys.executable, str(REPO / "jobs" / "embed.py"), *overrides]
+    return job_command("embed", *overrides)
+
+
+def run_job_command(job: str, *args: str, cwd: Path | None = None, env: dict | None = None,
+                    timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python jobs/<job>.py args...` run to its end as its own process, forked from the suite's zygote
+    (tests/forked.py): subprocess.run's result, stdout and stderr as text."""
+    return forked.run(job_command(job, *args), cwd=cwd or REPO, env=env, timeout=timeout)
+
+
+def start_embed(*overrides: str, env: dict | None = None, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session: bool = False) -> forked.ForkedProcess:
+    """The embed job started as its own process (forked from the suite's zygote), left running: Popen's own."""
+    return forked.ForkedProcess(embed_command(*overrides), cwd=REPO, env=env, stdout=stdout, stderr=stderr,
+                                start_new_session=start_new_session)
 
 
 def free_port() -> int:
@@ -136,6 +156,19 @@ def accelerate_command(*overrides: str) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
             "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
             "--dynamo_backend", "no", str(REPO / "jobs" / "embed.py"), "model.device=cpu", *overrides]
+
+
+def run_ranks(*overrides: str, ranks: int = 2, timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """The embed job on the CPU as `ranks` processes of one torch.distributed group, each forked from the suite's
+    zygote with the variables torchrun gives its workers (which accelerate's PartialState reads): for tests of what
+    several ranks do to one run. That `accelerate launch` starts the job so, test_distributed.py proves."""
+    group = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks),
+             "LOCAL_WORLD_SIZE": str(ranks)}
+    jobs = [forked.ForkedProcess(embed_command("model.device=cpu", *overrides), cwd=REPO,
+                                 env={**group, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(ranks)]
+    ends = [job.communicate(timeout) for job in jobs]
+    return [subprocess.CompletedProcess(job.args, job.returncode, *end) for job, end in zip(jobs, ends)]
 
 
 def composed_job(root: Path, run_name: str, *overrides: str):
@@ -181,14 +214,15 @@ def refused_in_process(root: Path, *overrides: str, run_name: str = "refused") -
     return str(refused.value)
 
 
-def run_embed(*overrides: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(embed_command(*overrides), cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
+def run_embed(*overrides: str, cwd: Path | None = None, env: dict | None = None,
+              timeout: int = 600) -> subprocess.CompletedProcess:
+    return run_job_command("embed", *overrides, cwd=cwd, env=env, timeout=timeout)
 
 
 def run_embed_measured(*overrides: str, timeout: int = 600) -> tuple[subprocess.CompletedProcess, float]:
-    """run_embed, and the peak RSS in GiB of the job's own processes: os.wait4 of the job reports it and the
-    children it reaped (its workers, its decoder), where RUSAGE_CHILDREN would be the largest child of the whole
-    test session so far."""
+    """run_embed in a fresh interpreter (a forked one shares the zygote's pages), and the peak RSS in GiB of the job's
+    own processes: os.wait4 of the job reports it and the children it reaped (its workers, its decoder), where
+    RUSAGE_CHILDREN would be the largest child of the whole test session so far."""
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         job = subprocess.Popen(embed_command(*overrides), cwd=REPO, stdout=stdout, stderr=stderr, text=True)
         deadline = threading.Timer(timeout, job.kill)
@@ -214,9 +248,11 @@ def kimi_family():
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> Path:
-    """The demo job, run once as a subprocess with default settings."""
+    """The demo job, run once with default settings as a user runs it: `python jobs/embed.py` in a fresh interpreter
+    (the other tests' job processes are forked from one that has imported torch and transformers)."""
     root = tmp_path_factory.mktemp("outputs")
-    result = run_embed(f"output.root={root}", "run_name=demo")
+    result = subprocess.run(embed_command(f"output.root={root}", "run_name=demo"), cwd=REPO, capture_output=True,
+                            text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return root / "demo"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +134,7 @@ def _demo_clips(name: str = "clips.json") -> str:
     return demo_clips(name)
 
 
+@functools.cache  # once a process: the schema's structured config takes a tenth of a second to build
 def register_schemas(name: str = "embed_schema", job: type[JobConfig] = JobConfig) -> None:
     """Register a job's schema under `name` (its YAML names it first in its defaults list: embed_schema, or the
     estimate's), each kind of dataset's schema under `dataset_schema/<kind>` (which a YAML under conf/dataset/ names in

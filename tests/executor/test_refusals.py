@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, embed_command, refused_in_process, run_embed, summary_in_process
+from conftest import REPO, refused_in_process, run_embed, start_embed, summary_in_process
 
 REAL_MODELS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml") if not p.stem.endswith("_tiny"))
 
@@ -66,8 +66,7 @@ def test_a_column_named_by_an_empty_string_is_refused_naming_its_key(tmp_path, k
 @pytest.mark.slow  # a run of the job
 def test_a_full_disk_ends_the_job_in_one_line_naming_the_path(tmp_path):
     env = {**os.environ, "BATCHVLM_FAULTS": "disk_full.publish=8"}  # past the run's own files, at a unit's commit
-    result = subprocess.run(embed_command(f"output.root={tmp_path}", "run_name=full"), cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = run_embed(f"output.root={tmp_path}", "run_name=full", env=env)
     assert result.returncode != 0
     line = one_line_error(result)
     assert "no space left on the device writing " + str(tmp_path / "full") in line
@@ -103,9 +102,8 @@ def processes_of(session: int) -> list[int]:
 @pytest.mark.slow  # the job's process, signalled
 def test_sigterm_stops_the_job_and_its_workers(tmp_path):
     data = many_records(tmp_path / "many.parquet", 2000)
-    job = subprocess.Popen(embed_command("dataset=parquet", f"dataset.path={data}", f"output.root={tmp_path}",
-                                         "run_name=term", "dataset.unit_records=20", "runtime.num_workers=2"),
-                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    job = start_embed("dataset=parquet", f"dataset.path={data}", f"output.root={tmp_path}", "run_name=term",
+                      "dataset.unit_records=20", "runtime.num_workers=2", start_new_session=True)
     manifests = tmp_path / "term" / "manifest"
     deadline = time.monotonic() + 300
     while not (manifests.is_dir() and any(manifests.glob("*.json"))) and time.monotonic() < deadline:

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from batchvlm.executor.config import register_schemas
-from conftest import REPO, run_embed
+from conftest import run_embed, run_job_command
 
 SCRIPTS = {"batchvlm-embed": "batchvlm.jobs.embed:main", "batchvlm-report": "batchvlm.jobs.report:main",
            "batchvlm-verify": "batchvlm.jobs.verify:main", "batchvlm-bench": "batchvlm.jobs.bench:main",
@@ -55,8 +55,7 @@ def test_an_installed_job_composes_its_packaged_configs_from_any_folder(tmp_path
 @pytest.mark.parametrize("job", ["report", "verify", "status", "export"])
 @pytest.mark.slow
 def test_a_job_without_run_dir_says_how_to_give_it(job, tmp_path):
-    result = subprocess.run([sys.executable, str(REPO / "jobs" / f"{job}.py")], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=300)
+    result = run_job_command(job, cwd=tmp_path, timeout=300)
     assert result.returncode == 2
     assert result.stderr.strip() == "error: run_dir is required: run_dir=outputs/<run>"
 

@@ -8,7 +8,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -23,15 +22,14 @@ from batchvlm.format.schema import QUARANTINE_SCHEMA
 from batchvlm.review.report import build_report, summary_text
 from batchvlm.review.html import render
 from batchvlm.rundir.manifest import Listing, Manifest
-from conftest import REPO, quarantine_rows
+from conftest import REPO, quarantine_rows, run_job_command
 
 ARTIFACTS = REPO / "tests" / "artifacts"
 CARD = re.compile(r'<article class="card" data-check="([^"]+)".*?<h3 class="id">([^<]+)</h3>', re.DOTALL)
 
 
 def run_report(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "jobs" / "report.py"), f"run_dir={run_dir}", *overrides],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    return run_job_command("report", f"run_dir={run_dir}", *overrides, timeout=300)
 
 
 def summary_section(summary: str, title: str) -> dict[str, int]:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, embed_command, summary_in_process
+from conftest import run_job_command, start_embed, summary_in_process
 
 from batchvlm.config import ConfigError
 from batchvlm.records import WorkUnit
@@ -183,8 +183,7 @@ print("\\n".join(touched))
 
 
 def status_of(run_dir: Path, *more: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "jobs" / "status.py"), f"run_dir={run_dir}", *more],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    return run_job_command("status", f"run_dir={run_dir}", *more, timeout=120)
 
 
 def wait_for(condition, timeout: float = 240.0):
@@ -201,8 +200,8 @@ def test_status_follows_a_running_job_a_killed_rank_and_the_finished_run(tmp_pat
     settings = ("dataset.unit_records=2", "runtime.num_workers=1", "runtime.progress_interval_s=0.5")
     run_dir = tmp_path / "slow"
     env = {**os.environ, "BATCHVLM_FAULTS": "pause.commit.before_manifest=1.5"}  # a job slow enough to watch
-    job = subprocess.Popen(embed_command(f"output.root={tmp_path}", "run_name=slow", *settings), cwd=REPO, env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    job = start_embed(f"output.root={tmp_path}", "run_name=slow", *settings, env=env, stdout=subprocess.DEVNULL,
+                      stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         running = wait_for(lambda: (s := run_status(run_dir) if (run_dir / "units.json").exists() else None)
                            and s.units_committed >= 2 and s)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
 from pathlib import Path
 
 import datasets
@@ -20,7 +18,7 @@ from batchvlm.sources.config import dataset_config
 from batchvlm.pipeline.decode import read_bytes
 from batchvlm.sources import make_source
 from batchvlm.training.reader import read_run
-from conftest import run_embed, summary_in_process
+from conftest import run_embed, run_job_command, summary_in_process
 
 
 def jpeg(pixels) -> bytes:
@@ -85,8 +83,6 @@ def test_an_image_given_as_a_url_is_refused_by_name_unless_fetching_is_allowed(t
 
 @pytest.mark.slow
 def test_a_dataset_naming_files_outside_its_folder_gets_them_quarantined_unread_and_never_shown(tmp_path):
-    from conftest import REPO
-
     dataset = tmp_path / "dataset"
     (dataset / "images").mkdir(parents=True)
     (dataset / "images" / "cat.jpg").write_bytes(jpeg(PHOTOS["cat"]))
@@ -100,8 +96,7 @@ def test_a_dataset_naming_files_outside_its_folder_gets_them_quarantined_unread_
     run = tmp_path / "confined"
     quarantined = {r["id"]: r["check"] for p in (run / "quarantine").glob("*.parquet") for r in pq.read_table(p).to_pylist()}
     assert quarantined == {"passwd": "decode.path_outside_root", "escape": "decode.path_outside_root"}
-    report = subprocess.run([sys.executable, str(REPO / "jobs" / "report.py"), f"run_dir={run}"], cwd=REPO,
-                            capture_output=True, text=True, timeout=300)
+    report = run_job_command("report", f"run_dir={run}", timeout=300)
     assert report.returncode == 0, report.stderr[-3000:]
     page = (run / "report" / "index.html").read_text()
     assert "data:image/jpeg;base64" not in page and "outside the image root" in page

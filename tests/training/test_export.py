@@ -11,8 +11,6 @@ the job (as transformers' and TRL's training templates) stops at <|im_end|>."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -25,7 +23,7 @@ from batchvlm.records import Turn
 from batchvlm.training.export import (SKIPS, ImageReference, StoredImages, check_exportable, conversation_turns,
                                       conversations, dataset_info, export_run, skip_reason)
 from batchvlm.training.reader import read_run, trusted_shards
-from conftest import REPO, committed_shards, embed_in_process, write_llava_dataset
+from conftest import REPO, committed_shards, embed_in_process, run_job_command, write_llava_dataset
 
 STACKS = {"llamafactory": stack_templates.llamafactory_qwen2_vl, "swift": stack_templates.swift_qwen2_vl}
 CHAT_RECORDS = [
@@ -189,8 +187,7 @@ def test_the_llamafactory_export_describes_itself_in_dataset_info(llava_run, tmp
 @pytest.mark.slow
 def test_the_export_command_refuses_a_bad_argument_naming_it(llava_run, tmp_path):
     def export(*args):
-        return subprocess.run([sys.executable, str(REPO / "jobs" / "export.py"), *args], capture_output=True, text=True,
-                              cwd=tmp_path, timeout=300)
+        return run_job_command("export", *args, cwd=tmp_path, timeout=300)
 
     assert export(f"run_dir={llava_run}", "format=swift").stderr.strip() == "error: out is required: out=<a new folder>"
     refused = export(f"run_dir={llava_run}", "format=axolotl", f"out={tmp_path / 'x'}")
@@ -386,8 +383,8 @@ def test_a_run_and_its_requeue_run_export_as_one_dataset(qwen_real_checkpoint, t
     with pytest.raises(ConfigError, match="^run_dir: .* is not a requeue run"):
         export_run([requeue, run], "swift", tmp_path / "again")
     assert not (tmp_path / "again").exists()
-    done = subprocess.run([sys.executable, str(REPO / "jobs" / "export.py"), f"run_dir=[{run},{requeue}]",
-                           "format=swift", f"out={tmp_path / 'cli'}"], capture_output=True, text=True, timeout=300)
+    done = run_job_command("export", f"run_dir=[{run},{requeue}]", "format=swift", f"out={tmp_path / 'cli'}",
+                           timeout=300)
     assert done.returncode == 0 and "exported 2 conversations" in done.stdout, done.stderr[-2000:]
     assert [line["id"] for line in exported(tmp_path / "cli", "req")] == [line["id"] for line in lines.values()]
 

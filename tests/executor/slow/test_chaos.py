@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, embed_command, summary_in_process
+from conftest import start_embed, summary_in_process
+from forked import ForkedProcess
 
 from batchvlm.demo import demo_rows
 from batchvlm.rundir.verify import verify_run
@@ -28,17 +29,16 @@ SLOW_COMMITS = "pause.commit.before_manifest=0.4"
 """Each commit held a moment, so that a signal finds the run part way through."""
 
 
-def start(root: Path, faults: str = "") -> subprocess.Popen:
+def start(root: Path, faults: str = "") -> ForkedProcess:
     env = {**os.environ, "BATCHVLM_FAULTS": ",".join(filter(None, [SLOW_COMMITS, faults]))}
-    return subprocess.Popen(embed_command(f"output.root={root}", *OVERRIDES), cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return start_embed(f"output.root={root}", *OVERRIDES, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
 
 
 def committed(run_dir: Path) -> int:
     return len(list((run_dir / "manifest").glob("*.json"))) if (run_dir / "manifest").is_dir() else 0
 
 
-def interrupt(job: subprocess.Popen, run_dir: Path, how: signal.Signals, rng: random.Random) -> bool:
+def interrupt(job: ForkedProcess, run_dir: Path, how: signal.Signals, rng: random.Random) -> bool:
     """Let the job commit some units (or end), wait a random moment more, then signal it and wait for it; whether it
     was still at work when signalled."""
     before = committed(run_dir)

@@ -9,12 +9,12 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, embed_command, refused_in_process, summary_in_process
+from conftest import refused_in_process, start_embed, summary_in_process
+from forked import ForkedProcess
 
 from batchvlm.demo import demo_rows
 from batchvlm.rundir.verify import verify_run
@@ -32,10 +32,9 @@ def ids_in(run_dir: Path) -> list[str]:
                   for row in pq.read_table(path, columns=["id"]).to_pylist())
 
 
-def start(tmp_path: Path, name: str, *overrides: str, faults: str = "") -> subprocess.Popen:
-    env = {**os.environ, "BATCHVLM_FAULTS": faults} if faults else os.environ
-    return subprocess.Popen(embed_command(f"output.root={tmp_path}", f"run_name={name}", *overrides), cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start(tmp_path: Path, name: str, *overrides: str, faults: str = "") -> ForkedProcess:
+    env = {**os.environ, "BATCHVLM_FAULTS": faults} if faults else None
+    return start_embed(f"output.root={tmp_path}", f"run_name={name}", *overrides, env=env)
 
 
 def test_a_folder_of_someone_elses_files_is_refused_and_nothing_in_it_is_touched(tmp_path):

@@ -8,6 +8,7 @@ truncated clip and a clip without its placeholder quarantined under their checks
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -119,20 +120,26 @@ def every_frame(path: Path) -> np.ndarray:
     return decode_frames(data, header, list(range(header.frames)), VideoConfig()).frames
 
 
+@functools.cache
+def reference_processor(version: str, checkpoint: Path):
+    """The checkpoint's own processor (its tokenizer, image and video processors, chat template), loaded once."""
+    from transformers import (AutoImageProcessor, AutoTokenizer, AutoVideoProcessor, Qwen2_5_VLProcessor,
+                              Qwen2VLProcessor, Qwen3VLProcessor)
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    kind = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[version]
+    return kind(image_processor=AutoImageProcessor.from_pretrained(checkpoint),
+                video_processor=AutoVideoProcessor.from_pretrained(checkpoint), tokenizer=tokenizer,
+                chat_template=tokenizer.chat_template)
+
+
 def reference_inputs(version: str, checkpoint: Path, folder: Path, record: dict, **videos_kwargs) -> dict:
     """The checkpoint's own processor on the record: its chat template over the turns as messages (a clip and an
     image as {type: video} and {type: image} blocks), then its expansion with every frame of each clip (sampled by
     the video processor itself, do_sample_frames) and the image."""
-    from transformers import (AutoImageProcessor, AutoTokenizer, AutoVideoProcessor, Qwen2_5_VLProcessor,
-                              Qwen2VLProcessor, Qwen3VLProcessor)
     from transformers.video_utils import VideoMetadata
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    kind = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[version]
-    processor = kind(
-        image_processor=AutoImageProcessor.from_pretrained(checkpoint),
-        video_processor=AutoVideoProcessor.from_pretrained(checkpoint), tokenizer=tokenizer,
-        chat_template=tokenizer.chat_template)
+    processor = reference_processor(version, checkpoint)
     messages = [{"role": {"human": "user", "gpt": "assistant"}[turn["from"]], "content": blocks(turn["value"])}
                 for turn in record["conversations"]]
     rendered = processor.apply_chat_template(messages, tokenize=False)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,7 +18,7 @@ from batchvlm.training.interop import load_run_dataset
 from batchvlm.training.loader import RunIndex, epoch_order
 from batchvlm.review.report import build_report
 from batchvlm.rundir.verify import verify_run
-from conftest import REPO, accelerate_command, refused_in_process
+from conftest import refused_in_process, run_ranks
 
 # the job under accelerate and as a subprocess
 pytestmark = pytest.mark.slow
@@ -47,11 +46,10 @@ def _write(folder) -> None:
 
 def test_duplicates_across_two_files_and_two_ranks_keep_the_first_occurrence(tmp_path):
     _write(tmp_path)
-    command = accelerate_command(f"output.root={tmp_path}", "run_name=dups", "dataset=parquet",
-                                 f"dataset.path={tmp_path}/*.parquet", "dataset.unit_records=3", "runtime.num_workers=1",
-                                 "runtime.dedup_buckets=3", "runtime.poll_s=0.2")
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    results = run_ranks(f"output.root={tmp_path}", "run_name=dups", "dataset=parquet",
+                        f"dataset.path={tmp_path}/*.parquet", "dataset.unit_records=3", "runtime.num_workers=1",
+                        "runtime.dedup_buckets=3", "runtime.poll_s=0.2")
+    assert [result.returncode for result in results] == [0, 0], results[0].stderr[-4000:] + results[1].stderr[-4000:]
     run_dir = tmp_path / "dups"
     assert {json.loads(p.read_text())["rank"] for p in (run_dir / "manifest").glob("*.json")} == {0, 1}
 

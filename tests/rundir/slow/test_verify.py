@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
-from conftest import REPO, summary_in_process
+from conftest import run_job_command, summary_in_process
 from test_dedup import _write
 
 from batchvlm.rundir.verify import verify_run
@@ -18,8 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def verify(run_dir) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "jobs" / "verify.py"), f"run_dir={run_dir}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return run_job_command("verify", f"run_dir={run_dir}", timeout=120)
 
 
 def test_verify_passes_a_good_run_with_its_counts_and_names_the_unit_of_a_truncated_shard(demo_run, tmp_path):

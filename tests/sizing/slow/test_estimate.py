@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, embed_in_process
+from conftest import embed_in_process, run_job_command
 from PIL import Image
 
 from batchvlm.sizing.estimate import EstimateConfig
@@ -54,8 +52,7 @@ def test_the_estimate_of_mixed_image_sizes_from_a_sample_is_within_ten_percent(t
     mixed_sizes(tmp_path / "mixed.parquet", 48)
     overrides = ["dataset=parquet", f"dataset.path={tmp_path / 'mixed.parquet'}", "dataset.unit_records=8"]
     embed_in_process(tmp_path, "mixed", *overrides)
-    sampled = subprocess.run([sys.executable, str(REPO / "jobs" / "estimate.py"), *overrides, "records=24",
-                              "images_per_s=200", "devices=8"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    sampled = run_job_command("estimate", *overrides, "records=24", "images_per_s=200", "devices=8")
     assert sampled.returncode == 0, sampled.stderr[-3000:]
     report = sampled.stdout
     assert "sample: 24 records" in report and "records: 48 in 6 units" in report and " h, writing " in report
