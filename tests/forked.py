@@ -16,6 +16,7 @@ entry points, imports without torch, peak memory, `accelerate launch` and `torch
 from __future__ import annotations
 
 import atexit
+import functools
 import io
 import multiprocessing
 import os
@@ -31,32 +32,24 @@ PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "accelerate",
            "transformers.models.qwen3_vl.modeling_qwen3_vl", "transformers.models.siglip2.modeling_siglip2"]
 """What every job imports and takes seconds to: not pyarrow (its import starts a thread), not batchvlm."""
 
-_server = None
+@functools.cache
+def _server():
+    """multiprocessing's forkserver, which imports PRELOAD as it starts (once a test process, on first use)."""
+    server = multiprocessing.get_context("forkserver")
+    server.set_forkserver_preload(PRELOAD)
+    return server
 
 
-def _context():
-    global _server
-    if _server is None:
-        _server = multiprocessing.get_context("forkserver")
-        _server.set_forkserver_preload(PRELOAD)
-    return _server
-
-
-def _fresh_path() -> list[str]:
+@functools.cache
+def _fresh_path() -> tuple[str, ...]:
     """sys.path past its first entry as a fresh interpreter has it with no PYTHONPATH: asked of one, once."""
-    global _FRESH_PATH
-    if _FRESH_PATH is None:
-        env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-        probe = subprocess.run([sys.executable, "-c", "import sys; print('\\n'.join(sys.path[1:]))"], env=env,
-                               capture_output=True, text=True, check=True)
-        _FRESH_PATH = probe.stdout.splitlines()
-    return _FRESH_PATH
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    probe = subprocess.run([sys.executable, "-c", "import sys; print('\\n'.join(sys.path[1:]))"], env=env,
+                           capture_output=True, text=True, check=True)
+    return tuple(probe.stdout.splitlines())
 
 
-_FRESH_PATH: list[str] | None = None
-
-
-def _become(argv: list[str], cwd: str, env: dict[str, str], fresh_path: list[str],
+def _become(argv: list[str], cwd: str, env: dict[str, str], fresh_path: tuple[str, ...],
             streams: tuple[str | None, str | None], new_session: bool, ready) -> None:
     """In the forked child: `python script args...` as a fresh interpreter runs it."""
     if new_session:
@@ -99,8 +92,8 @@ class ForkedProcess:
         self._files = []
         streams = tuple(self._stream(choice, text) for choice in (stdout, stderr))
         self.stdout, self.stderr = (reader for _, reader in streams)
-        reader, writer = _context().Pipe(duplex=False)
-        self._process = _context().Process(
+        reader, writer = _server().Pipe(duplex=False)
+        self._process = _server().Process(
             target=_become, daemon=False,
             args=(args, str(cwd or os.getcwd()), dict(os.environ if env is None else env), _fresh_path(),
                   tuple(path for path, _ in streams), start_new_session, writer))
