@@ -42,9 +42,11 @@ file in slow/ holds only slow tests (the job as a process, full models, benches,
 with no unit test lives in slow/ (pytest_collection_modifyitems checks both, docs/design.md's Tests)."""
 
 
-# A room's slow/ folder on the path as the room's own folder is (pytest puts a test file's folder there as it imports
-# it): a unit test file imports a slow file's helpers by module name wherever the two lie (test_sft's trained_run).
-sys.path[1:1] = [str(folder) for folder in sorted(Path(__file__).parent.glob(f"*/{SLOW_FOLDER}"))]
+# Every room's folder and its slow/ folder on the path (pytest puts a test file's folder there only as it imports it):
+# a test file imports another's helpers by module name wherever the two lie (test_export_commands from test_export).
+sys.path[1:1] = [str(folder) for folder in sorted([*Path(__file__).parent.glob("*/"),
+                                                   *Path(__file__).parent.glob(f"*/{SLOW_FOLDER}")])
+                 if folder.is_dir() and folder.name != "__pycache__"]
 
 
 def in_slow_folder(item: pytest.Item) -> bool:
