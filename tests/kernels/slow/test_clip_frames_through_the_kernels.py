@@ -1,5 +1,5 @@
-"""Clips through the Triton images launch, interpreted on the CPU, against the torch path and the families'
-processors."""
+"""Clips' frames through the batch's one Triton launch with its images, against the torch path and the families' HF
+processors: compiled on CUDA (`jobs/gpu_check.sh` runs this file on a GPU), interpreted without one, on tiny frames."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from batchvlm.pipeline.preprocess import (TorchPreprocessor, TritonPreprocessor,
                                           preprocess_batch)
 from batchvlm.records import DecodedClip, DecodedImage, PreparedRecord, SourceRecord, TokenLayout  # noqa: E402
 
-# the Triton interpreter
+# the Triton interpreter without a GPU
 pytestmark = pytest.mark.slow
 
 

@@ -1,5 +1,5 @@
-"""The Triton kernels against the plain-torch reference, run interpreted on the CPU, and a wrong kernel grid redone or
-quarantined."""
+"""The Triton kernels against their plain-torch reference, and a wrong kernel grid redone on the CPU path or
+quarantined: compiled on CUDA (`jobs/gpu_check.sh` runs this file on a GPU), interpreted without one (TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from batchvlm.pipeline.preprocess import (PreprocessGuard, TorchPreprocessor, Tr
                                           preprocess_batch)
 from batchvlm.records import DecodedImage, ImagePlan, PreparedRecord, SourceRecord, TokenLayout  # noqa: E402
 
-# the Triton interpreter
+# the Triton interpreter without a GPU
 pytestmark = pytest.mark.slow
 
 
