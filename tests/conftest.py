@@ -197,7 +197,7 @@ def refused_in_process(root: Path, *overrides: str, run_name: str = "refused") -
     """What the embed job refuses before any work, found by its own steps in this process (Hydra's compose, the schema's
     validation, run_job): the ConfigError's message, which the job prints as its one line before exit 2. Nothing is
     left under `root` that was not there before. That the process then exits 2, removing the run folder Hydra made, a
-    subprocess test proves once (tests/executor/test_refusals.py)."""
+    subprocess test proves once (tests/executor/slow/test_refusals_of_the_job.py)."""
     from batchvlm.config import ConfigError
     from batchvlm.executor.job import run_job
 
