@@ -21,6 +21,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 STAND_INS = {"dataset.path": "/data/x.parquet", "model.path": "/ckpt"}
 """A value for each key a shipped config leaves for the command line (`???`)."""
 
+
 def job(*overrides):
     register_schemas()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):

@@ -49,6 +49,7 @@ OTHER = {
 }
 """Another valid value of every key of a run's config (the kind of input is the schema's: see below)."""
 
+
 def base_job(key: str, chat_template) -> JobConfig:
     """A conversation dataset (so that every text setting applies) in JSON (a saved dataset for dataset.split), with a
     chat template, a length limit and a requeue, so that every key of OTHER is a valid change."""

@@ -25,6 +25,7 @@ LAYOUT = PatchLayout(MERGE_WINDOW, PARAMS.patch_size, PARAMS.merge_size, PARAMS.
 SMALL = Qwen3VideoParams(min_pixels=32 * 32 * 16, max_pixels=32 * 32 * 64, max_video_tokens=64)
 """A checkpoint's video processor config as a small one would ship it: frames of about 130x130 pixels."""
 
+
 def hf_processor(video: Qwen3VideoParams, params: QwenProcessorParams = PARAMS) -> Qwen3VLVideoProcessor:
     return video_processor(video, params, Qwen3VLVideoProcessor)
 

@@ -23,6 +23,7 @@ from batchvlm.pipeline.video import VideoConfig, decode_clip
 CLIP_PATCHES = 64
 """The clip's own patch budget (video_preprocessor_config.json), a quarter of the images' 256."""
 
+
 @pytest.fixture(scope="module")
 def siglip(tmp_path_factory):
     """The tiny checkpoint with a video processor config: 2 frames a second, at most 6, 64 patches a frame."""

@@ -20,6 +20,7 @@ for hit in range(1, 4):
     crash_point("commit.before_manifest")
 """
 
+
 def test_a_crash_point_exits_with_137_on_its_nth_hit():
     env = {**os.environ, "BATCHVLM_FAULTS": "crash.commit.before_manifest=2"}
     result = subprocess.run([sys.executable, "-c", HIT_THREE_TIMES], env=env, capture_output=True, text=True,

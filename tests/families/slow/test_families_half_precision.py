@@ -22,6 +22,7 @@ HF model run on each image alone in the same dtype: bf16 up to 1.1e-2, fp16 up t
 pads to the patch budget under a mask; kimi_k25 and qwen2_vl 0); against that model in fp32: bf16 1.0e-2 (siglip2;
 kimi_k25 3.6e-3, qwen2_vl 3.8e-3) and fp16 1.3e-3."""
 
+
 def hf_alone(family, dtype: torch.dtype):
     """The Hugging Face model of the family's checkpoint, in `dtype`, on one image at a time: (rows, grid) -> tokens.
     The oracle casts the pixel values to its dtype itself, as a user of that model does."""

@@ -32,6 +32,7 @@ LEVELS = 2.0
 """The GPU float resize's distance from PIL's uint8 kernel (tests/kernels/test_pack_pixels.py measures it: 2 levels);
 the images' parity default (preprocess.parity_max_levels) is 3."""
 
+
 @pytest.fixture(scope="module")
 def siglip(tmp_path_factory):
     """The tiny SigLIP2 checkpoint whose clips take 16 patches a frame (small enough for the interpreter)."""

@@ -26,6 +26,7 @@ print(json.dumps({"kernels_origin": spec.origin if spec else None,
                   "file": batchvlm.kernels.__file__}))
 """
 
+
 def distribution_installed(name: str) -> bool:
     try:
         metadata.distribution(name)

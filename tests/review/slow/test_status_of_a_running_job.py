@@ -35,6 +35,7 @@ print(status.units_committed)
 print("\\n".join(touched))
 """
 
+
 def status_of(run_dir: Path, *more: str) -> subprocess.CompletedProcess:
     return run_job_command("status", f"run_dir={run_dir}", *more, timeout=120)
 

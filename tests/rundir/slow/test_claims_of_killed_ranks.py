@@ -25,6 +25,7 @@ print("held", flush=True)
 time.sleep(120)
 """
 
+
 def test_a_claim_held_by_a_killed_rank_is_taken_over(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLD_AND_WAIT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:

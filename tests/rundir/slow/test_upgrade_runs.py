@@ -34,6 +34,7 @@ pytestmark = pytest.mark.slow
 OLDER_DATA = ("num_tokens", "loss_mask", "turns", "dropped_turns")
 """The data columns the job added after it first wrote shards; a quarantine shard's are turns and turn_index."""
 
+
 def as_format_1(run: Path, to: Path, marker: bool) -> Path:
     """A copy of a run as the job wrote it before the output format had a version: no version anywhere (and no marker
     at all, where `marker` is false), a plan without blocks, one file per kind in each manifest, shards without the

@@ -31,6 +31,7 @@ SERVED = {"qwen2_vl": CHECKPOINTS["qwen2_vl"], "qwen2_5_vl": qwen2_5_checkpoint,
           "kimi_k25": CHECKPOINTS["kimi_k25"]}
 """The checkpoints whose runs the engines serve: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (the qwen2_vl family), Kimi-K2.5."""
 
+
 @pytest.fixture(scope="module", params=list(SERVED))
 def stored(request, tmp_path_factory):
     """A checkpoint (Qwen3-VL: with deepstack), its config, and the records of the job's run through it with the
