@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-
 # a process of its own
 pytestmark = pytest.mark.slow
 

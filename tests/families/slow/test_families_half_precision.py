@@ -9,7 +9,6 @@ import torch
 from hf_models import pretrained
 from photos import photo_of_size, preprocessed
 
-
 # three models of each family, and a ViT-B-sized tower
 pytestmark = pytest.mark.slow
 

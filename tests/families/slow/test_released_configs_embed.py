@@ -8,7 +8,6 @@ import pytest
 import torch
 from released import FAMILY, released_config, tiny_copy
 
-
 # a tokenizer with the release's ids, a tiny tower per checkpoint
 pytestmark = pytest.mark.slow
 

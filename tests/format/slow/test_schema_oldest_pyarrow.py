@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-
 # the demo job, and an environment with the oldest pyarrow
 pytestmark = pytest.mark.slow
 
