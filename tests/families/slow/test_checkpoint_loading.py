@@ -89,7 +89,8 @@ def test_the_estimate_refuses_a_broken_checkpoint_and_says_what_a_sound_one_hold
 def test_the_job_refuses_a_checkpoint_missing_a_tensor_before_any_work_leaving_nothing(tmp_path):
     """The issue's case: a Kimi copy without one block's wqkv ran, exited 0 and wrote 18 rows of random weights. The
     checkpoint is checked before the inputs are listed: here they match nothing, and the checkpoint is what is named.
-    Refused by the job's own steps in this process: a ConfigError, the job's one line and exit 2 (test_refusals.py)."""
+    Refused by the job's own steps in this process: a ConfigError, the job's one line and exit 2
+    (test_refusals_of_the_job.py)."""
     from conftest import refused_in_process
 
     name = TENSOR_CLASSES["kimi_k25"]["qkv"]
