@@ -131,6 +131,8 @@ per_family() {
 DEVICE_TESTS="tests/test_devices.py tests/executor/test_overlap.py tests/pipeline/test_jpeg.py"
 DEVICE_TESTS+=" tests/pipeline/test_encode.py tests/executor/test_device.py tests/executor/test_transport.py"
 DEVICE_TESTS+=" tests/towers/test_attention.py tests/kernels/test_pack_pixels.py tests/kernels/test_pack_frames.py"
+DEVICE_TESTS+=" tests/executor/slow/test_device_demo.py tests/kernels/slow/test_kernels_against_reference.py"
+DEVICE_TESTS+=" tests/kernels/slow/test_clip_frames_through_the_kernels.py"
 E2E="task=e2e records=128 stages=false"
 # name, timeout in seconds, command: the timeouts, with KILL_AFTER each, add up to under 6 minutes (test_gpu_check.py
 # holds them to it); the steps take about two thirds of them.

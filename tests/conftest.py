@@ -37,44 +37,38 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), os.enviro
 
 
 SLOW_FOLDER = "slow"
-"""The unit part (`-m "not slow"`) is every test outside a room's slow/ folder but those marked slow one by one: a
-file in slow/ holds only slow tests (the job as a process, full models, benches, the Triton interpreter), and a file
-with no unit test lives in slow/ (pytest_collection_modifyitems checks both, docs/design.md's Tests)."""
+"""The unit part (`-m "not slow"`) is every test outside the rooms' slow/ folders: a slow test (the job as a process,
+full models, benches, the Triton interpreter) lives in its room's slow/ folder, and a file there holds only slow tests
+(pytest_collection_modifyitems checks both, docs/design.md's Tests)."""
 
 
-# A room's slow/ folder on the path as the room's own folder is (pytest puts a test file's folder there as it imports
-# it): a unit test file imports a slow file's helpers by module name wherever the two lie (test_sft's trained_run).
-sys.path[1:1] = [str(folder) for folder in sorted(Path(__file__).parent.glob(f"*/{SLOW_FOLDER}"))]
+# Every room's folder and its slow/ folder on the path (pytest puts a test file's folder there only as it imports it):
+# a test file imports another's helpers by module name wherever the two lie (test_export_commands from test_export).
+sys.path[1:1] = [str(folder) for folder in sorted([*Path(__file__).parent.glob("*/"),
+                                                   *Path(__file__).parent.glob(f"*/{SLOW_FOLDER}")])
+                 if folder.is_dir() and folder.name != "__pycache__"]
 
 
 def in_slow_folder(item: pytest.Item) -> bool:
     return SLOW_FOLDER in item.path.relative_to(Path(__file__).parent).parts[:-1]
 
 
-def misplaced_files(items: list[pytest.Item]) -> list[str]:
-    """The test files whose tests disagree with their place: in slow/ with a unit test, or elsewhere with none."""
-    slow_by_file: dict[Path, set[bool]] = {}
-    for item in items:
-        slow_by_file.setdefault(item.path, set()).add(item.get_closest_marker("slow") is not None)
-    placed = {item.path: in_slow_folder(item) for item in items}
-    return [f"{path.relative_to(REPO)}: " + ("in slow/ with a test not marked slow" if placed[path] else
-                          "every test is slow: it belongs in its room's slow/ folder")
-            for path, kinds in slow_by_file.items() if (False in kinds) == placed[path]]
+def misplaced_tests(items: list[pytest.Item]) -> list[str]:
+    """The tests that disagree with their place: in slow/ and not marked slow, or marked slow elsewhere."""
+    return [f"{item.path.relative_to(REPO)}::{item.name}: " + ("in slow/ and not marked slow" if in_slow_folder(item) else
+                                                            "marked slow: it belongs in its room's slow/ folder")
+            for item in items if (item.get_closest_marker("slow") is not None) != in_slow_folder(item)]
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the check sees every collected test
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The files checked against their place; then the slow/ files first (in their rooms' order), the files with slow
-    tests among their unit tests next (the most slow tests first), the unit files last. xdist (`--dist loadfile`, `--no-loadscope-reorder`)
-    hands the files out in this order as each worker frees up: the longest files start first, and the short ones at
-    the end even out the two workers, where a single-test file of a minute handed out last would leave one worker
-    idle."""
-    if misplaced := misplaced_files(items):
-        raise pytest.UsageError("test files in the wrong place for their tests:\n" + "\n".join(misplaced))
-    slow_count: dict[Path, int] = {}
-    for item in items:
-        slow_count[item.path] = slow_count.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: (0, 0) if in_slow_folder(item) else (1, -slow_count[item.path]))
+    """The tests checked against their place; then the slow/ files first (in their rooms' order), the unit files last.
+    xdist (`--dist loadfile`, `--no-loadscope-reorder`) hands the files out in this order as each worker frees up: the
+    longest files start first, and the short ones at the end even out the two workers, where a single-test file of a
+    minute handed out last would leave one worker idle."""
+    if misplaced := misplaced_tests(items):
+        raise pytest.UsageError("tests in the wrong place for their kind:\n" + "\n".join(misplaced))
+    items.sort(key=lambda item: not in_slow_folder(item))
 
 
 def shared_folder(name: str) -> Path:
@@ -203,7 +197,7 @@ def refused_in_process(root: Path, *overrides: str, run_name: str = "refused") -
     """What the embed job refuses before any work, found by its own steps in this process (Hydra's compose, the schema's
     validation, run_job): the ConfigError's message, which the job prints as its one line before exit 2. Nothing is
     left under `root` that was not there before. That the process then exits 2, removing the run folder Hydra made, a
-    subprocess test proves once (tests/executor/test_refusals.py)."""
+    subprocess test proves once (tests/executor/slow/test_refusals_of_the_job.py)."""
     from batchvlm.config import ConfigError
     from batchvlm.executor.job import run_job
 

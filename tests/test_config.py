@@ -167,43 +167,6 @@ def test_a_conversation_format_on_a_checkpoint_without_a_chat_template_fails_bef
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow  # a process of its own
-def test_the_library_below_the_jobs_imports_without_hydra_omegaconf_or_datasets():
-    """The schemas need neither; only the jobs load configs with them. So the kernels, the families and the stages
-    import on an image that lacks them (the GPU check's kernel tests run even when its wheels failed to install)."""
-    import subprocess
-    import sys
-
-    code = """
-import sys
-class Absent:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("hydra", "omegaconf", "datasets"):
-            raise ImportError(f"no {name} here")
-sys.meta_path.insert(0, Absent())
-import batchvlm.config, batchvlm.families.kimi_k25, batchvlm.families.qwen2_vl, batchvlm.families.siglip2
-import batchvlm.kernels.pack_pixels, batchvlm.pipeline.preprocess, batchvlm.pipeline.encode, batchvlm.pipeline.jpeg
-"""
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
-
-
-@pytest.mark.slow  # a process of its own
-def test_the_status_and_verify_commands_start_without_importing_torch():
-    """They read a run's metadata alone, from a login node as often as not: a second, not the 2-5 s of torch."""
-    import subprocess
-
-    code = """
-import runpy, sys
-for job in ("status", "verify"):
-    runpy.run_path(f"jobs/{job}.py")  # the command's own imports; its main is not called
-print(sorted(name for name in sys.modules if name.split(".")[0] in ("torch", "transformers", "datasets")))
-"""
-    result = subprocess.run([sys.executable, "-c", code], cwd=CONF.parent, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "[]"
-
-
 def test_a_brace_pattern_the_shell_expanded_is_refused_naming_the_key_and_how_to_quote_it():
     expanded = ["dataset=webdataset", "dataset.path=shards/00000.tar", "dataset.path=shards/00001.tar",
                 "dataset.path=shards/00002.tar"]

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchvlm.bench.metadata import MetadataOps, VirtualClock, format_claims, measure
+from batchvlm.bench.metadata import MetadataOps, VirtualClock
 
 
 def test_the_counter_counts_each_operation_under_the_root_by_kind_and_phase(tmp_path):
@@ -52,17 +52,6 @@ def test_the_virtual_clock_runs_threads_one_at_a_time_in_the_order_they_are_due(
     clock.run([(0.0, sleeper("a", [5, 5])), (1.0, sleeper("b", [3, 30])), (2.0, sleeper("c", [1]))])
     assert seen == [(0, "a"), (1, "b"), (2, "c"), (4, "b"), (5, "a")]
     assert clock.now == 34
-
-
-@pytest.mark.slow
-def test_claiming_costs_a_few_operations_a_unit_the_same_for_four_times_the_ranks(tmp_path):
-    small, large = (measure(ranks, 64 * ranks, 8, tmp_path / f"ranks-{ranks}") for ranks in (2, 8))
-    assert small["block_units"] == large["block_units"] == 8
-    assert large["target"] <= 20 and large["target"] <= 1.5 * small["target"]
-    assert large["per_unit"]["commit"] > 10  # the commit's own files, counted apart from the target
-    assert large["per_unit"]["wait"] < 1  # a waiting rank reads its launch's board, never each unit's claims
-    report = format_claims({"rows": [small, large], "units": 512})
-    assert "8 ranks vs 2: " in report and report.count("\n") == 4
 
 
 def test_the_bench_takes_task_claims(tmp_path):

@@ -17,7 +17,7 @@ from batchvlm.families import TINY, ModelConfig, load_family
 from batchvlm.families.qwen2_vl import VIDEO_RULE
 from batchvlm.pipeline.chat import TextConfig
 from batchvlm.sizing.estimate import EstimateConfig
-from batchvlm.sources.config import SCHEMAS, DiskDataset, JsonDataset, ParquetDataset
+from batchvlm.sources.config import SCHEMAS, DiskDataset, JsonDataset
 
 OTHER = {
     "run_name": "other", "requeue_from": "/runs/b", "check": ["decode.truncated"],
@@ -88,25 +88,6 @@ def test_an_undeclared_field_cannot_be_fingerprinted():
 
     with pytest.raises(TypeError, match="Forgotten.new_key declares no Effect"):
         fingerprinted(Forgotten())
-
-
-@pytest.mark.slow
-def test_the_fingerprint_changes_with_every_written_setting_and_with_no_other(parts):
-    family, encoder, template = parts
-    keys = {key: effect for kind in SCHEMAS.values()
-            for key, effect in declared(dataclasses.replace(base_job("", template), dataset=_example(kind))).items()}
-    assert set(keys) == set(OTHER) | {"dataset.kind"}, "give every new key another value in OTHER"
-    moved = set()
-    for key, value in OTHER.items():
-        job = base_job(key, template)
-        if run_fingerprint(changed(job, key, value), family, encoder) != run_fingerprint(job, family, encoder):
-            moved.add(key)
-    written = {key for key, effect in keys.items() if effect is Effect.WRITTEN}
-    assert moved == written - {"dataset.kind"}
-    # the kind of input is its schema's own: another kind, another fingerprint
-    job = base_job("", template)
-    parquet = dataclasses.replace(job, dataset=ParquetDataset(path="/data.json", format="llava"))
-    assert run_fingerprint(parquet, family, encoder) != run_fingerprint(job, family, encoder)
 
 
 def test_settings_that_mixed_two_outputs_in_one_run_are_in_the_fingerprint(parts):

@@ -10,7 +10,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import committed_shards
 from rows import CURRENT_FORMAT, data_row
 from huggingface_hub._local_folder import write_download_metadata
 
@@ -18,7 +17,6 @@ from batchvlm.format.schema import DATA_SCHEMA
 from batchvlm.publish.card import (RunFacts, checkpoint_revision, dataset_card, requeue_origin, rows_with_clips,
                                    size_category)
 from batchvlm.rundir.layout import RunLayout
-from batchvlm.training.reader import read_run
 
 FILES = ["data/00000/a.0f.parquet", "data/00000/b.0f.parquet"]
 FINGERPRINT = {
@@ -94,21 +92,6 @@ def test_the_revision_is_the_one_huggingface_hub_recorded_for_the_config_the_run
                                            (10 ** 12, "n>1T")])
 def test_size_category_is_the_hubs_bucket(rows, category):
     assert size_category(rows) == category
-
-
-@pytest.mark.slow
-def test_the_facts_of_a_run_are_read_from_its_fingerprint_totals_and_shards(siglip_run):
-    layout = RunLayout(siglip_run)
-    read = RunFacts.of(layout, [pq.read_metadata(shard) for shard in committed_shards(siglip_run)])
-    fingerprint = json.loads(layout.fingerprint.read_text())
-    assert read.fingerprint == fingerprint and read.totals == json.loads(layout.success.read_text())
-    record = next(read_run(siglip_run))
-    pooled = record.extras["pooled_embeds"].shape[1]
-    assert read.embedding_columns == {"image_embeds": record.image_embeds.shape[1], "pooled_embeds": pooled,
-                                      "video_pooled_embeds": pooled}  # a clip's frames' (none in this run)
-    assert read.embedding_columns["image_embeds"] == fingerprint["hidden_size"]
-    assert (read.run_name, read.revision, read.config["model"]["path"]) == ("siglip", None, "tiny")
-    assert read.requeue_from is None and read.clip_rows is None  # no lineage; the demo's texts name no clips
 
 
 def test_the_rows_with_clips_are_counted_from_the_footers_null_counts_of_video_embeds(tmp_path):
