@@ -64,7 +64,7 @@ def misplaced_tests(items: list[pytest.Item]) -> list[str]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The tests checked against their place; then the slow/ files first (in their rooms' order), the unit files last.
     xdist (`--dist loadfile`, `--no-loadscope-reorder`) hands the files out in this order as each worker frees up: the
-    longest files start first, and the short ones at the end even out the two workers, where a single-test file of a
+    longest files start first, and the short ones at the end even out the workers, where a single-test file of a
     minute handed out last would leave one worker idle."""
     if misplaced := misplaced_tests(items):
         raise pytest.UsageError("tests in the wrong place for their kind:\n" + "\n".join(misplaced))
@@ -146,7 +146,7 @@ def free_port() -> int:
 
 def accelerate_command(*overrides: str) -> list[str]:
     """The embed job as two processes on the CPU under `accelerate launch --multi_gpu`, on a port of their own: two
-    launches at once (pytest -n 2) must not both take accelerate's default 29500."""
+    launches at once (two xdist workers) must not both take accelerate's default 29500."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
             "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no",
             "--dynamo_backend", "no", str(REPO / "jobs" / "embed.py"), "model.device=cpu", *overrides]
@@ -242,11 +242,10 @@ def kimi_family():
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> Path:
-    """The demo job, run once with default settings as a user runs it: `python jobs/embed.py` in a fresh interpreter
-    (the other tests' job processes are forked from one that has imported torch and transformers)."""
+    """The demo job, run once as a process with default settings (forked: a fresh interpreter runs the installed job
+    on the demo in tests/bench/slow/test_tasks_runs.py)."""
     root = tmp_path_factory.mktemp("outputs")
-    result = subprocess.run(embed_command(f"output.root={root}", "run_name=demo"), cwd=REPO, capture_output=True,
-                            text=True, timeout=600)
+    result = run_embed(f"output.root={root}", "run_name=demo")
     assert result.returncode == 0, result.stderr[-4000:]
     return root / "demo"
 

@@ -9,6 +9,9 @@ vocabulary, saved and loaded back with from_pretrained like any checkpoint.
 
 from __future__ import annotations
 
+import functools
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -34,6 +37,15 @@ def qwen_ranks() -> Path:
 
 
 def write_tokenizer(folder: Path) -> None:
+    """Qwen2-VL's tokenizer files into `folder`: built from the ranks once a process (seconds), copied after."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in Path(built_tokenizer().name).iterdir():
+        shutil.copy(path, folder / path.name)
+
+
+@functools.cache
+def built_tokenizer() -> tempfile.TemporaryDirectory:
+    """The tokenizer saved in a folder of its own, removed as the process ends."""
     from tokenizers import normalizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -44,7 +56,9 @@ def write_tokenizer(folder: Path) -> None:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                         chat_template=published_template("qwen2_vl"))
     assert {token: tokenizer.convert_tokens_to_ids(token) for token in PUBLISHED_IDS} == PUBLISHED_IDS
-    tokenizer.save_pretrained(folder)
+    folder = tempfile.TemporaryDirectory(prefix="qwen2-tokenizer-")
+    tokenizer.save_pretrained(folder.name)
+    return folder
 
 
 def write_checkpoint(folder: Path, tiny: Path) -> None:

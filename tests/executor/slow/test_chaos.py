@@ -25,7 +25,7 @@ SETTINGS = ("dataset.unit_records=2", "runtime.num_workers=1", "runtime.lease_s=
 OVERRIDES = ("run_name=chaos", *SETTINGS)
 
 
-SLOW_COMMITS = "pause.commit.before_manifest=0.4"
+SLOW_COMMITS = "pause.commit.before_manifest=0.2"
 """Each commit held a moment, so that a signal finds the run part way through."""
 
 

@@ -74,7 +74,7 @@ def test_killed_at_every_stage_and_restarted_the_run_is_exactly_once(tmp_path, m
 
 def test_a_run_directory_with_another_fingerprint_is_refused(demo_run):
     written = {path: path.stat().st_mtime_ns for path in demo_run.rglob("*")}
-    # the job's own steps in this process: a ConfigError is the job's exit 2 (test_refusals.py proves the exit once)
+    # the job's own steps in this process: a ConfigError is the job's exit 2 (test_refusals_of_the_job.py proves the exit once)
     error = refused_in_process(demo_run.parent, "output.embed_dtype=float32", run_name=demo_run.name)
     assert {path: path.stat().st_mtime_ns for path in demo_run.rglob("*")} == written  # the run is left as it was
     assert "another fingerprint" in error and "embed_dtype: 'bfloat16' -> 'float32'" in error

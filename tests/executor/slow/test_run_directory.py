@@ -45,7 +45,7 @@ def test_a_folder_of_someone_elses_files_is_refused_and_nothing_in_it_is_touched
              project / "ids" / "ids.csv": b"id\n1\n"}
     for path, data in files.items():
         path.write_bytes(data)
-    # the job's own steps in this process: a ConfigError is the job's exit 2 (test_refusals.py proves the exit once)
+    # the job's own steps in this process: a ConfigError is the job's exit 2 (test_refusals_of_the_job.py proves the exit once)
     error = refused_in_process(tmp_path, run_name="proj")
     assert "not a batchvlm run directory" in error
     assert {path: path.read_bytes() for path in files} == files
@@ -60,14 +60,15 @@ def shards_without_manifest(run_dir: Path) -> bool:
 
 
 def test_a_second_job_started_during_a_commit_joins_and_both_end_cleanly(tmp_path):
-    first = start(tmp_path, "shared", "dataset.unit_records=4", "runtime.num_workers=0",
+    # three units, each commit of the first job held 2 s: the second job starts during the first one
+    first = start(tmp_path, "shared", "dataset.unit_records=7", "runtime.num_workers=0",
                   faults="pause.commit.before_manifest=2")
     deadline = time.monotonic() + 300
     while not (tmp_path / "shared" / "data").is_dir() or not shards_without_manifest(tmp_path / "shared"):
         assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()[-3000:]
         time.sleep(0.1)
     # the second job in this process (the first's paused commit is what it meets; two processes either way)
-    second = summary_in_process(tmp_path, "shared", "dataset.unit_records=4", "runtime.num_workers=0")
+    second = summary_in_process(tmp_path, "shared", "dataset.unit_records=7", "runtime.num_workers=0")
     out, err = first.communicate(timeout=600)
     assert first.returncode == 0, err[-3000:]
     assert second is not None  # ended without error, with rank 0's summary

@@ -78,7 +78,7 @@ def test_duplicates_across_two_files_and_two_ranks_keep_the_first_occurrence(tmp
     assert {(row["id"], row["source"].rsplit("/", 1)[-1]) for row in loaded.select_columns(["id", "source"])} >= {
         ("shared", "a.parquet"), ("twice", "a.parquet")}
 
-    # refused by the job's own steps in this process (its exit 2: test_refusals.py)
+    # refused by the job's own steps in this process (its exit 2: test_refusals_of_the_job.py)
     refused = refused_in_process(tmp_path, "dataset=parquet", f"dataset.path={tmp_path}/*.parquet",
                                  f"requeue_from={run_dir}", "runtime.num_workers=0")
     # its one quarantined record is a later occurrence of an id the run holds

@@ -187,7 +187,7 @@ def test_a_run_cut_into_files_of_a_few_row_groups_reads_back_as_the_run_in_one_f
 @pytest.mark.slow
 def test_start_up_reads_each_rows_token_count_not_its_ids(qwen_run, tmp_path):
     """Opening a run costs O(shards): the few bytes of num_tokens a row, not the input_ids lists (a run written
-    before the column was stored has it made from its lists' lengths by the upgrade: tests/rundir/test_upgrade.py)."""
+    before the column was stored has it made from its lists' lengths by the upgrade: tests/rundir/slow/test_upgrade_runs.py)."""
     copy = tmp_path / "run"
     shutil.copytree(qwen_run, copy)
     expected = RunIndex.of(qwen_run).lengths
