@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -154,14 +155,23 @@ def accelerate_command(*overrides: str) -> list[str]:
 
 def run_ranks(*overrides: str, ranks: int = 2, timeout: float = 600) -> list[subprocess.CompletedProcess]:
     """The embed job on the CPU as `ranks` processes of one torch.distributed group, each forked from the suite's
-    zygote with the variables torchrun gives its workers (which accelerate's PartialState reads): for tests of what
-    several ranks do to one run. That `accelerate launch` starts the job so, test_distributed.py proves."""
+    zygote with the rendezvous variables torchrun gives its workers (which accelerate's PartialState reads): for tests
+    of what several ranks do to one run. That `accelerate launch` starts the job so, test_distributed.py proves. As a
+    launcher does, a rank that fails ends the others (they would wait for it in the group)."""
     group = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks),
              "LOCAL_WORLD_SIZE": str(ranks)}
     jobs = [forked.ForkedProcess(embed_command("model.device=cpu", *overrides), cwd=REPO,
-                                 env={**group, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(ranks)]
-    ends = [job.communicate(timeout) for job in jobs]
+                                 env={**group, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(ranks)]
+    deadline = time.monotonic() + timeout
+    try:
+        while any(job.poll() is None for job in jobs) and not any(job.poll() for job in jobs):
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(jobs[0].args, timeout)
+            time.sleep(0.1)
+    finally:
+        for job in jobs:
+            job.kill()
+    ends = [job.communicate() for job in jobs]
     return [subprocess.CompletedProcess(job.args, job.returncode, *end) for job, end in zip(jobs, ends)]
 
 

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "accelerate", "hydra", "omegaconf", "PIL.Image",
@@ -50,14 +51,15 @@ def _fresh_path() -> tuple[str, ...]:
 
 
 def _become(argv: list[str], cwd: str, env: dict[str, str], fresh_path: tuple[str, ...],
-            streams: tuple[str | None, str | None], new_session: bool, ready) -> None:
+            streams: tuple[str, str], new_session: bool, ready) -> None:
     """In the forked child: `python script args...` as a fresh interpreter runs it."""
     if new_session:
         os.setsid()
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    for fd, path in ((1, streams[0]), (2, streams[1])):
-        if path is not None:  # else the test's own stream, which the server inherited
-            os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
+    for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, streams[0], os.O_WRONLY | os.O_APPEND),
+                           (2, streams[1], os.O_WRONLY | os.O_APPEND)):
+        opened = os.open(path, mode)
+        os.dup2(opened, fd)
+        os.close(opened)
     sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False))
     sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), errors="backslashreplace", line_buffering=True)
     os.chdir(cwd)
@@ -79,13 +81,23 @@ def _become(argv: list[str], cwd: str, env: dict[str, str], fresh_path: tuple[st
         sys.stderr.flush()
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+"""The commands started and not known to have ended."""
+
+
+@atexit.register  # registered after multiprocessing's exit function, so run before it joins its children: a job
+def _kill_the_live() -> None:  # left running would hold the test process
+    for job in list(_LIVE):
+        job.kill()
+
+
 class ForkedProcess:
     """A running command, as much of subprocess.Popen as the tests use: pid, poll, wait, returncode, kill, terminate,
     send_signal; stdout and stderr, where asked for (subprocess.PIPE), are files the child writes and the test reads
     (a pipe's buffer could fill before the test reads it)."""
 
     def __init__(self, args: list[str], *, cwd: Path | str | None = None, env: dict[str, str] | None = None,
-                 stdout=None, stderr=None, text: bool = True, start_new_session: bool = False):
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text: bool = True, start_new_session: bool = False):
         if len(args) < 2 or args[0] != sys.executable or args[1].startswith("-"):
             raise ValueError(f"not `python script ...`: {args}")
         self.args, self.returncode = args, None
@@ -98,6 +110,7 @@ class ForkedProcess:
             args=(args, str(cwd or os.getcwd()), dict(os.environ if env is None else env), _fresh_path(),
                   tuple(path for path, _ in streams), start_new_session, writer))
         self._process.start()
+        _LIVE.add(self)
         writer.close()
         try:  # after setsid: a killpg of the pid reaches the job's whole group
             self.pid = reader.recv()
@@ -112,15 +125,15 @@ class ForkedProcess:
             handle = tempfile.NamedTemporaryFile("w+" if text else "w+b", prefix="forked-", delete=False)
             self._files.append(handle.name)
             return handle.name, handle
-        if choice is None:
-            return None, None
         if choice == subprocess.DEVNULL:
             return os.devnull, None
-        raise ValueError(f"stdout and stderr are None, subprocess.PIPE or subprocess.DEVNULL here, not {choice!r}")
+        # None would be the zygote's streams, inherited as the test that started it had them
+        raise ValueError(f"stdout and stderr are subprocess.PIPE or subprocess.DEVNULL here, not {choice!r}")
 
     def poll(self) -> int | None:
         if self.returncode is None and self._process.exitcode is not None:
             self.returncode = self._process.exitcode
+            _LIVE.discard(self)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:

@@ -118,6 +118,7 @@ def checkpoint_and_tokenizer(model: ModelConfig):
     of model.chat_template where it is given."""
     checkpoint = resolve_checkpoint(model)
     source = Path(model.tokenizer_path or checkpoint)
+    source = source.resolve() if source.exists() else source  # a name for the hub stays as given
     template = Path(model.chat_template) if model.chat_template is not None else None
     return checkpoint, loaded_tokenizer(source, model.trust_remote_code, template,
                                         tuple(_stamp(path) for path in _files_of(source, template)))
@@ -129,14 +130,15 @@ def _files_of(source: Path, template: Path | None) -> list[Path]:
 
 def _stamp(path: Path) -> tuple:
     stat = path.stat() if path.exists() else None
-    return (str(path), stat and stat.st_mtime_ns, stat and stat.st_size)
+    return (str(path), *((stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns) if stat else ()))
 
 
 @functools.lru_cache(maxsize=4)
 def loaded_tokenizer(source: Path, trust_remote_code: bool, template: Path | None, stamps: tuple):
-    """A tokenizer, loaded once a process for the same files (`stamps`: their sizes and times): a process that runs
-    the job more than once (a bench, a notebook, the tests) would parse a real vocabulary's tokenizer.json each time,
-    a third of a second for Qwen2's. The job only reads it: the one flag it sets (specials_as_text) it restores."""
+    """A tokenizer, loaded once a process for the same files (`stamps`: their inodes, sizes and times): a process that
+    runs the job more than once (a bench, a notebook, the tests) would parse a real vocabulary's tokenizer.json each
+    time, a third of a second for Qwen2's. Shared by every family loaded from those files: the job only reads it (the
+    one flag it sets, specials_as_text puts back); a caller that changes it works on a copy."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)

@@ -44,13 +44,13 @@ def place_images(text: str, placeholder: str, num_images: int, missing_policy: s
 
 @contextmanager
 def specials_as_text(backend):
-    """The fast tokenizer reading its special tokens' strings as plain text, for the block's length (the flag stays
-    set on the tokenizer otherwise, as transformers' `split_special_tokens=True` leaves it)."""
-    backend.encode_special_tokens = True
+    """The fast tokenizer reading its special tokens' strings as plain text, for the block's length; then the flag as
+    it was (transformers' `split_special_tokens=True` leaves it set; a process shares the tokenizer)."""
+    before, backend.encode_special_tokens = backend.encode_special_tokens, True
     try:
         yield backend
     finally:
-        backend.encode_special_tokens = False
+        backend.encode_special_tokens = before
 
 
 @cache

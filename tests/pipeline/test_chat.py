@@ -7,6 +7,7 @@ from the turns' markers where it does not (with images); Kimi-K2.5 and Qwen3-VL 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -187,7 +188,7 @@ def test_a_bos_the_template_renders_is_not_added_twice(tmp_path):
     from tokenizers import processors
 
     family = load_family(ModelConfig(family="qwen2_vl"))
-    tokenizer = family.tokenizer
+    family.tokenizer = tokenizer = copy.deepcopy(family.tokenizer)  # a process shares a checkpoint's tokenizer
     bos = tokenizer.bos_token_id
     tokenizer._tokenizer.post_processor = processors.TemplateProcessing(single=f"{tokenizer.bos_token} $A",
                                                                           special_tokens=[(tokenizer.bos_token, bos)])

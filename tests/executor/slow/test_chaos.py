@@ -3,6 +3,7 @@ then one clean run, and the run holds exactly its input, each record once, as an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -48,7 +49,8 @@ def interrupt(job: ForkedProcess, run_dir: Path, how: signal.Signals, rng: rando
     time.sleep(rng.uniform(0, 0.5))
     at_work = job.poll() is None
     if at_work:
-        os.killpg(job.pid, how)
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile (the zygote reaps it at once)
+            os.killpg(job.pid, how)
     job.wait(timeout=120)
     return at_work
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_embed, run_job_command
+from conftest import REPO, embed_command, run_embed, run_job_command
 
 # the jobs as processes
 pytestmark = pytest.mark.slow
@@ -36,7 +36,10 @@ def test_a_job_without_run_dir_says_how_to_give_it(job, tmp_path):
 
 
 def test_a_refused_config_leaves_no_run_folder_behind(tmp_path):
-    result = run_embed(f"output.root={tmp_path}", "model.dtype=int8")
+    # a fresh interpreter (not forked, tests/forked.py): its stderr is the refusal's one line, with nothing a
+    # dependency prints as it is imported
+    result = subprocess.run(embed_command(f"output.root={tmp_path}", "model.dtype=int8"), cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 2
     assert result.stderr.strip() == "error: model.dtype: Invalid value 'int8', expected one of [float32, bfloat16, float16]"
     assert list(tmp_path.iterdir()) == []  # Hydra made the run folder (and the log) before the check
