@@ -332,15 +332,15 @@ def clip_run(tmp_path_factory) -> Path:
 
 # -- Qwen2-VL's real vocabulary (tests/qwen_vocab.py) ---------------------------------------------------------------
 @pytest.fixture(scope="session")
-def qwen_real_checkpoint(tmp_path_factory) -> Path:
-    """A Qwen2-VL checkpoint folder with the real tokenizer (built once per session: ~10 s) and an LLM over its
-    vocabulary; the tiny demo checkpoint's tower."""
+def qwen_real_checkpoint() -> Path:
+    """A Qwen2-VL checkpoint folder with the real tokenizer and an LLM over its vocabulary; the tiny demo checkpoint's
+    tower. Built once for the session's workers (5 s), beside the tiny checkpoints; the tests only read it."""
     import qwen_vocab
+    from batchvlm.demo import build_once, home
     from batchvlm.families import tiny_checkpoint
 
-    folder = tmp_path_factory.mktemp("qwen2_vl_real_vocab")
-    qwen_vocab.write_checkpoint(folder, tiny_checkpoint("qwen2_vl"))
-    return folder
+    return build_once(home() / "tests" / "qwen2_vl_real_vocab",
+                      lambda folder: qwen_vocab.write_checkpoint(folder, tiny_checkpoint("qwen2_vl")))
 
 
 @pytest.fixture(scope="session")

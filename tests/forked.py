@@ -9,8 +9,12 @@ whose modules read the environment a test gives the job) and has run no torch op
 the fork. The child then becomes the command: its own environment, working folder, session, standard streams,
 `sys.argv` and `sys.path` as a fresh interpreter would have them, `__main__` run by runpy, the exit functions run at
 the end; it is the job's own process (signals, `os._exit`, its decoder and worker children), its exit code is the
-command's. What a fresh interpreter alone proves (the README's commands, the demo fixture's run, the installed
-entry points, imports without torch, peak memory, `accelerate launch` and `torchrun`) still starts one.
+command's. What a fresh interpreter alone proves (the installed job and its entry points, imports without torch, a
+stderr with nothing a dependency prints on import, peak memory, `accelerate launch` and `torchrun`) still starts one.
+
+Not carried into the child: what the libraries above read from the environment as they are imported (the zygote's
+environment is the test process's at its first use: OMP_NUM_THREADS, HF_HUB_OFFLINE, ...), which the tests never set
+per command.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from batchvlm.review.report import build_report
 from batchvlm.rundir.verify import verify_run
 from conftest import refused_in_process, run_ranks
 
-# the job under accelerate and as a subprocess
+# the job as two ranks and as a process
 pytestmark = pytest.mark.slow
 
 
