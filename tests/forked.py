@@ -20,6 +20,7 @@ per command.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import io
 import multiprocessing
@@ -36,6 +37,7 @@ PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "accelerate",
            "transformers.models.kimi_k25.modeling_kimi_k25", "transformers.models.qwen2_vl.modeling_qwen2_vl",
            "transformers.models.qwen3_vl.modeling_qwen3_vl", "transformers.models.siglip2.modeling_siglip2"]
 """What every job imports and takes seconds to: not pyarrow (its import starts a thread), not batchvlm."""
+
 
 @functools.cache
 def _server():
@@ -89,8 +91,10 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 """The commands started and not known to have ended."""
 
 
-@atexit.register  # registered after multiprocessing's exit function, so run before it joins its children: a job
-def _kill_the_live() -> None:  # left running would hold the test process
+@atexit.register
+def _kill_the_live() -> None:
+    """A command a test left running, killed as the test process ends: registered after multiprocessing's exit
+    function, this runs before that one joins its children (which would wait for the command)."""
     for job in list(_LIVE):
         job.kill()
 
@@ -159,7 +163,8 @@ class ForkedProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):  # it ended after the poll, as Popen allows
+                os.kill(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
