@@ -178,13 +178,21 @@ def worker_count(configured: int | None) -> int:
     return max(1, rank_cores() - 1) if configured is None else configured
 
 
+def thread_cap() -> int | None:
+    """OMP_NUM_THREADS where it is set: the threads a user, a launcher (torchrun and accelerate set 1) or a test
+    runner gives each process."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 @contextmanager
 def main_threads(workers: int) -> Iterator[None]:
-    """The main process's intra-op threads during a pass: the rank's cores its workers leave (at least one). Its
-    parallel ops wait for every thread they start; a thread that a busy worker has taken the core of holds the op for
-    a scheduler quantum, as every small tensor op of the main loop would once each core runs a worker."""
+    """The main process's intra-op threads during a pass: the rank's cores its workers leave (at least one), and no
+    more than OMP_NUM_THREADS allows. Its parallel ops wait for every thread they start; a thread that a busy worker
+    (or another process given the core) has taken the core of holds the op for a scheduler quantum, as every small
+    tensor op of the main loop would once each core runs a worker: past its cores, OpenMP's threads spin."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, rank_cores() - workers))
+    torch.set_num_threads(max(1, min(rank_cores() - workers, thread_cap() or rank_cores())))
     try:
         yield
     finally:

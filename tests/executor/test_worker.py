@@ -128,6 +128,24 @@ def test_a_rank_has_a_worker_per_core_but_the_main_process_and_its_main_process_
     assert torch.get_num_threads() == threads
 
 
+def test_the_main_process_takes_no_more_threads_than_omp_num_threads_allows(monkeypatch):
+    """OMP_NUM_THREADS, where set (by a user, torchrun, accelerate, or the test suite for each of its workers), caps
+    the main process's intra-op threads: past the cores it was given, OpenMP's threads spin while they wait."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with main_threads(0):
+        assert torch.get_num_threads() == 16
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    with main_threads(0):
+        assert torch.get_num_threads() == 2
+    with main_threads(15):
+        assert torch.get_num_threads() == 1
+    assert worker_count(None) == 15  # the workers are not capped: each is a process of its own
+    assert torch.get_num_threads() == threads
+
+
 def test_a_plain_text_and_a_conversation_take_one_path_through_the_worker(kimi_family):
     """The worker lays out every record through its dataset's text side: a conversation rendered with the chat
     template (its loss mask and turns), a plain text tokenized piece by piece; the length limit is the same rule."""
