@@ -8,7 +8,6 @@ get_video_features (from_pretrained) on that processor's pixels."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -16,13 +15,11 @@ import pytest
 import torch
 from conftest import embed_in_process
 from PIL import Image
-from test_video_job import RECORDS, blocks
+from test_video_job import RECORDS, blocks, rows_of, write_dataset
 
 from batchvlm.families import ModelConfig, load_family
 from batchvlm.format.schema import FRAME, VIDEO
 from batchvlm.pipeline.video import VideoConfig, decode_frames, probe
-from clips import make_clip
-from photos import photo_of_size
 
 pytestmark = pytest.mark.slow
 
@@ -40,25 +37,14 @@ TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
 
 @pytest.fixture(scope="module", params=list(RUNS))
 def kimi_run(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("clips")
-    for name, (frames, fps, height, width) in CLIPS.items():
-        (folder / name).write_bytes(make_clip(frames, fps=fps, height=height, width=width))
-    whole = make_clip(60, codec="libvpx", container="webm")  # Matroska states its duration: the cut is seen
-    (folder / "cut.webm").write_bytes(whole[:len(whole) * 2 // 3])
-    Image.fromarray(photo_of_size(70, 120)).save(folder / "photo.png")
-    (folder / "llava.json").write_text(json.dumps(RECORDS))
+    dataset = write_dataset(tmp_path_factory.mktemp("clips"), CLIPS)
+    folder = dataset.parent
     root = tmp_path_factory.mktemp("outputs")
-    run = embed_in_process(root, "clips", "dataset=llava", f"dataset.path={folder / 'llava.json'}",
+    run = embed_in_process(root, "clips", "dataset=llava", f"dataset.path={dataset}",
                            "model=kimi_k25_tiny", *RUNS[request.param], "preprocess.backend=torch",
                            "checks.max_quarantine_fraction=0.9")
     return folder, run, request.param
 
-
-def rows_of(run: Path, kind: str) -> dict[str, dict]:
-    import pyarrow.parquet as pq
-
-    return {row["id"]: row for path in sorted((run / kind).rglob("*.parquet"))
-            for row in pq.read_table(path).to_pylist()}
 
 
 def sampled(path: Path, family) -> tuple[list[int], float, np.ndarray]:

@@ -48,9 +48,10 @@ RECORDS = [
 ]
 
 
-def write_dataset(folder: Path) -> Path:
+def write_dataset(folder: Path, clips: dict = CLIPS) -> Path:
+    """RECORDS as a LLaVA JSON over `clips` (name: frames, fps, height, width), a cut WebM and a photo."""
     folder.mkdir(parents=True, exist_ok=True)
-    for name, (frames, fps, height, width) in CLIPS.items():
+    for name, (frames, fps, height, width) in clips.items():
         (folder / name).write_bytes(make_clip(frames, fps=fps, height=height, width=width))
     whole = make_clip(60, codec="libvpx", container="webm")  # Matroska states its duration: the cut is seen
     (folder / "cut.webm").write_bytes(whole[:len(whole) * 2 // 3])
