@@ -3,6 +3,8 @@ modules itself): the oracle the tests hold the job's embeddings and stored outpu
 
 from __future__ import annotations
 
+import contextlib
+
 
 def pretrained(checkpoint, model_class=None, **kwargs):
     """`model_class.from_pretrained(checkpoint, **kwargs)` in eval mode (AutoModelForImageTextToText by default),
@@ -49,3 +51,17 @@ def nontrivial_biases_and_norms(*modules) -> None:
             for name, parameter in module.named_parameters():
                 if name.endswith("bias") or "norm" in name:
                     parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator))
+
+
+@contextlib.contextmanager
+def never_called(module):
+    """`module`'s forward raises while the block runs: a call of it (a vision tower, where stored rows stand in for
+    it) fails the test."""
+    def never(*_, **__):
+        raise AssertionError("the vision tower ran")
+
+    module.forward = never
+    try:
+        yield
+    finally:
+        del module.forward

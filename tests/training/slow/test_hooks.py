@@ -10,7 +10,7 @@ import inspect
 import pytest
 import torch
 from conftest import summary_in_process
-from hf_models import LFM2_IMAGE_TOKEN, lfm2_vl_over, pretrained
+from hf_models import LFM2_IMAGE_TOKEN, lfm2_vl_over, never_called, pretrained
 
 from batchvlm.demo import demo_rows
 from batchvlm.families import ModelConfig, load_family, tiny_checkpoint
@@ -66,15 +66,8 @@ def tower_parameters(model) -> dict[str, torch.nn.Parameter]:
 @pytest.fixture
 def sentinel(both):
     """The tower's forward raises: a call of it fails the test."""
-    _, model, _ = both
-    module = vision_tower(model)
-
-    def never(*_, **__):
-        raise AssertionError("the vision tower ran")
-
-    module.forward = never
-    yield
-    del module.forward
+    with never_called(vision_tower(both[1])):
+        yield
 
 
 @pytest.mark.parametrize("column", ["image_embeds", "tower_embeds"])
@@ -151,15 +144,8 @@ def even(cases) -> list:
 
 @pytest.fixture
 def lfm2_sentinel(lfm2):
-    model, _ = lfm2
-    module = vision_tower(model)
-
-    def never(*_, **__):
-        raise AssertionError("the vision tower ran")
-
-    module.forward = never
-    yield
-    del module.forward
+    with never_called(vision_tower(lfm2[0])):
+        yield
 
 
 def test_siglip2_patch_tokens_through_lfm2_vl_projector_give_the_pixel_logits_without_the_tower(lfm2, lfm2_sentinel):

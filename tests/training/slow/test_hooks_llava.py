@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from hf_models import nontrivial_biases_and_norms
+from hf_models import never_called, nontrivial_biases_and_norms
 
 from batchvlm.demo import demo_rows
 from batchvlm.families.common import processor_inputs
@@ -90,14 +90,8 @@ def llava(tmp_path_factory):
 
 @pytest.fixture
 def sentinel(llava):
-    tower = llava[0].model.vision_tower
-
-    def never(*_, **__):
-        raise AssertionError("the vision tower ran")
-
-    tower.forward = never
-    yield
-    del tower.forward
+    with never_called(llava[0].model.vision_tower):
+        yield
 
 
 def test_the_stand_in_keeps_llava_encode_images_contract(llava):

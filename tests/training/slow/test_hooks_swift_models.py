@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import embed_in_process
-from hf_models import pretrained
+from hf_models import never_called, pretrained
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from batchvlm.families import ModelConfig, load_family, tiny_checkpoint
@@ -87,14 +87,8 @@ def stored(request, tmp_path_factory):
 @pytest.fixture
 def sentinel(stored):
     """The tower's forward raises: a call of it fails the test."""
-    module = stored[1].model.visual
-
-    def never(*_, **__):
-        raise AssertionError("the vision tower ran")
-
-    module.forward = never
-    yield
-    del module.forward
+    with never_called(stored[1].model.visual):
+        yield
 
 
 def pixel_embeds(model, family, record) -> torch.Tensor:
@@ -200,11 +194,7 @@ def test_clips_go_in_at_the_video_tokens_as_the_models_own_scatter_puts_them(cli
     inputs = model_inputs(model, batch)
     assert set(inputs["mm_encoder_outputs"]) == {"image", "video"}
 
-    def never(*_, **__):
-        raise AssertionError("the vision tower ran")
-
-    model.model.visual.forward = never
-    with torch.no_grad():
+    with never_called(model.model.visual), torch.no_grad():
         ours = model(**swift_forward_kwargs(model, inputs)).loss
         own = model(**inputs).loss
         video = inputs["mm_encoder_outputs"]["video"]
