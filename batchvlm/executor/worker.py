@@ -191,8 +191,8 @@ def main_threads(workers: int) -> Iterator[None]:
     more than OMP_NUM_THREADS allows. Its parallel ops wait for every thread they start; a thread that a busy worker
     (or another process given the core) has taken the core of holds the op for a scheduler quantum, as every small
     tensor op of the main loop would once each core runs a worker: past its cores, OpenMP's threads spin."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, min(rank_cores() - workers, thread_cap() or rank_cores())))
+    threads, cores = torch.get_num_threads(), rank_cores()
+    torch.set_num_threads(max(1, min(cores - workers, thread_cap() or cores)))
     try:
         yield
     finally:
